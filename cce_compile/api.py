@@ -1,0 +1,167 @@
+"""The user-facing API: checks arguments, shapes them for the op, reduces its per-token loss."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .ops.dispatch import SUPPORTED_DTYPES
+
+Reduction = Literal["mean", "sum", "none"]
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
+    """0.0 is exact mode. "auto" is the paper's choice: the dtype's epsilon / 32 (2**-12 for bf16)."""
+    if filter_eps is None:
+        return 0.0
+    if filter_eps == "auto":
+        return torch.finfo(dtype).eps / 32 if dtype != torch.float32 else 2.0**-12
+    if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0.0 < filter_eps < 1.0:
+        raise ValueError(f"filter_eps must be None, 'auto' or a float in (0, 1), got {filter_eps!r}")
+    return float(filter_eps)
+
+
+def _check_inputs(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
+    reduction: str, label_smoothing: float, z_loss: float, softcap: float | None,
+) -> None:
+    for name, value in (("e", e), ("c", c), ("targets", targets)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if c.dim() != 2:
+        raise ValueError(f"c must be 2-D (V, D), got shape {tuple(c.shape)}")
+    if e.dim() < 1:
+        raise ValueError("e must have shape (..., D), got a 0-d tensor")
+    if e.shape[-1] != c.shape[1]:
+        raise ValueError(f"e's last dimension ({e.shape[-1]}) must equal c's D ({c.shape[1]})")
+    if e.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
+    if c.dtype != e.dtype:
+        raise TypeError(f"c must have e's dtype {e.dtype}, got {c.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if tuple(targets.shape) != tuple(e.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
+    for name, value in (("c", c), ("targets", targets), ("bias", bias), ("weight", weight)):
+        if value is not None and value.device != e.device:
+            raise ValueError(f"{name} is on {value.device} but e is on {e.device}; put them on one device")
+    v = c.shape[0]
+    if bias is not None and (bias.shape != (v,) or bias.dtype != c.dtype):
+        raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if weight is not None and (weight.shape != (v,) or not weight.dtype.is_floating_point):
+        raise ValueError(f"weight must be a float tensor of shape ({v},), got {tuple(weight.shape)} {weight.dtype}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
+def _check_target_range(targets: Tensor, v: int, ignore_index: int) -> None:
+    """Eager CPU calls get a clear error for an out-of-range target; on the GPU and under
+    torch.compile that would cost a host sync, so the op gives that token a NaN loss."""
+    if torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0:
+        return
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    if bool(bad.any()):
+        first = int(targets[bad][0])
+        raise ValueError(f"targets must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
+
+
+def _shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
+    """Position t is scored against target t+1; the last position of each sequence is
+    ignored. Only targets move: e is never copied."""
+    pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
+    return torch.cat([targets[..., 1:], pad], dim=-1)
+
+
+def linear_cross_entropy(
+    e: Tensor,
+    c: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    weight: Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    shift: bool = False,
+    return_lse: bool = False,
+    filter_eps: float | str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """cross_entropy(e @ c.T + bias, targets) without materializing the logits.
+
+    Same value and gradients as F.cross_entropy(logits, targets, weight, ignore_index,
+    reduction, label_smoothing) on logits = e @ c.T + bias (soft-capped as
+    softcap * tanh(logits / softcap) when softcap is set); z_loss adds z_loss * lse**2 per
+    non-ignored token, reduced like the loss. A batch with no valid token has loss 0.
+    Returns the loss (float32 whatever the input dtype), or (loss, lse) with return_lse
+    (lse per token, float32, differentiable).
+    """
+    _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap)
+    eps = _resolve_filter_eps(filter_eps, e.dtype)
+    if shift:
+        if targets.dim() < 1:
+            raise ValueError("shift=True needs targets with a sequence dimension")
+        targets = _shift_targets(targets, ignore_index)
+    v, d = c.shape
+    lead_shape = targets.shape
+    flat_targets = targets.reshape(-1).to(torch.int64)
+    _check_target_range(flat_targets, v, ignore_index)
+    loss, lse = ops.linear_cross_entropy_forward(
+        e.reshape(-1, d), c, flat_targets, bias, weight,
+        int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
+    )
+    valid = flat_targets != ignore_index
+    if z_loss > 0.0:
+        loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
+    if reduction == "none":
+        out = loss.reshape(lead_shape)
+    elif reduction == "sum":
+        out = loss.sum()
+    else:
+        if weight is None:
+            denominator = valid.sum().to(torch.float32)
+        else:
+            safe = flat_targets.clamp(0, v - 1)
+            denominator = torch.where(valid, weight.to(torch.float32)[safe], 0.0).sum()
+        out = loss.sum() / torch.where(denominator > 0, denominator, 1.0)
+    if return_lse:
+        return out, lse.reshape(lead_shape)
+    return out
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of linear_cross_entropy with its options fixed at construction."""
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: Reduction = "mean",
+        weight: Tensor | None = None,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        shift: bool = False,
+        return_lse: bool = False,
+        filter_eps: float | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.options = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps,
+        )
+
+    def forward(self, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None = None):
+        return linear_cross_entropy(e, c, targets, bias=bias, weight=self.weight, **self.options)

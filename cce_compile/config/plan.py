@@ -1,0 +1,75 @@
+"""Sizes the op derives from a config and a shape: the N bucket and the backward's chunking.
+
+Everything here runs at trace time under torch.compile, where N may be symbolic: only
+comparisons against N (which become range guards, one per bucket) and integer arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernel_config import KernelConfig
+
+SCRATCH_FRACTION = 0.10
+"""Backward scratch allowed, as a fraction of the gradients' own bytes (the memory target)."""
+
+MIN_CHUNK_ROWS = 256
+
+
+def n_bucket(n) -> int:
+    """Smallest power of two >= n (n may be a SymInt: each comparison is a range guard)."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return bucket
+
+
+def next_pow2(value: int) -> int:
+    return 1 << max(0, (int(value) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How the backward walks the (tokens x vocab) plane.
+
+    `n_chunks` token chunks of at most `chunk_rows` rows (a multiple of the grad_logits
+    row block); within a chunk, vocab slabs of `slab_v` columns. Scratch per chunk: the
+    slab's d logits (chunk_rows x slab_v, input dtype) and, for 16-bit inputs, an fp32
+    accumulator for dE (chunk_rows x D).
+    """
+
+    n_chunks: int
+    slab_v: int
+    fp32_accumulator: bool
+
+    def chunk_rows(self, n, block_m: int):
+        rows = (n + self.n_chunks - 1) // self.n_chunks
+        return (rows + block_m - 1) // block_m * block_m
+
+    def scratch_bytes(self, bucket: int, d: int, element_bytes: int) -> int:
+        rows = -(-bucket // self.n_chunks)
+        acc = rows * d * 4 if self.fp32_accumulator else 0
+        return acc + rows * self.slab_v * element_bytes
+
+
+def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig) -> BackwardPlan:
+    """Fewest token chunks (then the widest slab) whose scratch fits SCRATCH_FRACTION of the
+    gradients, so large GEMMs stay large; falls back to the smallest plan when none fits."""
+    grad_bytes = (bucket * d + v * d + v) * element_bytes
+    budget = SCRATCH_FRACTION * grad_bytes
+    fp32_acc = element_bytes < 4
+    widest = min(config.slab_v, next_pow2(v))
+    best = BackwardPlan(1, widest, fp32_acc)
+    n_chunks = 1
+    while -(-bucket // n_chunks) >= MIN_CHUNK_ROWS or n_chunks == 1:
+        slab = widest
+        while slab >= 512 or slab == widest:
+            plan = BackwardPlan(n_chunks, slab, fp32_acc)
+            if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
+                return plan
+            best = plan
+            if slab <= 512:
+                break
+            slab //= 2
+        n_chunks *= 2
+    return best

@@ -1,0 +1,117 @@
+"""Backward kernels: recompute a slab of logits into its gradient, then two GEMMs."""
+
+import triton
+import triton.language as tl
+
+from .tiles import grouped_tile, logits_tile, mma
+
+
+@triton.jit
+def grad_logits_kernel(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr,
+    grad_logits_ptr,
+    row_start, row_end, col_start, col_end, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
+    softcap, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """d loss / d logits for rows [row_start, row_end) x cols [col_start, col_end).
+
+    With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
+        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j]
+    then the soft-cap's chain rule. The tile is written in the input dtype at
+    (i - row_start, j - col_start) of the slab buffer; rows or columns outside the
+    ranges are left alone (the GEMMs that follow mask them).
+    With FILTER, a tile whose |softmax - onehot| stays below filter_eps is written as 0.
+    """
+    num_m = tl.cdiv(row_end - row_start, BLOCK_M)
+    num_n = tl.cdiv(col_end - col_start, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = row_start + local_rows
+    cols = col_start + local_cols
+    row_mask = rows < row_end
+    col_mask = cols < col_end
+
+    logits = logits_tile(
+        e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
+        stride_en, stride_ed, stride_cv, stride_cd, softcap,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+    )
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    coef_softmax = tl.load(coef_softmax_ptr + rows, mask=row_mask, other=0.0)
+    coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
+
+    softmax = tl.exp(logits - lse[:, None])
+    is_target = cols[None, :] == targets[:, None]
+    grad = coef_softmax[:, None] * softmax - tl.where(is_target, coef_target[:, None], 0.0)
+    if HAS_SMOOTHING:
+        coef_smooth = tl.load(coef_smooth_ptr + rows, mask=row_mask, other=0.0)
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            grad -= coef_smooth[:, None] * w[None, :]
+        else:
+            grad -= coef_smooth[:, None]
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    inside = row_mask[:, None] & col_mask[None, :]
+    grad = tl.where(inside, grad, 0.0)
+    if FILTER:
+        distance = tl.where(is_target, 1.0, softmax)
+        keep = tl.max(tl.max(tl.where(inside, distance, 0.0), axis=1), axis=0) >= filter_eps
+        grad = grad * keep.to(tl.float32)
+
+    out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
+           + local_cols.to(tl.int64)[None, :] * stride_gn)
+    tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, a_offset, b_ptr, b_offset, out_ptr, out_offset, final_ptr, final_offset, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_fm, stride_fn,
+    ACCUMULATE: tl.constexpr, FINAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """out[M, N] (+)= a[M, K] @ b[K, N] with fp32 accumulation, on strided operands.
+
+    The backward's two gradient GEMMs are this kernel: dC slab (+)= d_logits.T @ e chunk
+    (stored, or accumulated over token chunks) and dE chunk += d_logits @ c slab (into an
+    fp32 accumulator). ACCUMULATE reads `out` first; FINAL writes the sum to `final`
+    instead (dE in its own dtype, after the last slab). Operands come as base tensors plus
+    element offsets, never as views, so torch.compile sees whole buffers mutated.
+    """
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + a_offset + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
+    b_ptrs = b_ptr + b_offset + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = mma(acc, a, b, UPCAST, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + out_offset + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if FINAL:
+        final_ptrs = (final_ptr + final_offset + offs_m.to(tl.int64)[:, None] * stride_fm
+                      + offs_n.to(tl.int64)[None, :] * stride_fn)
+        tl.store(final_ptrs, acc.to(final_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

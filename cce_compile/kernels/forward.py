@@ -1,0 +1,64 @@
+"""Forward kernel: per-row log-sum-exp of e @ c.T without storing the logits."""
+
+import triton
+import triton.language as tl
+
+from .tiles import grouped_tile, logits_tile
+
+
+@triton.jit
+def lse_forward_kernel(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr,
+    max_ptr, sumexp_ptr, target_logit_ptr, weighted_sum_ptr,
+    N, V, D, tiles_per_split, num_splits,
+    stride_en, stride_ed, stride_cv, stride_cd, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program: BLOCK_M rows against `tiles_per_split` vocab tiles of BLOCK_N columns.
+
+    Writes, per (split, row): the running max and sum of exp (an online softmax, merged
+    across splits on the host side of the op), the target's logit if the target falls in
+    this split, and sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
+    column, so nothing is ever read at a target index.
+    """
+    pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sumexp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    target_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    weighted_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for t in range(0, tiles_per_split):
+        cols = (pid_s * tiles_per_split + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < V
+        logits = logits_tile(
+            e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
+            stride_en, stride_ed, stride_cv, stride_cd, softcap,
+            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+        )
+        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
+        row_max = new_max
+        is_target = cols[None, :] == targets[:, None]
+        target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        if NEED_WEIGHTED_SUM:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                weighted_sum += tl.sum(tl.where(col_mask[None, :], logits * w[None, :], 0.0), axis=1)
+            else:
+                weighted_sum += tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+
+    out = pid_s.to(tl.int64) * N + rows
+    tl.store(max_ptr + out, row_max, mask=row_mask)
+    tl.store(sumexp_ptr + out, row_sumexp, mask=row_mask)
+    tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
+    if NEED_WEIGHTED_SUM:
+        tl.store(weighted_sum_ptr + out, weighted_sum, mask=row_mask)

@@ -1,0 +1,68 @@
+"""Triton helpers shared by the op's kernels: program ordering, dots, and the logits tile."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear program id to (pid_m, pid_n) so GROUP_M row blocks sweep the columns
+    together: programs that run at the same time then share operands in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def mma(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ b in fp32. UPCAST works around the interpreter's wrong bf16 dots;
+    IEEE keeps fp32 inputs out of TF32, as torch's own matmul does by default."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def tanh(x):
+    # 1 - 2 / (exp(2x) + 1): exact at both tails (exp overflow gives 1, underflow -1) and
+    # free of libdevice, which the interpreter lacks.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def logits_tile(
+    e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
+    stride_en, stride_ed, stride_cv, stride_cd, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked.
+
+    Offsets are 64-bit, so V * D and N * D past 2**31 address correctly.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * stride_en + offs_k[None, :] * stride_ed
+    c_ptrs = c_ptr + cols.to(tl.int64)[None, :] * stride_cv + offs_k[:, None] * stride_cd
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        k_mask = offs_k < D - k * BLOCK_K
+        e_tile = tl.load(e_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        c_tile = tl.load(c_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
+        e_ptrs += BLOCK_K * stride_ed
+        c_ptrs += BLOCK_K * stride_cd
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        acc = softcap * tanh(acc / softcap)
+    return acc

@@ -1,0 +1,29 @@
+"""Autograd for the forward op: its backward is the backward op (a triton_op too), so
+torch.compile traces both without a graph break."""
+
+from __future__ import annotations
+
+import torch
+
+from .backward import linear_cross_entropy_backward
+from .forward import linear_cross_entropy_forward
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps = inputs
+    _, lse = output
+    ctx.save_for_backward(e, c, targets, bias, weight, lse)
+    ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    e, c, targets, bias, weight, lse = ctx.saved_tensors
+    grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+        grad_loss, grad_lse, e, c, targets, bias, weight, lse, *ctx.options
+    )
+    return grad_e, grad_c, None, grad_bias if bias is not None else None, None, None, None, None, None
+
+
+linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,103 @@
+"""The backward op: dE, dC, dbias from the forward's lse, registered as a triton_op.
+
+Triton path, per token chunk and vocab slab (sizes from config.plan, within the scratch
+budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype),
+then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
+dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
+never more than the slab's logits in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ..config.plan import n_bucket, plan_backward
+from ..kernels.backward import grad_logits_kernel, matmul_kernel
+from .cpu_path import backward_cpu
+from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .loss_terms import grad_coefficients
+
+
+@triton_op("cce::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor,
+    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias."""
+    n, d = e.shape
+    v = c.shape[0]
+    config = config_for(e, c, filter_eps)
+    coef_softmax, coef_target, coef_smooth = grad_coefficients(
+        grad_loss, grad_lse, targets, weight, v, ignore_index, label_smoothing
+    )
+    has_smoothing = label_smoothing > 0.0
+    if not use_triton(e):
+        tile = config.grad_logits
+        grad_e, grad_c, grad_bias = backward_cpu(
+            e, c, targets, bias, weight, lse, coef_softmax, coef_target,
+            coef_smooth if has_smoothing else None, softcap, filter_eps,
+            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n),
+        )
+        return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
+
+    plan = plan_backward(n_bucket(n), v, d, e.element_size(), config)
+    logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
+    chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
+    flags = kernel_flags(e)
+    grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
+    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+    grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
+    # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
+    acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
+    bias_chunks: list[Tensor] = []
+    last_slab = (v - 1) // plan.slab_v * plan.slab_v
+
+    for chunk in range(plan.n_chunks):
+        row_start = chunk * chunk_rows
+        rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
+        row_end = row_start + rows
+        acc_offset = 0 if plan.fp32_accumulator else row_start * d
+        bias_slabs: list[Tensor] = []
+        for col_start in range(0, v, plan.slab_v):
+            col_end = min(col_start + plan.slab_v, v)
+            cols = col_end - col_start
+            wrap_triton(grad_logits_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),)](
+                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
+                grad_logits, row_start, row_end, col_start, col_end, d,
+                e.stride(0), e.stride(1), c.stride(0), c.stride(1),
+                grad_logits.stride(0), grad_logits.stride(1), softcap, filter_eps,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+                HAS_SMOOTHING=has_smoothing, FILTER=filter_eps > 0.0,
+                BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
+                GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
+                num_stages=logits_tile.num_stages, **flags,
+            )
+            # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
+            wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0,
+                cols, d, rows,
+                grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                ACCUMULATE=chunk > 0, FINAL=False,
+                BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages, **flags,
+            )
+            # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
+            # writes dE itself.
+            wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d,
+                rows, d, cols,
+                grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                ACCUMULATE=col_start > 0, FINAL=plan.fp32_accumulator and col_start == last_slab,
+                BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages, **flags,
+            )
+            if bias is not None:
+                bias_slabs.append(grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32))
+        if bias is not None:
+            bias_chunks.append(torch.cat(bias_slabs))
+    if bias is None:
+        return grad_e, grad_c, c.new_empty((0,))
+    return grad_e, grad_c, torch.stack(bias_chunks).sum(dim=0).to(bias.dtype)

@@ -1,0 +1,93 @@
+"""The plain-PyTorch path (CPU, and tracing on CPU): the same algorithm as the kernels,
+chunked over the vocabulary in fp32 so the (N, V) logits never exist at once."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, start: int, stop: int, softcap: float) -> Tensor:
+    logits = e32 @ c[start:stop].to(torch.float32).T
+    if bias is not None:
+        logits = logits + bias[start:stop].to(torch.float32)
+    if softcap > 0.0:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def forward_cpu(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
+    softcap: float, need_weighted_sum: bool, chunk_v: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(lse, target_logit, sum_j w_j l_j or None), each fp32 (N,)."""
+    n, v = e.shape[0], c.shape[0]
+    e32 = e.to(torch.float32)
+    row_max = e32.new_full((n,), float("-inf"))
+    row_sumexp = e32.new_zeros((n,))
+    target_logit = e32.new_zeros((n,))
+    weighted_sum = e32.new_zeros((n,)) if need_weighted_sum else None
+    for start in range(0, v, chunk_v):
+        stop = min(start + chunk_v, v)
+        logits = _logits(e32, c, bias, start, stop, softcap)
+        new_max = torch.maximum(row_max, logits.amax(dim=1))
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+        row_sumexp = row_sumexp * torch.exp(row_max - shift) + torch.exp(logits - shift[:, None]).sum(dim=1)
+        row_max = new_max
+        local = targets - start
+        hit = (local >= 0) & (local < stop - start)
+        picked = logits.gather(1, local.clamp(0, stop - start - 1)[:, None]).squeeze(1)
+        target_logit = target_logit + torch.where(hit, picked, 0.0)
+        if weighted_sum is not None:
+            w = weight[start:stop].to(torch.float32) if weight is not None else None
+            weighted_sum = weighted_sum + (logits * w if w is not None else logits).sum(dim=1)
+    lse = row_max + torch.log(row_sumexp)
+    return lse, target_logit, weighted_sum
+
+
+def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: int, eps: float) -> Tensor:
+    """Per-element mask of the (block_m x block_n) tiles, aligned at (row0, col0) in the
+    global grid, whose largest |softmax - onehot| reaches eps: the kernels' filter."""
+    rows, cols = distance.shape
+    pad_r = (-(rows + row0 % block_m)) % block_m
+    pad_c = (-(cols + col0 % block_n)) % block_n
+    padded = torch.nn.functional.pad(distance, (col0 % block_n, pad_c, row0 % block_m, pad_r))
+    tiles = padded.reshape(padded.shape[0] // block_m, block_m, padded.shape[1] // block_n, block_n)
+    keep = (tiles.amax(dim=(1, 3)) >= eps).repeat_interleave(block_m, 0).repeat_interleave(block_n, 1)
+    return keep[row0 % block_m: row0 % block_m + rows, col0 % block_n: col0 % block_n + cols]
+
+
+def backward_cpu(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor,
+    coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
+    softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int],
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32."""
+    v = c.shape[0]
+    e32 = e.to(torch.float32)
+    grad_e = torch.zeros_like(e32)
+    grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+    grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
+    for start in range(0, v, chunk_v):
+        stop = min(start + chunk_v, v)
+        logits = _logits(e32, c, bias, start, stop, softcap)
+        softmax = torch.exp(logits - lse[:, None])
+        is_target = (targets - start)[:, None] == torch.arange(stop - start, device=e.device)[None, :]
+        grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
+        if coef_smooth is not None:
+            w = weight[start:stop].to(torch.float32) if weight is not None else 1.0
+            grad = grad - coef_smooth[:, None] * w
+        if softcap > 0.0:
+            grad = grad * (1.0 - (logits / softcap) ** 2)
+        if filter_eps > 0.0:
+            distance = torch.where(is_target, 1.0, softmax)
+            grad = grad * _tile_keep(distance, *filter_tile, 0, start, filter_eps)
+        grad_e += grad @ c[start:stop].to(torch.float32)
+        grad_c[start:stop] = grad.T @ e32
+        if grad_bias is not None:
+            grad_bias[start:stop] = grad.sum(dim=0)
+    return (
+        grad_e.to(e.dtype),
+        grad_c.to(c.dtype),
+        grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None,
+    )

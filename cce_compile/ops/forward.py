@@ -1,0 +1,56 @@
+"""The forward op: per-token loss and lse, registered as a torch.library triton_op."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from ..kernels.forward import lse_forward_kernel
+from .cpu_path import forward_cpu
+from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .loss_terms import token_loss
+
+
+@triton_op("cce::linear_cross_entropy_forward", mutates_args=())
+def linear_cross_entropy_forward(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
+    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+) -> tuple[Tensor, Tensor]:
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,)), both fp32.
+
+    `softcap` 0 means none. `filter_eps` only matters to the backward; it is an input here
+    so the autograd context sees it.
+    """
+    n, v = e.shape[0], c.shape[0]
+    config = config_for(e, c, filter_eps)
+    need_weighted_sum = label_smoothing > 0.0
+    if use_triton(e):
+        tile = config.forward
+        vocab_tiles = cdiv(v, tile.block_n)
+        tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
+        num_splits = cdiv(vocab_tiles, tiles_per_split)
+        partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)
+        grid = (cdiv(n, tile.block_m) * num_splits,)
+        wrap_triton(lse_forward_kernel)[grid](
+            e, c, bias, targets, weight,
+            partial[0], partial[1], partial[2], partial[3] if need_weighted_sum else partial[2],
+            n, v, e.shape[1], tiles_per_split, num_splits,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+            NEED_WEIGHTED_SUM=need_weighted_sum,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
+        )
+        split_max = partial[0].amax(dim=0)
+        shift = torch.where(split_max == float("-inf"), 0.0, split_max)
+        lse = shift + torch.log((partial[1] * torch.exp(partial[0] - shift)).sum(dim=0))
+        target_logit = partial[2].sum(dim=0)
+        weighted_sum = partial[3].sum(dim=0) if need_weighted_sum else None
+    else:
+        lse, target_logit, weighted_sum = forward_cpu(
+            e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v
+        )
+    loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
+    return loss, lse
+

@@ -1,0 +1,66 @@
+"""The per-token algebra shared by the Triton and the plain-PyTorch paths.
+
+With l the (bias-added, soft-capped) logits, lse its log-sum-exp, y the target, w the class
+weights (all ones without `weight`), W = sum(w) and eps the label smoothing, F.cross_entropy's
+per-token loss is
+
+    loss = (1 - eps) * w_y * (lse - l_y) + eps / V * (W * lse - sum_j w_j l_j)
+
+and its gradient with respect to l_j, given upstream g (loss) and h (lse), is
+
+    g * ((1 - eps) * w_y + eps * W / V) * p_j + h * p_j - g * (1 - eps) * w_y * [j == y]
+    - g * eps / V * w_j,
+
+i.e. `coef_softmax * p_j - coef_target * [j == y] - coef_smooth * w_j`.
+Ignored tokens have loss 0 and take no gradient through it; their lse stays defined and
+differentiable (h flows). A target outside [0, V) that is not ignore_index gives a NaN loss:
+there is no host sync to raise from, and nothing is read at that index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _target_weight(targets: Tensor, weight: Tensor | None, valid: Tensor, v: int) -> Tensor:
+    if weight is None:
+        return valid.to(torch.float32)
+    safe = targets.clamp(0, v - 1)
+    return torch.where(valid, weight.to(torch.float32)[safe], 0.0)
+
+
+def _total_weight(weight: Tensor | None, v: int) -> Tensor | float:
+    return float(v) if weight is None else weight.to(torch.float32).sum()
+
+
+def token_loss(
+    lse: Tensor, target_logit: Tensor, weighted_sum: Tensor | None, targets: Tensor,
+    weight: Tensor | None, v: int, ignore_index: int, label_smoothing: float,
+) -> Tensor:
+    """Per-token loss (fp32) from the forward's row statistics."""
+    valid = targets != ignore_index
+    in_range = (targets >= 0) & (targets < v)
+    w_y = _target_weight(targets, weight, valid & in_range, v)
+    loss = (1.0 - label_smoothing) * w_y * (lse - target_logit)
+    if label_smoothing > 0.0:
+        assert weighted_sum is not None
+        smooth = (_total_weight(weight, v) * lse - weighted_sum) * (label_smoothing / v)
+        loss = loss + torch.where(valid, smooth, 0.0)
+    loss = torch.where(valid, loss, 0.0)
+    return torch.where(valid & ~in_range, float("nan"), loss)
+
+
+def grad_coefficients(
+    grad_loss: Tensor, grad_lse: Tensor, targets: Tensor, weight: Tensor | None,
+    v: int, ignore_index: int, label_smoothing: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(coef_softmax, coef_target, coef_smooth) per token, fp32, as in the module doc."""
+    valid = targets != ignore_index
+    in_range = (targets >= 0) & (targets < v)
+    g = torch.where(valid, grad_loss.to(torch.float32), 0.0)
+    w_y = _target_weight(targets, weight, valid & in_range, v)
+    coef_target = g * (1.0 - label_smoothing) * w_y
+    coef_smooth = g * (label_smoothing / v)
+    coef_softmax = coef_target + coef_smooth * _total_weight(weight, v) + grad_lse.to(torch.float32)
+    return coef_softmax.contiguous(), coef_target.contiguous(), coef_smooth.contiguous()
