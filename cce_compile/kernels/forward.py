@@ -41,12 +41,6 @@ def lse_forward_kernel(
             stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
-        logits = tl.where(col_mask[None, :], logits, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
-        row_max = new_max
         is_target = cols[None, :] == targets[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
         if NEED_WEIGHTED_SUM:
@@ -55,6 +49,12 @@ def lse_forward_kernel(
                 weighted_sum += tl.sum(tl.where(col_mask[None, :], logits * w[None, :], 0.0), axis=1)
             else:
                 weighted_sum += tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
+        row_max = new_max
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(max_ptr + out, row_max, mask=row_mask)

@@ -1,0 +1,35 @@
+"""Test setup: the Triton interpreter on CPU-only machines, and the `interpreter` marker.
+
+TRITON_INTERPRET is read when kernels are decorated, so it is set before anything imports
+cce_compile. The op's CPU dispatch then follows `dispatch.INTERPRET`: tests marked
+`interpreter` run the real Triton kernels on CPU tensors, all others the plain-PyTorch path.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cce_compile.ops import dispatch  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "interpreter: runs the Triton kernels under TRITON_INTERPRET=1 on CPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    wants_kernels = request.node.get_closest_marker("interpreter") is not None
+    if wants_kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter tests need TRITON_INTERPRET=1 set before import (CPU-only machines)")
+    monkeypatch.setattr(dispatch, "INTERPRET", wants_kernels)

@@ -1,0 +1,80 @@
+"""Inputs and comparisons shared by the op's test files."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+import cce_compile
+
+from .reference import reference_loss
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+"""Relative error allowed against float64 (norm ratio): fp32 accumulation, inputs rounded."""
+
+
+def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.dtype, seed: int,
+                device: str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """(e, c, targets). kind: "signed" (plain signed randn), "peaked" (a few dominant logits
+    per row, the target often among them), "zipf" (Zipfian targets and a unigram prior in
+    the logits, like a trained LM's sparse softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(lead)
+    e = torch.randn(n, d, generator=g) / d**0.25
+    c = torch.randn(v, d, generator=g) / d**0.25
+    targets = torch.randint(0, v, (n,), generator=g)
+    if kind == "peaked":
+        e = e * 4.0
+        c[targets] += 2.0 * e / e.norm(dim=1, keepdim=True) * d**0.25
+    elif kind == "zipf":
+        freq = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
+        order = torch.randperm(v, generator=g)
+        targets = order[torch.multinomial(freq / freq.sum(), n, replacement=True, generator=g)]
+        prior = torch.zeros(v)
+        prior[order] = torch.log(freq / freq.sum()).float()
+        # Logit_j = e . c_j gets a log-unigram term through a shared direction.
+        u = torch.randn(d, generator=g)
+        u = u / u.norm()
+        c = c * 0.5 + prior[:, None] * u[None, :]
+        e = e * 0.5 + u[None, :]
+        c[targets] += 1.5 * e / e.norm(dim=1, keepdim=True)
+    elif kind != "signed":
+        raise ValueError(kind)
+    return (e.reshape(*lead, d).to(dtype).to(device), c.to(dtype).to(device), targets.reshape(lead).to(device))
+
+
+def relative_error(actual: Tensor, expected: Tensor, floor: float = 1e-4) -> float:
+    """||actual - expected|| / ||expected||, the denominator floored so a (near-)zero
+    reference (a fully ignored batch, a perfectly predicted token) compares absolutely."""
+    expected = expected.detach().double()
+    diff = (actual.detach().double() - expected).norm()
+    return float(diff / max(float(expected.norm()), floor))
+
+
+def check_against_reference(e: Tensor, c: Tensor, targets: Tensor, options: dict, bias: Tensor | None = None,
+                            weight: Tensor | None = None, tol: float | None = None) -> None:
+    """Loss, lse and the gradients of e, c, bias agree with float64 within the dtype's tolerance."""
+    tol = TOLERANCE[e.dtype] if tol is None else tol
+    leaves = [t.detach().clone().requires_grad_() for t in (e, c) + ((bias,) if bias is not None else ())]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    for (ee, cc, *bb), fn in ((leaves, cce_compile.linear_cross_entropy), (ref_leaves, reference_loss)):
+        out = fn(ee, cc, targets, bias=bb[0] if bb else None, weight=weight, return_lse=True, **options)
+        outs.append(out)
+    (loss, lse), (ref_loss, ref_lse) = outs
+    assert loss.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.isfinite(loss).all(), loss
+    assert relative_error(loss, ref_loss) <= tol, (relative_error(loss, ref_loss), options)
+    assert relative_error(lse, ref_lse) <= tol
+    # Drive both outputs with random upstream gradients so every path to e, c, bias is checked.
+    up_loss = torch.randn(loss.shape, generator=g, dtype=torch.float64)
+    up_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    ((loss.double() * up_loss).sum() + (lse.double() * up_lse).sum()).backward()
+    ((ref_loss * up_loss).sum() + (ref_lse * up_lse).sum()).backward()
+    for name, leaf, ref in zip(("e", "c", "bias"), leaves, ref_leaves):
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
+        err = relative_error(leaf.grad, ref.grad)
+        assert err <= tol, f"d{name}: relative error {err:.2e} > {tol:.0e} with {options}"

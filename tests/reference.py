@@ -1,0 +1,38 @@
+"""A float64 reference for every option of linear_cross_entropy, built from F.cross_entropy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def reference_loss(
+    e: Tensor, c: Tensor, targets: Tensor, *, bias: Tensor | None = None, ignore_index: int = -100,
+    reduction: str = "mean", weight: Tensor | None = None, label_smoothing: float = 0.0,
+    z_loss: float = 0.0, softcap: float | None = None, shift: bool = False, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Materializes the logits in float64: the ground truth, for small shapes only."""
+    if shift:
+        targets = torch.cat([targets[..., 1:], targets.new_full((*targets.shape[:-1], 1), ignore_index)], -1)
+    lead = targets.shape
+    logits = e.reshape(-1, e.shape[-1]).double() @ c.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = targets.reshape(-1)
+    valid = flat != ignore_index
+    w = weight.double() if weight is not None else None
+    per_token = F.cross_entropy(logits, flat, w, ignore_index=ignore_index, reduction="none",
+                                label_smoothing=label_smoothing)
+    lse = torch.logsumexp(logits, dim=-1)
+    per_token = per_token + z_loss * torch.where(valid, lse**2, 0.0)
+    if reduction == "none":
+        loss = per_token.reshape(lead)
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        denom = valid.sum().double() if w is None else torch.where(valid, w[flat.clamp(0, c.shape[0] - 1)], 0.0).sum()
+        loss = per_token.sum() / torch.where(denom > 0, denom, 1.0)
+    return (loss, lse.reshape(lead)) if return_lse else loss

@@ -1,0 +1,79 @@
+"""The real Triton kernels, run by the interpreter on CPU tensors (small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cce_compile
+from cce_compile.config.kernel_config import KernelConfig, TileConfig
+from cce_compile.config.plan import plan_backward
+
+from .op_cases import check_against_reference, make_inputs, relative_error
+from .test_op_options import make_case
+
+pytestmark = pytest.mark.interpreter
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_random_option_combinations(seed: int) -> None:
+    e, c, targets, options, bias, weight = make_case(100 + seed, DTYPES[seed % 3], lead=(2, 37), v=203, d=45)
+    check_against_reference(e, c, targets, options, bias=bias, weight=weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shape(dtype: torch.dtype) -> None:
+    """N=253, V=1031, D=97 on LM-like data: every tile edge is ragged."""
+    e, c, targets = make_inputs("zipf", (253,), 1031, 97, dtype, seed=1)
+    targets[::5] = -100
+    check_against_reference(e, c, targets, {"label_smoothing": 0.1, "softcap": 20.0})
+
+
+def test_several_token_chunks_and_slabs() -> None:
+    """Enough tokens that the backward's plan splits them into chunks, each swept over
+    several vocab slabs, with the dC GEMM accumulating across chunks."""
+    e, c, targets = make_inputs("peaked", (520,), 300, 16, torch.bfloat16, seed=3)
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+    plan = plan_backward(1024, 300, 16, 2, config)
+    assert plan.n_chunks > 1 and plan.slab_v < 300
+    with cce_compile.override_config(config):
+        check_against_reference(e, c, targets, {"reduction": "sum"}, bias=torch.randn(300).bfloat16())
+
+
+def test_kernels_and_cpu_path_filter_the_same_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cce_compile.ops import dispatch
+
+    e, c, targets = make_inputs("peaked", (96,), 512, 32, torch.float32, seed=4)
+    grads = []
+    for interpret in (True, False):
+        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
+        ec = [t.clone().requires_grad_() for t in (e, c)]
+        cce_compile.linear_cross_entropy(*ec, targets, filter_eps=2.0**-12).backward()
+        grads.append([t.grad for t in ec])
+    exact = [t.clone().requires_grad_() for t in (e, c)]
+    cce_compile.linear_cross_entropy(*exact, targets).backward()
+    assert not torch.equal(grads[0][1], exact[1].grad), "no tile was filtered: the test shows nothing"
+    for kernel_grad, cpu_grad in zip(*grads):
+        assert relative_error(kernel_grad, cpu_grad) < 1e-5
+
+
+def test_out_of_range_target_gives_nan_without_reading_it() -> None:
+    """Past the API's CPU check (as on the GPU), a bad target poisons only its own token."""
+    e, c, targets = make_inputs("signed", (40,), 64, 16, torch.float32, seed=0)
+    targets[5] = 10**9
+    targets[6] = -7
+    loss, lse = torch.ops.cce.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    assert torch.isnan(loss[5]) and torch.isnan(loss[6])
+    assert torch.isfinite(loss[:5]).all() and torch.isfinite(loss[7:]).all() and torch.isfinite(lse).all()
+
+
+def test_all_ignored_batch() -> None:
+    e, c, targets = make_inputs("signed", (33,), 70, 16, torch.bfloat16, seed=0)
+    e.requires_grad_()
+    c.requires_grad_()
+    loss = cce_compile.linear_cross_entropy(e, c, torch.full_like(targets, -100))
+    loss.backward()
+    assert loss.item() == 0.0 and not e.grad.any() and not c.grad.any()

@@ -1,0 +1,130 @@
+"""Every option, and random combinations of them, against a float64 reference on CPU.
+
+The plain-PyTorch path runs here; test_op_interpreter.py runs the same checks through the
+Triton kernels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cce_compile
+
+from .op_cases import check_against_reference, make_inputs, relative_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def random_options(rng: random.Random) -> dict:
+    return {
+        "reduction": rng.choice(["mean", "sum", "none"]),
+        "label_smoothing": rng.choice([0.0, 0.0, 0.1, 0.3]),
+        "z_loss": rng.choice([0.0, 0.0, 1e-3]),
+        "softcap": rng.choice([None, None, 7.5, 30.0]),
+        "shift": rng.choice([False, True]),
+        "ignore_index": rng.choice([-100, 3]),
+    }
+
+
+def make_case(seed: int, dtype: torch.dtype, lead=(2, 63), v=257, d=40, kind=None):
+    rng = random.Random(seed)
+    options = random_options(rng)
+    kind = kind or rng.choice(["signed", "peaked", "zipf"])
+    e, c, targets = make_inputs(kind, lead, v, d, dtype, seed)
+    mask = torch.rand(targets.shape, generator=torch.Generator().manual_seed(seed)) < rng.choice([0.0, 0.2])
+    targets = torch.where(mask, options["ignore_index"], targets)
+    bias = (torch.randn(v, generator=torch.Generator().manual_seed(seed + 1)) * 0.5).to(dtype) if rng.random() < 0.5 else None
+    weight = torch.rand(v, generator=torch.Generator().manual_seed(seed + 2)) + 0.5 if rng.random() < 0.3 else None
+    return e, c, targets, options, bias, weight
+
+
+@pytest.mark.parametrize("seed", range(36))
+def test_random_option_combinations(seed: int) -> None:
+    e, c, targets, options, bias, weight = make_case(seed, DTYPES[seed % 3])
+    check_against_reference(e, c, targets, options, bias=bias, weight=weight)
+
+
+@pytest.mark.parametrize("kind", ["signed", "peaked", "zipf"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_shape_each_input_kind(kind: str, dtype: torch.dtype) -> None:
+    """N=253, V=1031, D=97: nothing a tile multiple."""
+    e, c, targets = make_inputs(kind, (253,), 1031, 97, dtype, seed=7)
+    check_against_reference(e, c, targets, {})
+
+
+@pytest.mark.parametrize("fraction", [0.2, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ignored_targets(fraction: float, reduction: str) -> None:
+    e, c, targets = make_inputs("zipf", (4, 30), 301, 33, torch.float32, seed=3)
+    ignored = torch.rand(targets.shape, generator=torch.Generator().manual_seed(0)) < fraction
+    targets = torch.where(ignored, -100, targets)
+    check_against_reference(e, c, targets, {"reduction": reduction, "z_loss": 1e-3})
+
+
+def test_all_ignored_gives_zero_loss_and_zero_gradients() -> None:
+    e, c, targets = make_inputs("signed", (16,), 50, 8, torch.float32, seed=0)
+    e.requires_grad_()
+    c.requires_grad_()
+    loss = cce_compile.linear_cross_entropy(e, c, torch.full_like(targets, -100), z_loss=1e-2)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(e.grad) == 0 and torch.count_nonzero(c.grad) == 0
+
+
+def test_single_token_and_leading_batch_dims() -> None:
+    for lead in [(1,), (2, 3, 5)]:
+        e, c, targets = make_inputs("peaked", lead, 77, 12, torch.float32, seed=11)
+        check_against_reference(e, c, targets, {"reduction": "none"})
+
+
+def test_module_matches_function() -> None:
+    e, c, targets = make_inputs("zipf", (3, 20), 90, 16, torch.float32, seed=5)
+    weight = torch.rand(90) + 0.1
+    module = cce_compile.LinearCrossEntropyLoss(label_smoothing=0.1, weight=weight, shift=True)
+    expected = cce_compile.linear_cross_entropy(e, c, targets, label_smoothing=0.1, weight=weight, shift=True)
+    torch.testing.assert_close(module(e, c, targets), expected)
+
+
+def test_shift_does_not_copy_hidden_states() -> None:
+    """shift scores position t against target t+1 by moving targets, never e."""
+    e, c, targets = make_inputs("signed", (2, 9), 40, 8, torch.float32, seed=2)
+    shifted = cce_compile.linear_cross_entropy(e, c, targets, shift=True, reduction="none")
+    manual = cce_compile.linear_cross_entropy(e[:, :-1], c, targets[:, 1:], reduction="none")
+    torch.testing.assert_close(shifted[:, :-1], manual)
+    assert torch.all(shifted[:, -1] == 0)
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"), reason="torch has no F.linear_cross_entropy")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_torch_linear_cross_entropy(reduction: str) -> None:
+    e, c, targets = make_inputs("zipf", (120,), 333, 24, torch.float32, seed=9)
+    targets[::7] = -100
+    bias = torch.randn(333) * 0.1
+    weight = torch.rand(333) + 0.5
+    ours = cce_compile.linear_cross_entropy(e, c, targets, bias=bias, weight=weight, reduction=reduction,
+                                            label_smoothing=0.05)
+    theirs = torch.nn.functional.linear_cross_entropy(e, c, targets, linear_bias=bias, weight=weight,
+                                                      reduction=reduction, ignore_index=-100, label_smoothing=0.05)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_range_target_is_a_clear_error_on_cpu() -> None:
+    e, c, targets = make_inputs("signed", (8,), 20, 4, torch.float32, seed=0)
+    targets[3] = 20
+    with pytest.raises(ValueError, match="targets must be in \\[0, 20\\)"):
+        cce_compile.linear_cross_entropy(e, c, targets)
+
+
+def test_filtered_mode_is_close_and_exact_is_default() -> None:
+    """filter_eps drops only tiles whose |softmax - onehot| is tiny, so on a peaked softmax
+    the gradient stays close; without it every entry contributes."""
+    e, c, targets = make_inputs("peaked", (128,), 1024, 32, torch.float32, seed=4)
+    ec = [t.clone().requires_grad_() for t in (e, c)]
+    cce_compile.linear_cross_entropy(*ec, targets, filter_eps=2.0**-12).backward()
+    ref = [t.clone().requires_grad_() for t in (e, c)]
+    cce_compile.linear_cross_entropy(*ref, targets).backward()
+    assert not torch.equal(ec[1].grad, ref[1].grad), "no tile was filtered: the test shows nothing"
+    assert relative_error(ec[0].grad, ref[0].grad) < 1e-2
+    assert relative_error(ec[1].grad, ref[1].grad) < 1e-2
