@@ -1,0 +1,196 @@
+"""The transformers integration against the unpatched model it replaces, for every family the
+installed transformers has: tiny random-init fp32 models on CPU, deepcopied twins."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+pytest.importorskip("transformers")
+
+from transformers import PreTrainedModel  # noqa: E402
+
+from cce_compile.integrations.transformers import (  # noqa: E402
+    LossOptions,
+    available_families,
+    causal_lm_loss,
+    patch,
+    unpatch,
+)
+
+FAMILIES = available_families()
+VOCAB = 500
+SOFTCAP = 0.5  # small, so that tanh bends the random-init logits and a wrong softcap shows
+
+
+def tiny_model(family: str) -> PreTrainedModel:
+    """Two layers, random init (initializer_range raised so the logits spread), training mode."""
+    model_class = FAMILIES[family]
+    config = model_class.config_class(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=VOCAB, intermediate_size=128, max_position_embeddings=128, initializer_range=0.1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, attn_implementation="eager",
+    )
+    if hasattr(config, "final_logit_softcapping"):
+        config.final_logit_softcapping = SOFTCAP
+    torch.manual_seed(0)
+    return model_class(config).train()
+
+
+def batch(seed: int = 0, shape: tuple[int, int] = (2, 24)) -> tuple[Tensor, Tensor]:
+    """input_ids and labels = input_ids with about a quarter of the labels -100."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, shape, generator=generator)
+    ignored = torch.rand(shape, generator=generator) < 0.25
+    return input_ids, torch.where(ignored, -100, input_ids)
+
+
+def twins(family: str) -> tuple[PreTrainedModel, PreTrainedModel]:
+    reference = tiny_model(family)
+    return reference, patch(copy.deepcopy(reference))
+
+
+def hf_shifted_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """What position t of `logits` should score: labels[t + 1] of the full sequence."""
+    shifted = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), shifted.flatten(), ignore_index=-100)
+
+
+def assert_close(actual: Tensor, expected: Tensor, rtol: float = 1e-4) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+
+
+parametrize_families = pytest.mark.parametrize("family", sorted(FAMILIES))
+
+
+@parametrize_families
+def test_loss_and_gradients_match_hf(family: str) -> None:
+    reference, patched = twins(family)
+    input_ids, labels = batch()
+    expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+    assert actual.logits is None
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert_close(patched.get_parameter(name).grad, reference.get_parameter(name).grad)
+
+
+@parametrize_families
+def test_num_items_in_batch_matches_hf(family: str) -> None:
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=1)
+    num_items = torch.tensor(37)  # a whole accumulation window's count, not this batch's
+    expected = reference(input_ids, labels=labels, num_items_in_batch=num_items).loss
+    assert_close(patched(input_ids, labels=labels, num_items_in_batch=num_items).loss, expected, rtol=1e-5)
+
+
+@parametrize_families
+def test_logits_to_keep_scores_each_kept_position_against_its_next_label(family: str) -> None:
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=2)
+    with torch.no_grad():
+        logits = reference(input_ids).logits
+    keep_mask = torch.rand(labels.shape, generator=torch.Generator().manual_seed(3)) < 0.5
+    shifted = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+    expected_mask_loss = nn.functional.cross_entropy(logits[keep_mask], shifted[keep_mask], ignore_index=-100)
+    assert_close(patched(input_ids, labels=labels, logits_to_keep=keep_mask).loss, expected_mask_loss, rtol=1e-5)
+    expected_last_loss = hf_shifted_loss(logits[:, -9:], labels[:, -9:])
+    assert_close(patched(input_ids, labels=labels, logits_to_keep=9).loss, expected_last_loss, rtol=1e-5)
+
+
+@parametrize_families
+def test_adamw_training_tracks_hf(family: str) -> None:
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=4)
+    curves = []
+    for model in (reference, patched):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        curve = []
+        for _ in range(10):
+            loss = model(input_ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            curve.append(loss.item())
+        curves.append(torch.tensor(curve))
+    expected, actual = curves
+    assert expected[-1] < expected[0] - 0.1, "the fixed batch should be learned"
+    assert_close(actual, expected, rtol=1e-3)
+
+
+@parametrize_families
+def test_patched_model_compiles_fullgraph(family: str) -> None:
+    """fullgraph=True fails on any graph break; the cheap eager backend suffices for that, the
+    helper test below runs AOT autograd through the op's backward."""
+    model = patch(tiny_model(family))
+    input_ids, labels = batch(seed=5)
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(lambda ids, target: model(ids, labels=target).loss, fullgraph=True, backend="eager")
+    loss = compiled_loss(input_ids, labels)
+    loss.backward()
+    eager_model = copy.deepcopy(model)
+    eager_model.zero_grad()
+    eager_loss = eager_model(input_ids, labels=labels).loss
+    eager_loss.backward()
+    assert_close(loss, eager_loss, rtol=1e-5)
+    assert_close(model.lm_head.weight.grad, eager_model.lm_head.weight.grad)
+
+
+def test_loss_helper_compiles_fullgraph_with_every_option() -> None:
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(2, 24, 64, generator=generator, requires_grad=True)
+    lm_head = nn.Linear(64, VOCAB, bias=True)
+    _, labels = batch(seed=6)
+    options = LossOptions(label_smoothing=0.1, z_loss=1e-3)
+    compiled = torch.compile(
+        lambda h, target: causal_lm_loss(h, lm_head, target, softcap=SOFTCAP, num_items_in_batch=torch.tensor(30), options=options),
+        fullgraph=True, backend="aot_eager",
+    )
+    compiled(hidden, labels).backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+@parametrize_families
+def test_no_grad_and_unpatch_give_hf_logits_back(family: str) -> None:
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=7)
+    expected = reference(input_ids, labels=labels)
+    with torch.no_grad():
+        evaluated = patched(input_ids, labels=labels)
+    assert_close(evaluated.logits, expected.logits.detach(), rtol=1e-5)
+    assert patched(input_ids, labels=labels, return_dict=False)[0].dim() == 0
+    assert unpatch(patched) is patched and "forward" not in vars(patched)
+    restored = patched(input_ids, labels=labels)
+    assert_close(restored.logits, expected.logits, rtol=1e-5)
+    assert_close(restored.loss, expected.loss, rtol=1e-5)
+
+
+def test_class_patch_covers_new_instances_and_instance_patch_only_its_own() -> None:
+    family = sorted(FAMILIES)[0]
+    model_class = FAMILIES[family]
+    input_ids, labels = batch(seed=8)
+    bystander = tiny_model(family)
+    patch(model_class, return_logits=True)
+    try:
+        with pytest.raises(ValueError, match="already patched"):
+            patch(model_class)
+        output = tiny_model(family)(input_ids, labels=labels)
+        assert output.logits is not None and not output.logits.requires_grad and output.loss.requires_grad
+    finally:
+        unpatch(model_class)
+    assert tiny_model(family)(input_ids, labels=labels).logits.requires_grad
+    patch(tiny_model(family))
+    assert bystander(input_ids, labels=labels).logits is not None
+
+
+def test_patch_rejects_what_it_cannot_handle() -> None:
+    with pytest.raises(TypeError, match="not a supported causal LM"):
+        patch(nn.Linear)
+    with pytest.raises(TypeError):
+        patch(tiny_model(sorted(FAMILIES)[0]), reduction="sum")
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(tiny_model(sorted(FAMILIES)[0]))
