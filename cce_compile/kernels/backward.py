@@ -9,13 +9,13 @@ from .tiles import grouped_tile, logits_tile, mma
 @triton.jit
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
-    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr,
     grad_logits_ptr,
     row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -27,6 +27,8 @@ def grad_logits_kernel(
     (i - row_start, j - col_start) of the slab buffer; rows or columns outside the
     ranges are left alone (the GEMMs that follow mask them).
     With FILTER, a tile whose |softmax - onehot| stays below filter_eps is written as 0.
+    With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so
+    small gradients stay in fp16's normal range; the GEMMs multiply it back.
     """
     num_m = tl.cdiv(row_end - row_start, BLOCK_M)
     num_n = tl.cdiv(col_end - col_start, BLOCK_N)
@@ -68,6 +70,8 @@ def grad_logits_kernel(
         keep = tl.max(tl.max(tl.where(inside, distance, 0.0), axis=1), axis=0) >= filter_eps
         grad = grad * keep.to(tl.float32)
 
+    if SCALED:
+        grad = grad / tl.load(scale_ptr)
     out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
            + local_cols.to(tl.int64)[None, :] * stride_gn)
     tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
@@ -75,9 +79,9 @@ def grad_logits_kernel(
 
 @triton.jit
 def matmul_kernel(
-    a_ptr, a_offset, b_ptr, b_offset, out_ptr, out_offset, final_ptr, final_offset, M, N, K,
+    a_ptr, a_offset, b_ptr, b_offset, out_ptr, out_offset, final_ptr, final_offset, scale_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_fm, stride_fn,
-    ACCUMULATE: tl.constexpr, FINAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -86,7 +90,8 @@ def matmul_kernel(
     The backward's two gradient GEMMs are this kernel: dC slab (+)= d_logits.T @ e chunk
     (stored, or accumulated over token chunks) and dE chunk += d_logits @ c slab (into an
     fp32 accumulator). ACCUMULATE reads `out` first; FINAL writes the sum to `final`
-    instead (dE in its own dtype, after the last slab). Operands come as base tensors plus
+    instead (dE in its own dtype, after the last slab). SCALED multiplies the product by
+    scale_ptr[0], undoing grad_logits_kernel's scaling. Operands come as base tensors plus
     element offsets, never as views, so torch.compile sees whole buffers mutated.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -105,6 +110,8 @@ def matmul_kernel(
         acc = mma(acc, a, b, UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SCALED:
+        acc = acc * tl.load(scale_ptr)
     mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + out_offset + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
     if ACCUMULATE:

@@ -9,8 +9,8 @@ from .tiles import grouped_tile, logits_tile
 @triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr,
-    max_ptr, sumexp_ptr, target_logit_ptr, weighted_sum_ptr,
-    N, V, D, tiles_per_split, num_splits,
+    partial_ptr,
+    N, V, D, tiles_per_split, num_splits, stat_stride,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr,
@@ -19,9 +19,9 @@ def lse_forward_kernel(
 ):
     """One program: BLOCK_M rows against `tiles_per_split` vocab tiles of BLOCK_N columns.
 
-    Writes, per (split, row): the running max and sum of exp (an online softmax, merged
-    across splits on the host side of the op), the target's logit if the target falls in
-    this split, and sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
+    Writes partial[stat, split, row] for stat = the running max and sum of exp (an online
+    softmax, merged across splits by the op), the target's logit if the target falls in
+    this split, and (NEED_WEIGHTED_SUM) sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
     column, so nothing is ever read at a target index.
     """
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
@@ -56,9 +56,9 @@ def lse_forward_kernel(
         row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
         row_max = new_max
 
-    out = pid_s.to(tl.int64) * N + rows
-    tl.store(max_ptr + out, row_max, mask=row_mask)
-    tl.store(sumexp_ptr + out, row_sumexp, mask=row_mask)
-    tl.store(target_logit_ptr + out, target_logit, mask=row_mask)
+    out = partial_ptr + pid_s.to(tl.int64) * N + rows
+    tl.store(out, row_max, mask=row_mask)
+    tl.store(out + stat_stride, row_sumexp, mask=row_mask)
+    tl.store(out + 2 * stat_stride, target_logit, mask=row_mask)
     if NEED_WEIGHTED_SUM:
-        tl.store(weighted_sum_ptr + out, weighted_sum, mask=row_mask)
+        tl.store(out + 3 * stat_stride, weighted_sum, mask=row_mask)

@@ -19,6 +19,10 @@ from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
 from .loss_terms import grad_coefficients
 
+GEMM_BACKEND = "cublas"
+"""The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
+"triton" (matmul_kernel, always used under the interpreter and for fp16)."""
+
 
 @triton_op("cce::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
@@ -52,6 +56,10 @@ def linear_cross_entropy_backward(
     grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
+    # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
+    scaled = e.dtype == torch.float16
+    cublas = e.is_cuda and not scaled and GEMM_BACKEND == "cublas"
+    scale = torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
     bias_chunks: list[Tensor] = []
     last_slab = (v - 1) // plan.slab_v * plan.slab_v
 
@@ -65,37 +73,56 @@ def linear_cross_entropy_backward(
             col_end = min(col_start + plan.slab_v, v)
             cols = col_end - col_start
             wrap_triton(grad_logits_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),)](
-                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
+                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
                 grad_logits, row_start, row_end, col_start, col_end, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1),
                 grad_logits.stride(0), grad_logits.stride(1), softcap, filter_eps,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-                HAS_SMOOTHING=has_smoothing, FILTER=filter_eps > 0.0,
+                HAS_SMOOTHING=has_smoothing, FILTER=filter_eps > 0.0, SCALED=scaled,
                 BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
                 GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
                 num_stages=logits_tile.num_stages, **flags,
             )
-            # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
-            wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
-                grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0,
-                cols, d, rows,
-                grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
-                ACCUMULATE=chunk > 0, FINAL=False,
-                BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
-                GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages, **flags,
-            )
-            # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
-            # writes dE itself.
-            wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
-                grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d,
-                rows, d, cols,
-                grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                ACCUMULATE=col_start > 0, FINAL=plan.fp32_accumulator and col_start == last_slab,
-                BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
-                GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages, **flags,
-            )
+            if cublas:
+                # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
+                # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
+                d_logits = grad_logits[:rows, :cols]
+                grad_c_slab = grad_c[col_start:col_end]
+                if chunk == 0:
+                    torch.mm(d_logits.T, e[row_start:row_end], out=grad_c_slab)
+                else:
+                    grad_c_slab.addmm_(d_logits.T, e[row_start:row_end])
+                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                if col_start == 0:
+                    torch.mm(d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                else:
+                    torch.addmm(acc_rows, d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                if plan.fp32_accumulator and col_start == last_slab:
+                    grad_e[row_start:row_end].copy_(acc_rows)
+            else:
+                # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
+                wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                    grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
+                    cols, d, rows,
+                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                    ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                    BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                    GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages, **flags,
+                )
+                # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
+                # writes dE itself.
+                wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                    grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
+                    rows, d, cols,
+                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                    ACCUMULATE=col_start > 0, FINAL=plan.fp32_accumulator and col_start == last_slab,
+                    SCALED=scaled,
+                    BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                    GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages, **flags,
+                )
             if bias is not None:
-                bias_slabs.append(grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32))
+                slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
+                bias_slabs.append(slab_sum * scale if scaled else slab_sum)
         if bias is not None:
             bias_chunks.append(torch.cat(bias_slabs))
     if bias is None:

@@ -34,8 +34,8 @@ def linear_cross_entropy_forward(
         grid = (cdiv(n, tile.block_m) * num_splits,)
         wrap_triton(lse_forward_kernel)[grid](
             e, c, bias, targets, weight,
-            partial[0], partial[1], partial[2], partial[3] if need_weighted_sum else partial[2],
-            n, v, e.shape[1], tiles_per_split, num_splits,
+            partial,
+            n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
             NEED_WEIGHTED_SUM=need_weighted_sum,

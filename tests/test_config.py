@@ -1,0 +1,53 @@
+"""KernelConfig validation and the backward's memory plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cce_compile.config.kernel_config import ConfigError, KernelConfig
+from cce_compile.config.plan import SCRATCH_FRACTION, n_bucket, plan_backward
+
+
+def test_round_trip_through_json() -> None:
+    config = KernelConfig()
+    assert KernelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        ({"forward": {"block_m": 48}}, "forward.block_m must be a power of two"),
+        ({"forward": {"block_m": 512}}, r"forward.block_m must be in \[16, 256\]"),
+        ({"grad_hidden": {"num_warps": 3}}, "grad_hidden.num_warps must be one of"),
+        ({"grad_logits": {"num_stages": 0}}, r"grad_logits.num_stages must be in \[1, 8\]"),
+        ({"slab_v": "4096"}, "slab_v must be an integer, got str"),
+        ({"slab_v": True}, "slab_v must be an integer, got bool"),
+        ({"forward": {"pre_hook": "os.system('x')"}}, "forward has unknown keys"),
+        ({"evil": 1}, "config has unknown keys"),
+        ([1, 2], "config must be an object"),
+        ({"forward": 3}, "forward must be an object"),
+    ],
+)
+def test_rejects_malformed_configs(data, pattern) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        KernelConfig.from_dict(data)
+
+
+def test_shared_memory_limit() -> None:
+    config = KernelConfig.from_dict({"forward": {"block_m": 256, "block_n": 256, "block_k": 128, "num_stages": 4}})
+    with pytest.raises(ConfigError, match="forward needs"):
+        config.check_limits(shared_memory_bytes=232448, element_bytes=2)
+
+
+@pytest.mark.parametrize(("n", "d", "v"), [(8192, 2304, 256000), (8192, 4096, 128256), (16384, 896, 151936)])
+def test_backward_scratch_fits_ten_percent_of_the_gradients(n: int, d: int, v: int) -> None:
+    plan = plan_backward(n_bucket(n), v, d, 2, KernelConfig())
+    grads = (n * d + v * d) * 2
+    assert plan.scratch_bytes(n_bucket(n), d, 2) <= SCRATCH_FRACTION * grads
+    assert plan.slab_v >= 1024, "slabs this narrow would starve the GEMMs"
+
+
+def test_n_bucket() -> None:
+    assert [n_bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]

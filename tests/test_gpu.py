@@ -1,0 +1,96 @@
+"""The kernels on a CUDA GPU at realistic sizes (skipped without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cce_compile
+
+from .op_cases import make_inputs, relative_error
+
+pytestmark = pytest.mark.gpu
+
+# Relative error against an fp32 reference, at sizes where bf16 rounding averages out.
+GPU_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def fp32_reference(e, c, targets, **options):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ee, cc = (t.detach().float().requires_grad_() for t in (e, c))
+    logits = ee @ cc.T
+    if options.get("softcap"):
+        logits = options["softcap"] * torch.tanh(logits / options["softcap"])
+    loss = torch.nn.functional.cross_entropy(logits, targets, label_smoothing=options.get("label_smoothing", 0.0))
+    loss.backward()
+    return loss.detach(), ee.grad, cc.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
+def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
+    e, c, targets = make_inputs("zipf", (2048,), 32003, 1024, dtype, seed=0, device="cuda")
+    targets[::9] = -100
+    e.requires_grad_()
+    c.requires_grad_()
+    loss = cce_compile.linear_cross_entropy(e, c, targets, **options)
+    loss.backward()
+    ref_loss, ref_de, ref_dc = fp32_reference(e, c, targets, **options)
+    tol = GPU_TOLERANCE[dtype]
+    assert relative_error(loss, ref_loss) < tol / 10
+    assert relative_error(e.grad, ref_de) < tol
+    assert relative_error(c.grad, ref_dc) < tol
+
+
+def test_huge_classifier_needs_64bit_offsets() -> None:
+    """V * D > 2**31 elements: int32 offsets would wrap and read the wrong rows."""
+    v, d, n = 270_000, 8_192, 128
+    assert v * d > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    c = (torch.randn(v, d, device="cuda", generator=g, dtype=torch.bfloat16) / d**0.5).requires_grad_()
+    e = torch.randn(n, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    targets[:8] = v - 1 - torch.arange(8, device="cuda")  # the far end of c
+    loss = cce_compile.linear_cross_entropy(e, c, targets)
+    loss.backward()
+    ref_loss, ref_de, _ = fp32_reference(e, c, targets)
+    assert relative_error(loss, ref_loss) < 1e-3
+    assert relative_error(e.grad, ref_de) < 1e-2
+    tail = slice(v - 8, v)
+    # dC of the last rows, computed from the reference softmax of those columns only.
+    logits = e.detach().float() @ c.detach()[tail].float().T
+    lse = torch.logsumexp(e.detach().float() @ c.detach().float().T, dim=1)
+    grad_logits = (torch.exp(logits - lse[:, None]) - (targets[:, None] == torch.arange(v - 8, v, device="cuda"))) / n
+    ref_tail = grad_logits.T @ e.detach().float()
+    assert relative_error(c.grad[tail], ref_tail) < 1e-2
+
+
+def test_peak_memory_within_ten_percent_of_gradients() -> None:
+    n, d, v = 8192, 2048, 65536
+    e, c, targets = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=1, device="cuda")
+    e.requires_grad_()
+    c.requires_grad_()
+    cce_compile.linear_cross_entropy(e, c, targets).backward()  # compile kernels first
+    e.grad = c.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    cce_compile.linear_cross_entropy(e, c, targets).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    grads = (n * d + v * d) * 2
+    assert peak <= 1.10 * grads, f"peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
+
+
+def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    e, c, targets = make_inputs("zipf", (1024,), 8192, 512, torch.bfloat16, seed=2, device="cuda")
+    e.requires_grad_()
+    c.requires_grad_()
+
+    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t), fullgraph=True)
+    loss, code = run_and_get_code(compiled, e, c, targets)
+    assert any("lse_forward_kernel" in chunk for chunk in code)
+    expected = cce_compile.linear_cross_entropy(e, c, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)

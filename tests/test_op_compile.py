@@ -1,0 +1,113 @@
+"""torch.library and torch.compile integration: opcheck, fullgraph, dynamic N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import cce_compile
+from cce_compile import ops
+
+from .op_cases import make_inputs
+
+
+def _op_args(n: int, with_extras: bool):
+    e, c, targets = make_inputs("zipf", (n,), 97, 24, torch.float32, seed=n)
+    targets[::4] = -100
+    bias = torch.randn(97) * 0.1 if with_extras else None
+    weight = torch.rand(97) + 0.5 if with_extras else None
+    return e.requires_grad_(), c.requires_grad_(), targets, bias, weight
+
+
+@pytest.mark.parametrize("with_extras", [False, True])
+def test_opcheck_forward(with_extras: bool) -> None:
+    e, c, targets, bias, weight = _op_args(33, with_extras)
+    if bias is not None:
+        bias.requires_grad_()
+    args = (e, c, targets, bias, weight, -100, 0.1 if with_extras else 0.0, 15.0 if with_extras else 0.0, 0.0)
+    torch.library.opcheck(ops.linear_cross_entropy_forward, args)
+
+
+def test_opcheck_backward() -> None:
+    e, c, targets, bias, _ = _op_args(29, True)
+    loss, lse = ops.linear_cross_entropy_forward(e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
+    args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
+            -100, 0.0, 0.0, 0.0)
+    torch.library.opcheck(ops.linear_cross_entropy_backward, args)
+
+
+class RMSNormHead(torch.nn.Module):
+    """The end of a decoder: RMSNorm -> classifier + loss, as a training step sees it."""
+
+    def __init__(self, d: int, v: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d)
+        self.classifier = torch.nn.Linear(d, v, bias=False)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cce_compile.linear_cross_entropy(self.norm(hidden), self.classifier.weight, targets,
+                                                shift=True, z_loss=1e-4, label_smoothing=0.05)
+
+
+def test_fullgraph_training_step_matches_eager() -> None:
+    torch.manual_seed(0)
+    model = RMSNormHead(32, 211)
+    hidden = torch.randn(2, 40, 32, requires_grad=True)
+    targets = torch.randint(0, 211, (2, 40))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    loss = compiled(hidden, targets)
+    loss.backward()  # AOTAutograd's compiled backward
+    compiled_grads = [p.grad.clone() for p in model.parameters()] + [hidden.grad.clone()]
+    for p in list(model.parameters()) + [hidden]:
+        p.grad = None
+    expected = model(hidden, targets)
+    expected.backward()
+    eager_grads = [p.grad for p in model.parameters()] + [hidden.grad]
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+def test_no_graph_breaks() -> None:
+    model = RMSNormHead(16, 50)
+    hidden = torch.randn(3, 8, 16)
+    targets = torch.randint(0, 50, (3, 8))
+    explanation = torch._dynamo.explain(model)(hidden, targets)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_dynamic_n_does_not_recompile_within_a_bucket() -> None:
+    torch._dynamo.reset()
+    model = RMSNormHead(16, 64)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for n in (70, 90, 100, 127):  # one power-of-two bucket (65..128) of N = 1 x n
+        hidden = torch.randn(1, n, 16, requires_grad=True)
+        torch._dynamo.mark_dynamic(hidden, 1)
+        targets = torch.randint(0, 64, (1, n))
+        torch._dynamo.mark_dynamic(targets, 1)
+        compiled(hidden, targets).backward()
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one bucket"
+
+
+@pytest.mark.interpreter
+def test_compiled_graph_runs_the_interpreted_kernels() -> None:
+    """With the op kept opaque, Inductor calls it and the real Triton kernels run on CPU."""
+    e, c, targets, _, _ = _op_args(45, False)
+
+    def loss_fn(e, c, targets):
+        return cce_compile.linear_cross_entropy(e, c, targets, label_smoothing=0.1)
+
+    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+        compiled = torch.compile(loss_fn, fullgraph=True)
+        loss = compiled(e, c, targets)
+        loss.backward()
+    ref_e, ref_c = (t.detach().clone().requires_grad_() for t in (e, c))
+    expected = loss_fn(ref_e, ref_c, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(e.grad, ref_e.grad, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,58 @@
+"""Bad input raises a clear error that names the argument and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cce_compile
+
+
+def good():
+    return torch.randn(6, 8), torch.randn(20, 8), torch.randint(0, 20, (6,))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "pattern"),
+    [
+        (lambda e, c, t: (e[:, :5], c, t), ValueError, r"e's last dimension \(5\) must equal c's D \(8\)"),
+        (lambda e, c, t: (e, c[None], t), ValueError, r"c must be 2-D"),
+        (lambda e, c, t: (e, c, t.float()), TypeError, r"targets must be an integer tensor"),
+        (lambda e, c, t: (e, c, t[:4]), ValueError, r"targets must have shape \(6,\)"),
+        (lambda e, c, t: (e, c.double(), t), TypeError, r"c must have e's dtype"),
+        (lambda e, c, t: (e.double(), c.double(), t), TypeError, r"e must be float32, float16 or bfloat16"),
+        (lambda e, c, t: (e, c.to("meta"), t), ValueError, r"c is on meta but e is on cpu"),
+        (lambda e, c, t: ([1.0], c, t), TypeError, r"e must be a torch.Tensor"),
+    ],
+)
+def test_bad_tensors(change, error, pattern) -> None:
+    e, c, t = change(*good())
+    with pytest.raises(error, match=pattern):
+        cce_compile.linear_cross_entropy(e, c, t)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"reduction": "avg"}, r"reduction must be one of"),
+        ({"label_smoothing": -0.1}, r"label_smoothing must be in \[0, 1\]"),
+        ({"softcap": 0.0}, r"softcap must be None or > 0"),
+        ({"softcap": -3.0}, r"softcap must be None or > 0"),
+        ({"z_loss": -1.0}, r"z_loss must be >= 0"),
+        ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
+        ({"bias": torch.randn(19)}, r"bias must have shape \(20,\)"),
+        ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be a float tensor"),
+    ],
+)
+def test_bad_options(options, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        cce_compile.linear_cross_entropy(*good(), **options)
+
+
+def test_error_leaves_no_state_behind() -> None:
+    """A rejected call changes nothing: the next good call gives the reference answer."""
+    e, c, t = good()
+    with pytest.raises(ValueError):
+        cce_compile.linear_cross_entropy(e, c, t, reduction="bad")
+    expected = torch.nn.functional.cross_entropy(e @ c.T, t)
+    torch.testing.assert_close(cce_compile.linear_cross_entropy(e, c, t), expected)
