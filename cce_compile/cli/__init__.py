@@ -1,0 +1,1 @@
+"""The `cce` command line; each module registers its commands on `main.app`."""

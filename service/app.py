@@ -1,0 +1,80 @@
+"""The FastAPI app: `create_app(settings)` for tests and embedding, `create_app_from_env`
+for uvicorn (each worker builds its own app from the environment)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from service.body_limit import BodySizeLimitMiddleware
+from service.metrics import RequestMetricsMiddleware, ServiceMetrics
+from service.routes import configs, gpus, health, measurements, transfer
+from service.settings import ServiceSettings
+from tuning_db import store
+from tuning_db.engine import make_engine, resolve_db_url
+from tuning_db.migrate import upgrade
+
+_STORE_ERROR_STATUS = {
+    store.NotFoundError: status.HTTP_404_NOT_FOUND,
+    store.ConflictError: status.HTTP_409_CONFLICT,
+    store.ImportFormatError: status.HTTP_422_UNPROCESSABLE_CONTENT,
+}
+
+
+def create_app(settings: ServiceSettings | None = None) -> FastAPI:
+    settings = settings or ServiceSettings()
+    db_url = resolve_db_url(settings.db_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # A single machine's SQLite file is upgraded in place; a shared PostgreSQL is
+        # upgraded once, by `cce db upgrade`, not by every replica that starts.
+        if app.state.engine.dialect.name == "sqlite":
+            await run_in_threadpool(upgrade, db_url)
+        yield
+        app.state.engine.dispose()
+
+    app = FastAPI(
+        title="cce_compile tuning service",
+        version="1",
+        summary="Best kernel launch configs per GPU and problem shape, shared by a cluster.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.token_scopes = settings.token_scopes()
+    app.state.engine = make_engine(db_url)
+    app.state.metrics = ServiceMetrics()
+
+    for module in (configs, measurements, gpus, transfer, health):
+        app.include_router(module.router)
+
+    async def store_error(_request: Request, error: Exception) -> JSONResponse:
+        body = {"detail": str(error)}
+        if isinstance(error, store.ImportFormatError):
+            body["line"] = error.line_number
+        return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)])
+
+    for error_type in _STORE_ERROR_STATUS:
+        app.add_exception_handler(error_type, store_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)
+    return app
+
+
+async def _validation_error(_request: Request, error: Exception) -> JSONResponse:
+    """A 422 naming each bad field, without echoing the input back (it may be huge, or NaN,
+    which JSON cannot carry)."""
+    assert isinstance(error, RequestValidationError)
+    details = [{"loc": item["loc"], "msg": item["msg"], "type": item["type"]} for item in error.errors()]
+    return JSONResponse({"detail": details}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+def create_app_from_env() -> FastAPI:
+    return create_app(ServiceSettings())

@@ -1,0 +1,26 @@
+"""Route dependencies: the app's engine and metrics, and the auth checks by scope."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import Engine
+
+from service.auth import require
+from service.metrics import ServiceMetrics
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _metrics(request: Request) -> ServiceMetrics:
+    return request.app.state.metrics
+
+
+EngineDep = Annotated[Engine, Depends(_engine)]
+MetricsDep = Annotated[ServiceMetrics, Depends(_metrics)]
+READ = [Depends(require("read"))]
+WRITE = [Depends(require("write"))]
+ADMIN = [Depends(require("admin"))]

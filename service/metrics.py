@@ -1,0 +1,74 @@
+"""Prometheus metrics of one app: request counts and latency per route, lookups per match level.
+
+With several uvicorn workers, `cce serve` sets PROMETHEUS_MULTIPROC_DIR so that every
+worker writes its numbers to files there and /metrics adds up all workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tuning_db.records import MATCH_LEVELS, MatchLevel
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        # In multiprocess mode the values live in files, read back by the collector below.
+        register_to = None if multiprocess else self.registry
+        if multiprocess:
+            MultiProcessCollector(self.registry)
+        self.requests = Counter(
+            "cce_http_requests", "HTTP requests", ["method", "route", "status"], registry=register_to
+        )
+        self.latency = Histogram(
+            "cce_http_request_duration_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=register_to,
+        )
+        self.lookups = Counter("cce_lookups", "config lookups by match level", ["match_level"], registry=register_to)
+        for level in MATCH_LEVELS:
+            self.lookups.labels(level)
+
+    def count_lookup(self, level: MatchLevel) -> None:
+        self.lookups.labels(level).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request under its route template (bounded label values)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status_code = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            route_path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], route_path, str(status_code)).inc()
+            self.metrics.latency.labels(scope["method"], route_path).observe(time.perf_counter() - started)

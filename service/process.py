@@ -1,0 +1,67 @@
+"""`cce serve` as a child process, ready when this returns: for the tests and the load
+benchmark, which must drive the real server (uvicorn, workers, signals) and not an
+in-process app."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def serving(
+    log: Path, *serve_args: str, env: Mapping[str, str] | None = None, startup_timeout_s: float = 90
+) -> Iterator[str]:
+    """Run `python -m cce_compile.cli.main serve --port <free> *serve_args` on loopback
+    until the block ends (SIGINT, as Ctrl-C would); yields the base URL once /readyz is 200.
+
+    The child's environment is this one plus `env`, less CCE_TUNING_DB_URL unless `env`
+    sets it, so the database is the one the arguments name. Its output goes to `log`."""
+    port = free_port()
+    environment = {key: value for key, value in os.environ.items() if key != "CCE_TUNING_DB_URL"}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    environment.update(env or {})
+    command = [sys.executable, "-m", "cce_compile.cli.main", "serve", "--port", str(port), *serve_args]
+    with log.open("ab") as output:
+        process = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not _ready(base_url):
+            if process.poll() is not None:
+                raise RuntimeError(f"cce serve exited with {process.returncode}:\n{log.read_text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cce serve not ready after {startup_timeout_s}s:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _ready(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -1,0 +1,42 @@
+"""Looking up, listing and retiring best configs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from service.deps import ADMIN, READ, EngineDep, MetricsDep
+from service.schemas import BestConfigResponse, ConfigListQuery, ConfigPage
+from tuning_db import store
+from tuning_db.records import BestEntry, LookupQuery
+
+router = APIRouter(prefix="/v1/configs", tags=["configs"])
+
+
+@router.get("/best", dependencies=READ, response_model=BestConfigResponse)
+def best_config(query: Annotated[LookupQuery, Query()], engine: EngineDep, metrics: MetricsDep) -> BestConfigResponse:
+    """The best known config for a GPU and problem, never from a bucket more than 4x away."""
+    result = store.lookup(engine, query)
+    metrics.count_lookup(result.match_level)
+    entry = result.entry
+    return BestConfigResponse(
+        match_level=result.match_level,
+        config=entry.config if entry else None,
+        speedup=entry.speedup if entry else None,
+        entry_id=entry.entry_id if entry else None,
+        n_bucket=result.n_bucket,
+        source=entry,
+    )
+
+
+@router.get("", dependencies=READ, response_model=ConfigPage)
+def list_configs(query: Annotated[ConfigListQuery, Query()], engine: EngineDep) -> ConfigPage:
+    items, total = store.list_configs(engine, query, limit=query.limit, offset=query.offset)
+    return ConfigPage(items=items, total=total, limit=query.limit, offset=query.offset)
+
+
+@router.post("/{entry_id}/retire", dependencies=ADMIN, response_model=BestEntry)
+def retire_config(entry_id: int, engine: EngineDep) -> BestEntry:
+    """Flag a bad entry: lookups skip it until the key's next measurement replaces it."""
+    return store.retire(engine, entry_id)

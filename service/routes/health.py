@@ -1,0 +1,39 @@
+"""Liveness, readiness and metrics, for the load balancer and Prometheus (no auth)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.deps import EngineDep, MetricsDep
+from service.schemas import Health
+from tuning_db.migrate import current_revision, head_revision
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+def readyz(engine: EngineDep) -> Health | JSONResponse:
+    """Ready when the database answers and its schema is at the code's revision."""
+    try:
+        revision = current_revision(engine)
+    except Exception as error:  # any failure to reach the database means not ready
+        return _not_ready(f"database unreachable: {type(error).__name__}")
+    if revision != head_revision():
+        return _not_ready(f"schema at {revision}, expected {head_revision()}: run `cce db upgrade`")
+    return Health(status="ready")
+
+
+def _not_ready(detail: str) -> JSONResponse:
+    return JSONResponse(Health(status="unavailable", detail=detail).model_dump(), status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(service_metrics: MetricsDep) -> Response:
+    return Response(service_metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,16 @@
+"""Tuners submit measurements; the store keeps the fastest per key."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+
+from service.deps import WRITE, EngineDep
+from tuning_db import store
+from tuning_db.records import MeasurementIn, RecordResult
+
+router = APIRouter(prefix="/v1", tags=["measurements"])
+
+
+@router.post("/measurements", dependencies=WRITE, status_code=status.HTTP_201_CREATED, response_model=RecordResult)
+def record_measurement(measurement: MeasurementIn, engine: EngineDep) -> RecordResult:
+    return store.record_measurement(engine, measurement)

@@ -1,0 +1,40 @@
+"""Moving the store's contents between databases as JSON lines."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from service.deps import ADMIN, READ, EngineDep
+from service.schemas import ImportQuery
+from tuning_db import store
+from tuning_db.records import ImportReport
+
+router = APIRouter(prefix="/v1", tags=["transfer"])
+
+JSONL_MEDIA_TYPE = "application/x-ndjson"
+
+
+@router.get("/export", dependencies=READ, response_class=Response)
+def export(engine: EngineDep) -> Response:
+    """A header line with the schema version, then one line per live best entry."""
+    return Response("".join(line + "\n" for line in store.export_jsonl(engine)), media_type=JSONL_MEDIA_TYPE)
+
+
+@router.post(
+    "/import",
+    dependencies=ADMIN,
+    response_model=ImportReport,
+    openapi_extra={"requestBody": {"content": {JSONL_MEDIA_TYPE: {"schema": {"type": "string"}}}, "required": True}},
+)
+async def import_entries(request: Request, query: Annotated[ImportQuery, Query()], engine: EngineDep) -> ImportReport:
+    """Import an export file (the body), all lines or none; `dry_run` only reports."""
+    body = await request.body()
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise store.ImportFormatError(1, f"the body is not UTF-8: {error}") from None
+    return await run_in_threadpool(store.import_jsonl, engine, text.splitlines(), query.mode, query.dry_run)

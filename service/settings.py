@@ -1,0 +1,31 @@
+"""Service settings, from the environment (CCE_SERVICE_*, CCE_TUNING_DB_URL) or arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.auth import TokenScopes, parse_token_spec
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CCE_SERVICE_", populate_by_name=True, extra="ignore")
+
+    db_url: str | None = Field(
+        None,
+        validation_alias="CCE_TUNING_DB_URL",
+        description="SQLAlchemy URL; unset = the per-user SQLite file (see tuning_db.engine)",
+    )
+    tokens: str = Field("", description="'token:scope,scope;token2:scope' with scopes read, write, admin")
+    tokens_file: Path | None = Field(None, description="a file in the same format (';' or newlines between tokens)")
+    open_reads: bool = Field(False, description="allow reads without a token (writes always need one)")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get 413")
+
+    def token_scopes(self) -> TokenScopes:
+        """Every configured token and its scopes; raises ValueError on a malformed entry."""
+        spec = self.tokens
+        if self.tokens_file is not None:
+            spec += "\n" + self.tokens_file.read_text()
+        return parse_token_spec(spec)

@@ -1,0 +1,299 @@
+"""The HTTP API through FastAPI's TestClient, on SQLite and PostgreSQL: routes, auth,
+metrics, and bad input that must get a 4xx and leave the database as it was."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.db_fixtures import (  # noqa: F401  (fixtures)
+    GPU_H100,
+    H100_KEY,
+    db_url,
+    lookup_params,
+    measurement_data,
+    postgres_schema_url,
+    postgres_url,
+    sqlite_url,
+)
+from service.app import create_app
+from service.settings import ServiceSettings
+
+READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0001", "write-token-0001", "admin-token-0001"
+TOKENS = f"{READ_TOKEN}:read;{WRITE_TOKEN}:write;{ADMIN_TOKEN}:admin"
+MAX_BODY_BYTES = 16 * 1024
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def make_client(db_url: str, **settings: Any) -> TestClient:
+    return TestClient(create_app(ServiceSettings(db_url=db_url, tokens=TOKENS, max_body_bytes=MAX_BODY_BYTES, **settings)))
+
+
+@pytest.fixture
+def client(db_url: str) -> Iterator[TestClient]:
+    with make_client(db_url) as test_client:
+        yield test_client
+
+
+def post_measurement(client: TestClient, **overrides: Any) -> dict[str, Any]:
+    response = client.post("/v1/measurements", json=measurement_data(**overrides), headers=bearer(WRITE_TOKEN))
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def best(client: TestClient, **overrides: Any) -> dict[str, Any]:
+    response = client.get("/v1/configs/best", params=lookup_params(**overrides), headers=bearer(READ_TOKEN))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def exported(client: TestClient) -> str:
+    response = client.get("/v1/export", headers=bearer(READ_TOKEN))
+    assert response.status_code == 200
+    return response.text
+
+
+def test_health_readiness_and_docs(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok", "detail": None}
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/docs").status_code == 200
+    paths = set(client.get("/openapi.json").json()["paths"])
+    assert {"/v1/configs/best", "/v1/configs", "/v1/measurements", "/v1/gpus", "/v1/export", "/v1/import"} <= paths
+    assert "/v1/configs/{entry_id}/retire" in paths
+
+
+def test_readyz_is_503_when_the_database_is_unreachable() -> None:
+    with make_client("postgresql+psycopg://postgres@127.0.0.1:1/test") as unreachable:
+        response = unreachable.get("/readyz")
+    assert response.status_code == 503
+    assert "unreachable" in response.json()["detail"]
+
+
+def test_measurement_then_lookup_with_metrics(client: TestClient) -> None:
+    recorded = post_measurement(client, median_ms=8.0, p20_ms=7.0, p80_ms=9.0, default_ms=12.0)
+    assert recorded["is_best"]
+    answer = best(client)
+    assert answer["match_level"] == "exact"
+    assert answer["entry_id"] == recorded["entry_id"]
+    assert answer["speedup"] == pytest.approx(1.5)
+    assert answer["config"]["slab_v"] == 8192
+    assert answer["source"]["host"] == "node-1" and answer["source"]["gpu"]["name"] == H100_KEY
+    assert best(client, tokens=20000)["match_level"] == "nearest_bucket"
+    assert best(client, tokens=10**6) == {
+        "match_level": "none", "config": None, "speedup": None, "entry_id": None, "n_bucket": 2**20, "source": None
+    }
+    metrics = client.get("/metrics").text
+    assert 'cce_lookups_total{match_level="exact"} 1.0' in metrics
+    assert 'cce_lookups_total{match_level="none"} 1.0' in metrics
+    assert 'cce_http_requests_total{method="POST",route="/v1/measurements",status="201"} 1.0' in metrics
+
+
+def test_slower_measurement_does_not_replace_the_best(client: TestClient) -> None:
+    post_measurement(client, median_ms=8.0, p20_ms=7.0, p80_ms=9.0)
+    slower = post_measurement(client, median_ms=9.0, p20_ms=8.0, p80_ms=10.0)
+    assert (slower["is_best"], slower["best_median_ms"]) == (False, 8.0)
+    assert best(client)["source"]["median_ms"] == 8.0
+
+
+def test_list_configs_and_gpus(client: TestClient) -> None:
+    for tokens in (1024, 2048, 4096):
+        post_measurement(client, tokens=tokens)
+    headers = bearer(READ_TOKEN)
+    page = client.get("/v1/configs", params={"limit": 2, "offset": 1, "dtype": "bfloat16"}, headers=headers).json()
+    assert (page["total"], [item["n_bucket"] for item in page["items"]]) == (3, [2048, 4096])
+    assert client.get("/v1/configs", params={"gpu": "NVIDIA H100 80GB HBM3"}, headers=headers).json()["total"] == 3
+    assert client.get("/v1/configs", params={"colour": "red"}, headers=headers).status_code == 422
+    assert client.get("/v1/configs", params={"limit": 0}, headers=headers).status_code == 422
+    gpus = client.get("/v1/gpus", headers=headers).json()
+    assert gpus == [{**GPU_H100, "name": H100_KEY, "entries": 3}]
+
+
+def test_retire_is_admin_only_and_hides_the_entry(client: TestClient) -> None:
+    entry_id = post_measurement(client)["entry_id"]
+    assert client.post(f"/v1/configs/{entry_id}/retire", headers=bearer(WRITE_TOKEN)).status_code == 403
+    response = client.post(f"/v1/configs/{entry_id}/retire", headers=bearer(ADMIN_TOKEN))
+    assert response.status_code == 200 and response.json()["retired"]
+    assert best(client)["match_level"] == "none"
+    assert client.post("/v1/configs/999/retire", headers=bearer(ADMIN_TOKEN)).status_code == 404
+
+
+def test_import_over_http(client: TestClient) -> None:
+    post_measurement(client, median_ms=8.0, p20_ms=7.0, p80_ms=9.0)
+    export = exported(client)
+    header = json.loads(export.splitlines()[0])
+    assert (header["schema_version"], header["entries"], header["measurements"]) == (1, 1, 1)
+    faster = json.loads(export.splitlines()[1]) | {"median_ms": 4.0, "p20_ms": 4.0, "measurement_uid": "a" * 32}
+    body = export.splitlines()[0] + "\n" + json.dumps(faster) + "\n"
+
+    dry = client.post("/v1/import", params={"dry_run": "true"}, content=body, headers=bearer(ADMIN_TOKEN))
+    assert dry.status_code == 200 and dry.json()["entries_replaced"] == 1
+    assert exported(client) == export
+    assert client.post("/v1/import", content=body, headers=bearer(WRITE_TOKEN)).status_code == 403
+    done = client.post("/v1/import", params={"mode": "keep_better"}, content=body, headers=bearer(ADMIN_TOKEN))
+    assert done.json() == {
+        "lines": 1, "measurements_added": 1, "entries_added": 0, "entries_replaced": 1, "entries_kept": 0, "dry_run": False
+    }
+    assert best(client)["source"]["median_ms"] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "token", "status"),
+    [
+        ("GET", "/v1/configs/best", None, 401),
+        ("GET", "/v1/configs/best", "not-a-known-token", 401),
+        ("GET", "/v1/configs/best", READ_TOKEN, 200),
+        ("GET", "/v1/configs/best", ADMIN_TOKEN, 200),
+        ("GET", "/v1/export", None, 401),
+        ("GET", "/v1/gpus", None, 401),
+        ("POST", "/v1/measurements", None, 401),
+        ("POST", "/v1/measurements", READ_TOKEN, 403),
+        ("POST", "/v1/measurements", WRITE_TOKEN, 201),
+        ("POST", "/v1/import", WRITE_TOKEN, 403),
+        ("POST", "/v1/configs/1/retire", READ_TOKEN, 403),
+    ],
+)
+def test_tokens_and_scopes(client: TestClient, method: str, path: str, token: str | None, status: int) -> None:
+    headers = bearer(token) if token else {}
+    kwargs: dict[str, Any] = {"params": lookup_params()} if path == "/v1/configs/best" else {}
+    if path == "/v1/measurements":
+        kwargs = {"json": measurement_data()}
+    assert client.request(method, path, headers=headers, **kwargs).status_code == status
+
+
+def test_a_non_bearer_authorization_is_refused(client: TestClient) -> None:
+    response = client.get("/v1/gpus", headers={"Authorization": f"Basic {READ_TOKEN}"})
+    assert response.status_code == 401
+
+
+def test_open_reads_never_open_writes(db_url: str) -> None:
+    with make_client(db_url, open_reads=True) as open_client:
+        assert open_client.get("/v1/configs/best", params=lookup_params()).status_code == 200
+        assert open_client.get("/v1/export").status_code == 200
+        assert open_client.post("/v1/measurements", json=measurement_data()).status_code == 401
+        assert open_client.post("/v1/import", content="").status_code == 401
+
+
+def test_token_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="unknown scope"):
+        ServiceSettings(tokens="some-long-token:superuser").token_scopes()
+    with pytest.raises(ValueError, match="token"):
+        ServiceSettings(tokens="short:read").token_scopes()
+
+
+def test_tokens_file(tmp_path: Any, sqlite_url: str) -> None:
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("# cluster tokens\nfile-token-0001:write\n")
+    with make_client(sqlite_url, tokens_file=tokens_file) as file_client:
+        response = file_client.post("/v1/measurements", json=measurement_data(), headers=bearer("file-token-0001"))
+    assert response.status_code == 201
+
+
+def _tile(**changes: Any) -> dict[str, Any]:
+    return {"config": {"forward": {"block_m": 64, **changes}}}
+
+
+SQL = "x'; DROP TABLE best_configs; --"
+BAD_MEASUREMENTS: dict[str, tuple[Any, int]] = {
+    "malformed json": ('{"gpu": {', 422),
+    "not an object": ("[1, 2, 3]", 422),
+    "empty body": ("", 422),
+    "V as a string": ({"V": "128256"}, 422),
+    "V as a bool": ({"V": True}, 422),
+    "time as a string": ({"median_ms": "fast"}, 422),
+    "sm_count as a float": ({"gpu": {**GPU_H100, "sm_count": 1.5}}, 422),
+    "config as a list": ({"config": [1, 2]}, 422),
+    "unknown top-level key": ({"priority": 1}, 422),
+    "unknown config key": ({"config": {"hook": "os.system"}}, 422),
+    "unknown tile key": (_tile(pre_hook="x"), 422),
+    "tile value as a string": (_tile(block_m="64"), 422),
+    "block not a power of two": (_tile(block_m=48), 422),
+    "block out of range": (_tile(block_m=512), 422),
+    "num_warps not allowed": (_tile(num_warps=3), 422),
+    "num_stages out of range": (_tile(num_stages=9), 422),
+    "slab_v out of range": ({"config": {"slab_v": 64}}, 422),
+    "negative time": ({"median_ms": -1.0}, 422),
+    "not a number": ({"median_ms": float("nan")}, 422),
+    "quantiles out of order": ({"p20_ms": 11.0}, 422),
+    "unknown dtype": ({"dtype": "int8"}, 422),
+    "unknown mode": ({"mode": "fast"}, 422),
+    "zero tokens": ({"tokens": 0}, 422),
+    "SQL in kernel_version": ({"kernel_version": SQL}, 422),
+    "SQL in gpu name": ({"gpu": {**GPU_H100, "name": SQL}}, 422),
+    "SQL in submitter": ({"submitter": SQL}, 422),
+    "too large": ({"host": "h" * (MAX_BODY_BYTES + 1)}, 413),
+    "gpu with other properties": ({"gpu": {**GPU_H100, "sm_count": 7}}, 409),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MEASUREMENTS))
+def test_bad_measurements_are_refused_and_change_nothing(client: TestClient, case: str) -> None:
+    post_measurement(client)
+    before = exported(client)
+    body, status = BAD_MEASUREMENTS[case]
+    if isinstance(body, dict):
+        body = json.dumps(measurement_data(**body))  # NaN stays NaN: Python writes it
+    response = client.post(
+        "/v1/measurements", content=body, headers={**bearer(WRITE_TOKEN), "Content-Type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    assert exported(client) == before
+
+
+def test_a_chunked_body_over_the_limit_is_refused(client: TestClient) -> None:
+    before = exported(client)
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(MAX_BODY_BYTES // 1024 + 2):
+            yield b" " * 1024
+
+    response = client.post(
+        "/v1/import", content=chunks(), headers=bearer(ADMIN_TOKEN)
+    )
+    assert response.status_code == 413
+    assert exported(client) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "line"),
+    [
+        ("", 1),
+        ('{"format": "cce-tuning-db", "schema_version": 9, "entries": 0, "measurements": 0}\n', 1),
+        ('{"format": "cce-tuning-db", "schema_version": 1, "entries": 1, "measurements": 1}\n{"V": 1}\n', 2),
+        (b"\xff\xfe not utf-8", 1),
+    ],
+)
+def test_bad_imports_are_refused_with_the_line_and_change_nothing(
+    client: TestClient, body: str | bytes, line: int
+) -> None:
+    post_measurement(client)
+    before = exported(client)
+    response = client.post("/v1/import", content=body, headers=bearer(ADMIN_TOKEN))
+    assert response.status_code == 422
+    assert response.json()["line"] == line
+    assert exported(client) == before
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"gpu": SQL},
+        {"kernel": "cce' OR '1'='1"},
+        {"tokens": 0},
+        {"V": "many"},
+        {"dtype": "int8"},
+        {"compute_capability": "9.0"},
+        {"extra": "1"},
+    ],
+)
+def test_bad_lookups_are_422(client: TestClient, overrides: dict[str, Any]) -> None:
+    post_measurement(client)
+    response = client.get("/v1/configs/best", params=lookup_params(**overrides), headers=bearer(READ_TOKEN))
+    assert response.status_code == 422
+    assert best(client)["match_level"] == "exact"

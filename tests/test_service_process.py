@@ -1,0 +1,97 @@
+"""A real `cce serve` process on a free loopback port, and the `cce` database commands:
+data survives a restart, and export/import move it between databases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from cce_compile.cli.main import app as cce
+from service.process import REPO_ROOT, serving
+from tests.db_fixtures import lookup_params, measurement_data
+
+READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0002", "write-token-0002", "admin-token-0002"
+TOKENS_ENV = {"CCE_SERVICE_TOKENS": f"{READ_TOKEN}:read;{WRITE_TOKEN}:write;{ADMIN_TOKEN}:admin"}
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _lookup(base_url: str) -> dict[str, Any]:
+    response = httpx.get(f"{base_url}/v1/configs/best", params=lookup_params(), headers=_bearer(READ_TOKEN))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_data_survives_a_restart_of_the_service(tmp_path: Path) -> None:
+    """The first start takes no --db-url: the per-user SQLite file, created and upgraded."""
+    log = tmp_path / "serve.log"
+    cache_home = tmp_path / "cache"
+    with serving(log, env={**TOKENS_ENV, "XDG_CACHE_HOME": str(cache_home)}) as base_url:
+        response = httpx.post(f"{base_url}/v1/measurements", json=measurement_data(), headers=_bearer(WRITE_TOKEN))
+        assert response.status_code == 201, response.text
+        first = _lookup(base_url)
+        assert first["match_level"] == "exact"
+        assert 'cce_lookups_total{match_level="exact"} 1.0' in httpx.get(f"{base_url}/metrics").text
+    database = cache_home / "cce_compile" / "tuning.db"
+    assert database.exists()
+
+    with serving(log, "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as base_url:
+        assert _lookup(base_url) == first
+
+
+def test_cli_exports_from_the_service_and_imports_into_another_database(tmp_path: Path) -> None:
+    runner = CliRunner()
+    copy_url = f"sqlite:///{tmp_path / 'copy.db'}"
+    upgraded = runner.invoke(cce, ["db", "upgrade", "--db-url", copy_url])
+    assert upgraded.exit_code == 0 and "revision 0001" in upgraded.output
+
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'origin.db'}", env=TOKENS_ENV) as base_url:
+        for tokens in (1024, 8192):
+            httpx.post(f"{base_url}/v1/measurements", json=measurement_data(tokens=tokens), headers=_bearer(WRITE_TOKEN))
+        exported = runner.invoke(cce, ["export", "--url", base_url, "--token", READ_TOKEN])
+        assert exported.exit_code == 0, exported.output
+        export_file = tmp_path / "export.jsonl"
+        export_file.write_text(exported.stdout)
+        dry_run = runner.invoke(
+            cce, ["import", str(export_file), "--url", base_url, "--token", ADMIN_TOKEN, "--dry-run"]
+        )
+        assert json.loads(dry_run.stdout)["entries_kept"] == 2
+        refused = runner.invoke(cce, ["import", str(export_file), "--url", base_url, "--token", WRITE_TOKEN])
+        assert refused.exit_code == 1 and "403" in refused.output
+
+    imported = runner.invoke(cce, ["import", str(export_file), "--db-url", copy_url, "--mode", "skip"])
+    assert imported.exit_code == 0, imported.output
+    assert json.loads(imported.stdout)["entries_added"] == 2
+    copied = runner.invoke(cce, ["export", "--db-url", copy_url])
+    assert copied.stdout == exported.stdout
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(exported.stdout.replace('"slab_v":8192', '"slab_v":8191'))
+    failed = runner.invoke(cce, ["import", str(broken), "--db-url", copy_url])
+    assert failed.exit_code == 1 and "line 2" in failed.output and "nothing was imported" in failed.output
+
+
+def test_the_cli_and_the_package_load_no_web_stack() -> None:
+    check = (
+        "import sys, cce_compile; before = set(sys.modules); import cce_compile.cli.main; "
+        "web = ('fastapi', 'uvicorn', 'starlette', 'sqlalchemy', 'alembic', 'httpx', 'psycopg'); "
+        "print([m for m in web if m in before], [m for m in web if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO_ROOT, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "[] []"
+
+
+@pytest.mark.parametrize("args", [["serve", "--help"], ["db", "upgrade", "--help"], ["import", "--help"]])
+def test_commands_are_registered(args: list[str]) -> None:
+    assert CliRunner().invoke(cce, args).exit_code == 0

@@ -1,0 +1,271 @@
+"""The tuning database's store, on SQLite and PostgreSQL: schema, best-keeping, lookup
+levels, listing, export/import and retirement."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, func, select, text
+
+from tests.db_fixtures import (  # noqa: F401  (fixtures)
+    H100_KEY,
+    db_url,
+    engine,
+    lookup_params,
+    measurement,
+    postgres_schema_url,
+    postgres_url,
+    snapshot,
+    sqlite_url,
+)
+from tuning_db import store
+from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
+from tuning_db.migrate import current_revision, head_revision, upgrade
+from tuning_db.models import Base, Measurement
+from tuning_db.records import ConfigFilters, LookupQuery, normalize_gpu_name
+
+
+def lookup(engine: Engine, **overrides: Any) -> store.LookupResult:
+    return store.lookup(engine, LookupQuery.model_validate(lookup_params(**overrides)))
+
+
+def measurement_count(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return connection.scalar(select(func.count()).select_from(Measurement)) or 0
+
+
+def test_migrations_create_exactly_the_models(engine: Engine) -> None:
+    with engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    assert current_revision(engine) == head_revision()
+
+
+def test_upgrade_twice_is_harmless(db_url: str, engine: Engine) -> None:
+    store.record_measurement(engine, measurement())
+    assert upgrade(db_url) == head_revision()
+    assert measurement_count(engine) == 1
+
+
+def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(sqlite_url: str) -> None:
+    engine = make_engine(sqlite_url)
+    with engine.connect() as connection:
+        assert connection.scalar(text("PRAGMA journal_mode")) == "wal"
+        assert connection.scalar(text("PRAGMA busy_timeout")) == 30_000
+    engine.dispose()
+
+
+def test_default_database_is_an_sqlite_file_in_the_user_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(DB_URL_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert resolve_db_url() == f"sqlite:///{tmp_path / 'cce_compile' / 'tuning.db'}"
+    monkeypatch.setenv(DB_URL_ENV, "sqlite:///elsewhere.db")
+    assert resolve_db_url() == "sqlite:///elsewhere.db"
+    assert resolve_db_url("sqlite:///given.db") == "sqlite:///given.db"
+
+
+def test_gpu_names_are_normalized() -> None:
+    assert normalize_gpu_name("  NVIDIA  H100_80GB HBM3 ") == "nvidia-h100-80gb-hbm3"
+
+
+def test_best_is_the_fastest_and_every_measurement_is_kept(engine: Engine) -> None:
+    first = store.record_measurement(engine, measurement(10.0))
+    slower = store.record_measurement(engine, measurement(12.0))
+    faster = store.record_measurement(engine, measurement(8.0, config={"vocab_splits": 32}))
+    assert (first.is_best, slower.is_best, faster.is_best) == (True, False, True)
+    assert first.entry_id == slower.entry_id == faster.entry_id
+    assert slower.best_median_ms == 10.0
+    assert measurement_count(engine) == 3
+    entry = lookup(engine).entry
+    assert entry is not None
+    assert entry.median_ms == 8.0
+    assert entry.measurement_uid == faster.measurement_uid
+    assert entry.config["vocab_splits"] == 32
+    assert entry.speedup == pytest.approx(15.0 / 8.0)
+
+
+def test_configs_are_stored_in_canonical_form(engine: Engine) -> None:
+    store.record_measurement(engine, measurement(config={"forward": {"block_m": 128}}))
+    config = lookup(engine).entry.config  # type: ignore[union-attr]
+    assert set(config) == {"forward", "grad_logits", "grad_classifier", "grad_hidden", "slab_v", "vocab_splits"}
+    assert config["forward"]["block_m"] == 128
+    assert config["forward"]["num_warps"] == 4
+
+
+def test_a_gpu_name_with_other_properties_is_refused_and_nothing_written(engine: Engine) -> None:
+    store.record_measurement(engine, measurement())
+    before = snapshot(engine)
+    other_sm_count = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "sm_count": 114, "memory_bytes": 1}
+    with pytest.raises(store.ConflictError, match="114"):
+        store.record_measurement(engine, measurement(5.0, gpu=other_sm_count))
+    assert snapshot(engine) == before
+
+
+GPU_H100_PCIE = {"name": "NVIDIA H100 PCIe", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1}
+
+
+@pytest.mark.parametrize(
+    ("stored", "asked", "level"),
+    [
+        ({}, {}, "exact"),
+        ({"tokens": 4096}, {"tokens": 8192}, "nearest_bucket"),
+        ({"tokens": 32768}, {"tokens": 8192}, "nearest_bucket"),
+        ({"tokens": 65536}, {"tokens": 8192}, "none"),  # 8x away: never snap that far
+        ({"tokens": 1024}, {"tokens": 8192}, "none"),
+        ({}, {"triton_version": "3.6.0"}, "stale_triton"),
+        ({"tokens": 4096}, {"triton_version": "3.6.0"}, "stale_triton"),
+        ({"gpu": GPU_H100_PCIE}, {}, "none"),  # an unknown GPU name and no arch given
+        ({"gpu": GPU_H100_PCIE}, {"compute_capability": "9.0", "sm_count": 132}, "same_arch"),
+        ({"gpu": GPU_H100_PCIE}, {"compute_capability": "9.0", "sm_count": 114}, "none"),
+        ({}, {"kernel_version": "other"}, "none"),
+        ({}, {"V": 32000}, "none"),
+        ({}, {"dtype": "float16"}, "none"),
+        ({}, {"mode": "filtered"}, "none"),
+    ],
+)
+def test_lookup_match_levels(engine: Engine, stored: dict[str, Any], asked: dict[str, Any], level: str) -> None:
+    store.record_measurement(engine, measurement(**stored))
+    assert lookup(engine, **asked).match_level == level
+
+
+def test_lookup_uses_the_stored_arch_of_a_known_gpu(engine: Engine) -> None:
+    store.record_measurement(engine, measurement(kernel_version="only-on-pcie", gpu=GPU_H100_PCIE))
+    store.record_measurement(engine, measurement(kernel_version="other"))  # registers the H100 SXM
+    assert lookup(engine, kernel_version="only-on-pcie").match_level == "same_arch"
+
+
+def test_lookup_prefers_the_better_level_then_the_nearer_bucket(engine: Engine) -> None:
+    store.record_measurement(engine, measurement(1.0, triton_version="3.4.0"))  # stale but exact bucket
+    store.record_measurement(engine, measurement(2.0, tokens=32768))  # same triton, 4x away
+    store.record_measurement(engine, measurement(3.0, tokens=16384))  # same triton, 2x away
+    result = lookup(engine)
+    assert (result.match_level, result.entry.n_bucket) == ("nearest_bucket", 16384)  # type: ignore[union-attr]
+    store.record_measurement(engine, measurement(4.0, tokens=4096))  # 2x away, the other side
+    assert lookup(engine).entry.n_bucket == 16384  # type: ignore[union-attr]  (a tie goes to the larger)
+
+
+def test_retired_entries_are_skipped_then_replaced_by_the_next_measurement(engine: Engine) -> None:
+    bogus = store.record_measurement(engine, measurement(0.001))
+    retired = store.retire(engine, bogus.entry_id)
+    assert retired.retired
+    assert lookup(engine).match_level == "none"
+    assert store.list_configs(engine, ConfigFilters())[1] == 0
+    assert store.list_configs(engine, ConfigFilters(include_retired=True))[1] == 1
+    replacement = store.record_measurement(engine, measurement(10.0))
+    assert replacement.is_best and replacement.entry_id == bogus.entry_id
+    assert lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+    assert measurement_count(engine) == 2
+
+
+def test_retiring_an_unknown_entry_is_not_found(engine: Engine) -> None:
+    with pytest.raises(store.NotFoundError):
+        store.retire(engine, 999)
+
+
+def test_list_configs_filters_and_pages(engine: Engine) -> None:
+    for tokens in (1024, 2048, 4096, 8192):
+        store.record_measurement(engine, measurement(tokens=tokens))
+    store.record_measurement(engine, measurement(dtype="float16"))
+    page, total = store.list_configs(engine, ConfigFilters(dtype="bfloat16"), limit=3, offset=0)
+    assert total == 4 and [entry.n_bucket for entry in page] == [1024, 2048, 4096]
+    page, total = store.list_configs(engine, ConfigFilters(dtype="bfloat16"), limit=3, offset=3)
+    assert total == 4 and [entry.n_bucket for entry in page] == [8192]
+    assert store.list_configs(engine, ConfigFilters(gpu="nvidia h100 80gb hbm3", dtype="float16"))[1] == 1
+    assert store.list_configs(engine, ConfigFilters(gpu="unknown"))[1] == 0
+
+
+def test_list_gpus_counts_live_entries(engine: Engine) -> None:
+    store.record_measurement(engine, measurement())
+    store.record_measurement(engine, measurement(tokens=1024))
+    retired = store.record_measurement(engine, measurement(gpu=GPU_H100_PCIE))
+    store.retire(engine, retired.entry_id)
+    assert [(gpu.name, gpu.entries) for gpu in store.list_gpus(engine)] == [(H100_KEY, 2), ("nvidia-h100-pcie", 0)]
+
+
+def _fill(engine: Engine) -> None:
+    for tokens, median_ms in ((1024, 1.0), (8192, 8.0), (65536, 60.0)):
+        store.record_measurement(engine, measurement(median_ms, tokens=tokens))
+        store.record_measurement(engine, measurement(median_ms * 1.5, tokens=tokens))
+    store.record_measurement(engine, measurement(3.0, gpu=GPU_H100_PCIE, dtype="float32"))
+
+
+def test_export_has_a_header_and_round_trips_into_an_empty_database(engine: Engine, tmp_path: Any) -> None:
+    _fill(engine)
+    exported = store.export_jsonl(engine)
+    assert json.loads(exported[0]) == {"format": "cce-tuning-db", "schema_version": 1, "entries": 4, "measurements": 7}
+    target_url = f"sqlite:///{tmp_path / 'copy.db'}"
+    upgrade(target_url)
+    target = make_engine(target_url)
+    report = store.import_jsonl(target, exported)
+    assert (report.lines, report.measurements_added, report.entries_added) == (4, 4, 4)
+    assert store.export_jsonl(target)[1:] == exported[1:]
+    again = store.import_jsonl(target, exported)
+    assert (again.measurements_added, again.entries_added, again.entries_kept) == (0, 0, 4)
+    target.dispose()
+
+
+def _exported_with(engine: Engine, median_ms: float) -> list[str]:
+    """An export file holding one entry for the default key, timed at `median_ms`."""
+    lines = store.export_jsonl(engine)
+    entry = json.loads(lines[1])
+    entry.update(median_ms=median_ms, p20_ms=median_ms, p80_ms=median_ms, measurement_uid="f" * 32)
+    return [json.dumps({**json.loads(lines[0]), "entries": 1}), json.dumps(entry)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "imported_ms", "best_after", "replaced"),
+    [
+        ("keep_better", 5.0, 5.0, 1),
+        ("keep_better", 20.0, 10.0, 0),
+        ("skip", 5.0, 10.0, 0),
+        ("overwrite", 20.0, 20.0, 1),
+    ],
+)
+def test_import_modes(engine: Engine, mode: str, imported_ms: float, best_after: float, replaced: int) -> None:
+    store.record_measurement(engine, measurement(10.0))
+    report = store.import_jsonl(engine, _exported_with(engine, imported_ms), mode=mode)  # type: ignore[arg-type]
+    assert (report.entries_replaced, report.entries_kept, report.measurements_added) == (replaced, 1 - replaced, 1)
+    assert lookup(engine).entry.median_ms == best_after  # type: ignore[union-attr]
+
+
+def test_import_dry_run_reports_and_changes_nothing(engine: Engine) -> None:
+    store.record_measurement(engine, measurement(10.0))
+    before = snapshot(engine)
+    report = store.import_jsonl(engine, _exported_with(engine, 5.0), dry_run=True)
+    assert (report.entries_replaced, report.measurements_added, report.dry_run) == (1, 1, True)
+    assert snapshot(engine) == before
+
+
+def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:
+    header, entry = valid[0], json.loads(valid[1])
+    second = dict(entry, measurement_uid="e" * 32, tokens=1024)
+    two = json.dumps({**json.loads(header), "entries": 2})
+    conflicting_gpu = dict(second, gpu=dict(entry["gpu"], sm_count=7))
+    return {
+        "bad config": ([two, json.dumps(second), json.dumps(dict(entry, config={"slab_v": 100}))], 3),
+        "unknown key": ([two, json.dumps(second), json.dumps(dict(entry, extra=1))], 3),
+        "not json": ([two, json.dumps(second), "{not json"], 3),
+        "gpu conflict found while writing": ([two, json.dumps(second), json.dumps(conflicting_gpu)], 3),
+        "newer schema": ([json.dumps({**json.loads(header), "schema_version": 2}), json.dumps(entry)], 1),
+        "truncated file": ([two, json.dumps(second)], 1),
+        "empty": ([], 1),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bad config", "unknown key", "not json", "gpu conflict found while writing", "newer schema", "truncated file", "empty"],
+)
+def test_a_bad_import_file_changes_nothing(engine: Engine, case: str) -> None:
+    store.record_measurement(engine, measurement(10.0))
+    before = snapshot(engine)
+    lines, line_number = _bad_import_files(_exported_with(engine, 5.0))[case]
+    with pytest.raises(store.ImportFormatError) as raised:
+        store.import_jsonl(engine, lines)
+    assert raised.value.line_number == line_number
+    assert snapshot(engine) == before

@@ -1,0 +1,80 @@
+"""One engine per database URL, for SQLite (one machine) and PostgreSQL (a cluster).
+
+The URL comes from the caller, else `CCE_TUNING_DB_URL`, else an SQLite file in the
+user's cache dir. SQLite gets WAL (readers never block the writer), a busy timeout, and
+write transactions that take the write lock at BEGIN (BEGIN IMMEDIATE): a deferred
+transaction that reads before it writes can fail at once with "database is locked" when
+another writer commits in between, whatever the busy timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+DB_URL_ENV = "CCE_TUNING_DB_URL"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+CONNECT_TIMEOUT_S = 5
+"""A cluster node must fall back to its defaults quickly when the database is down."""
+WRITE_OPTION = "cce_write"
+"""Execution option that marks a connection's transactions as writes (BEGIN IMMEDIATE)."""
+
+
+def default_db_url() -> str:
+    """The per-user SQLite file, so a single machine works with no setup."""
+    cache_dir = Path(platformdirs.user_cache_dir("cce_compile", ensure_exists=True))
+    return f"sqlite:///{cache_dir / 'tuning.db'}"
+
+
+def resolve_db_url(url: str | None = None) -> str:
+    return url or os.environ.get(DB_URL_ENV) or default_db_url()
+
+
+def make_engine(url: str | None = None) -> Engine:
+    url = resolve_db_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(url)
+        _configure_sqlite(engine)
+        return engine
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy emit BEGIN itself (the sqlite3 module would skip it for reads).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        is_write = connection.get_execution_options().get(WRITE_OPTION, False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if is_write else "BEGIN")
+
+
+@contextmanager
+def write_session(engine: Engine) -> Iterator[Session]:
+    """A transaction that commits on success and rolls back on any error."""
+    with Session(engine, execution_options={WRITE_OPTION: True}) as session, session.begin():
+        yield session
+
+
+@contextmanager
+def read_session(engine: Engine, snapshot: bool = False) -> Iterator[Session]:
+    """A read transaction; `snapshot` makes several queries see one state (PostgreSQL)."""
+    options = {"isolation_level": "REPEATABLE READ"} if snapshot and engine.dialect.name == "postgresql" else {}
+    with Session(engine, execution_options=options) as session, session.begin():
+        yield session

@@ -1,0 +1,51 @@
+"""Schema versions through Alembic, configured from Python so an installed package works
+from any working directory (no alembic.ini)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine
+
+from tuning_db.engine import WRITE_OPTION, make_engine
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Alembic's config; migrations/env.py runs on the `connection` passed here."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    return config
+
+
+@cache
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "tuning_db/migrations has no revision"
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> str | None:
+    """Bring the database at `url` to `revision`; safe to run from several processes at once
+    (SQLite serializes them on the write lock, PostgreSQL on the transactional DDL)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            connection.execution_options(**{WRITE_OPTION: True})
+            with connection.begin():
+                command.upgrade(alembic_config(connection), revision)
+        return current_revision(engine)
+    finally:
+        engine.dispose()

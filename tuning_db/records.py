@@ -1,0 +1,213 @@
+"""What goes into and comes out of the tuning database, as validated data.
+
+The service's request bodies, the import lines and the store's answers are these models,
+so a value is checked the same way whether it arrives over HTTP or in an export file.
+Every incoming config goes through `KernelConfig.from_dict` and is kept in its canonical
+`to_dict()` form. Names are restricted to a small alphabet: they are keys, never text.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from cce_compile.config.kernel_config import KernelConfig
+
+NEAREST_BUCKET_FACTOR = 4
+"""A config tuned for another token bucket is used only within this factor (never snap far)."""
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+Mode = Literal["exact", "filtered"]
+MatchLevel = Literal["exact", "nearest_bucket", "stale_triton", "same_arch", "none"]
+ImportMode = Literal["keep_better", "skip", "overwrite"]
+MATCH_LEVELS: tuple[MatchLevel, ...] = ("exact", "nearest_bucket", "stale_triton", "same_arch", "none")
+
+
+def normalize_gpu_name(name: str) -> str:
+    """One spelling per GPU model: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return "-".join(name.lower().replace("_", " ").split())
+
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+\-]{1,128}$")]
+GpuName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9 _.()\-]{1,128}$"), AfterValidator(normalize_gpu_name)
+]
+ComputeCapability = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$")]
+SmCount = Annotated[int, Field(ge=1, le=4096)]
+VocabSize = Annotated[int, Field(ge=1, le=2**31 - 1)]
+HiddenSize = Annotated[int, Field(ge=1, le=2**20)]
+Tokens = Annotated[int, Field(ge=1, le=2**40)]
+Milliseconds = Annotated[float, Field(gt=0, lt=1e7, allow_inf_nan=False)]
+
+
+class StrictModel(BaseModel):
+    """Untrusted JSON: no coercion ("64" is not 64), no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class GpuSpec(StrictModel):
+    name: GpuName
+    compute_capability: ComputeCapability
+    sm_count: SmCount
+    memory_bytes: int = Field(ge=0, le=2**50)
+
+
+class MeasurementIn(StrictModel):
+    """One timed run of one config, as a tuner submits it."""
+
+    gpu: GpuSpec
+    kernel: Name
+    kernel_version: Name = Field(description="hash of the kernel source, from the client")
+    triton_version: Name
+    torch_version: Name
+    V: VocabSize
+    D: HiddenSize
+    dtype: Dtype
+    tokens: Tokens = Field(description="N, the token count that was timed")
+    mode: Mode
+    config: dict[str, Any]
+    median_ms: Milliseconds
+    p20_ms: Milliseconds
+    p80_ms: Milliseconds
+    default_ms: Milliseconds = Field(description="the default config's time in the same run")
+    method: Name = Field(description="how it was timed, e.g. triton.do_bench")
+    submitter: Name
+    host: Name
+
+    @field_validator("config")
+    @classmethod
+    def _canonical_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return KernelConfig.from_dict(config).to_dict()
+
+    @model_validator(mode="after")
+    def _ordered_quantiles(self) -> MeasurementIn:
+        if not self.p20_ms <= self.median_ms <= self.p80_ms:
+            raise ValueError("times must satisfy p20_ms <= median_ms <= p80_ms")
+        return self
+
+
+class ExportLine(MeasurementIn):
+    """One best entry in an export file: its measurement, with the identity it had."""
+
+    measurement_uid: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+    created_at: datetime
+
+
+class ExportHeader(StrictModel):
+    """First line of an export; an importer rejects any other format or schema version."""
+
+    format: Literal["cce-tuning-db"] = "cce-tuning-db"
+    schema_version: Literal[1] = 1
+    entries: int = Field(ge=0)
+    measurements: int = Field(ge=0)
+
+
+class LookupQuery(BaseModel):
+    """A launch's question: the best config for this GPU and problem (query strings, so lax)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: GpuName
+    kernel: Name
+    kernel_version: Name
+    triton_version: Name
+    V: VocabSize
+    D: HiddenSize
+    dtype: Dtype
+    tokens: Tokens
+    mode: Mode
+    compute_capability: ComputeCapability | None = Field(
+        None, description="with sm_count, allows a same_arch answer for a GPU the store has not seen"
+    )
+    sm_count: SmCount | None = None
+
+    @model_validator(mode="after")
+    def _arch_given_together(self) -> LookupQuery:
+        if (self.compute_capability is None) != (self.sm_count is None):
+            raise ValueError("compute_capability and sm_count go together")
+        return self
+
+
+class BestEntry(BaseModel):
+    """A best config with the measurement it came from."""
+
+    entry_id: int
+    gpu: GpuSpec
+    kernel: str
+    kernel_version: str
+    triton_version: str
+    torch_version: str
+    V: int
+    D: int
+    dtype: str
+    n_bucket: int
+    mode: str
+    config: dict[str, Any]
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    default_ms: float
+    speedup: float = Field(description="default_ms / median_ms")
+    tokens: int
+    method: str
+    submitter: str
+    host: str
+    measurement_uid: str
+    measured_at: datetime
+    updated_at: datetime
+    retired: bool
+
+
+class LookupResult(BaseModel):
+    match_level: MatchLevel
+    n_bucket: int = Field(description="the bucket of the requested token count")
+    entry: BestEntry | None
+
+
+class RecordResult(BaseModel):
+    measurement_uid: str
+    entry_id: int
+    is_best: bool = Field(description="whether this measurement is now the key's best")
+    best_median_ms: float
+
+
+class GpuSummary(BaseModel):
+    name: str
+    compute_capability: str
+    sm_count: int
+    memory_bytes: int
+    entries: int = Field(description="live best configs for this GPU")
+
+
+class ConfigFilters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: GpuName | None = None
+    kernel: Name | None = None
+    kernel_version: Name | None = None
+    triton_version: Name | None = None
+    V: VocabSize | None = None
+    D: HiddenSize | None = None
+    dtype: Dtype | None = None
+    mode: Mode | None = None
+    include_retired: bool = False
+
+
+class ImportReport(BaseModel):
+    lines: int
+    measurements_added: int = Field(description="measurements not already present (by uid)")
+    entries_added: int = Field(description="keys that had no best entry")
+    entries_replaced: int
+    entries_kept: int = Field(description="keys whose existing entry stayed (better, or mode=skip)")
+    dry_run: bool

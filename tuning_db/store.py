@@ -1,0 +1,394 @@
+"""The operations on the tuning database (the service's and the CLI's only way in).
+
+Writes go through `write_session` (one transaction each). A measurement is appended, then
+the key's best entry is changed by a single INSERT ... ON CONFLICT DO UPDATE ... WHERE the
+new time is faster (or the entry is retired): the database compares the times under its
+own row lock, so concurrent writers can never lose the faster one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import ColumnElement, Engine, and_, func, or_, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, aliased
+
+from cce_compile.config.plan import n_bucket
+from tuning_db.engine import read_session, write_session
+from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement
+from tuning_db.records import (
+    MATCH_LEVELS,
+    NEAREST_BUCKET_FACTOR,
+    BestEntry,
+    ConfigFilters,
+    ExportHeader,
+    ExportLine,
+    GpuSpec,
+    GpuSummary,
+    ImportMode,
+    ImportReport,
+    LookupQuery,
+    LookupResult,
+    MatchLevel,
+    MeasurementIn,
+    RecordResult,
+)
+
+
+class StoreError(Exception):
+    """A request the store refuses; nothing was written."""
+
+
+class NotFoundError(StoreError):
+    pass
+
+
+class ConflictError(StoreError):
+    """The data contradicts what the store holds (e.g. a GPU name with other properties)."""
+
+
+class ImportFormatError(StoreError):
+    def __init__(self, line_number: int, message: str) -> None:
+        super().__init__(f"line {line_number}: {message}")
+        self.line_number = line_number
+
+
+_FILTER_COLUMNS: dict[str, Any] = {
+    "gpu": Gpu.name,
+    "kernel": BestConfig.kernel,
+    "kernel_version": BestConfig.kernel_version,
+    "triton_version": BestConfig.triton_version,
+    "V": BestConfig.v,
+    "D": BestConfig.d,
+    "dtype": BestConfig.dtype,
+    "mode": BestConfig.mode,
+}
+_PROBLEM_FIELDS = {"kernel", "kernel_version", "V", "D", "dtype", "mode"}
+_BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _as_utc(moment: datetime) -> datetime:
+    """SQLite hands back naive UTC, PostgreSQL aware times in the session's zone."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def _dialect_insert(session: Session) -> Callable[..., Any]:
+    """The insert with ON CONFLICT support for the session's database."""
+    return {"sqlite": sqlite.insert, "postgresql": postgresql.insert}[session.get_bind().dialect.name]
+
+
+def _equal_to(values: Mapping[str, Any]) -> list[ColumnElement[bool]]:
+    return [_FILTER_COLUMNS[name] == value for name, value in values.items() if value is not None]
+
+
+def _same_key(measurement: Measurement) -> list[ColumnElement[bool]]:
+    return [getattr(BestConfig, column) == getattr(measurement, column) for column in BEST_KEY_COLUMNS]
+
+
+def _gpu_id(session: Session, spec: GpuSpec) -> int:
+    """The GPU's id, registering it on first sight (race-free: insert-or-nothing, then read)."""
+    insert = _dialect_insert(session)
+    session.execute(insert(Gpu).values(spec.model_dump()).on_conflict_do_nothing(index_elements=["name"]))
+    gpu = session.scalars(select(Gpu).where(Gpu.name == spec.name)).one()
+    if (gpu.compute_capability, gpu.sm_count) != (spec.compute_capability, spec.sm_count):
+        raise ConflictError(
+            f"GPU {spec.name!r} is registered with compute capability {gpu.compute_capability} and "
+            f"{gpu.sm_count} SMs, not {spec.compute_capability} and {spec.sm_count}"
+        )
+    return gpu.id
+
+
+def _add_measurement(
+    session: Session, measurement: MeasurementIn, uid: str, created_at: datetime
+) -> tuple[Measurement, bool]:
+    """Append a measurement unless one with this uid exists; returns the stored row and
+    whether it was added (a re-imported file adds nothing twice)."""
+    values = measurement.model_dump(exclude={"gpu", "V", "D", "measurement_uid", "created_at"})
+    values |= {
+        "uid": uid,
+        "gpu_id": _gpu_id(session, measurement.gpu),
+        "v": measurement.V,
+        "d": measurement.D,
+        "n_bucket": n_bucket(measurement.tokens),
+        "created_at": created_at,
+    }
+    insert = _dialect_insert(session)
+    added = session.scalars(
+        insert(Measurement).values(values).on_conflict_do_nothing(index_elements=["uid"]).returning(Measurement)
+    ).one_or_none()
+    if added is not None:
+        return added, True
+    return session.scalars(select(Measurement).where(Measurement.uid == uid)).one(), False
+
+
+def _upsert_best(session: Session, measurement: Measurement, mode: ImportMode) -> bool:
+    """Point the key's best entry at `measurement` if `mode` says so, in one statement;
+    returns whether it did. keep_better: only when faster than the live entry."""
+    insert = _dialect_insert(session)
+    statement = insert(BestConfig).values(
+        **{column: getattr(measurement, column) for column in BEST_KEY_COLUMNS},
+        median_ms=measurement.median_ms,
+        measurement_id=measurement.id,
+        retired=False,
+        updated_at=_now(),
+    )
+    if mode == "skip":
+        statement = statement.on_conflict_do_nothing(index_elements=list(BEST_KEY_COLUMNS))
+    else:
+        faster_or_retired = or_(statement.excluded.median_ms < BestConfig.median_ms, BestConfig.retired)
+        statement = statement.on_conflict_do_update(
+            index_elements=list(BEST_KEY_COLUMNS),
+            set_={column: statement.excluded[column] for column in _BEST_VALUE_COLUMNS},
+            where=None if mode == "overwrite" else faster_or_retired,
+        )
+    return session.execute(statement.returning(BestConfig.id)).scalar_one_or_none() is not None
+
+
+def _measurement_fields(measurement: Measurement) -> dict[str, Any]:
+    """A stored measurement as MeasurementIn's fields."""
+    gpu = measurement.gpu
+    return {
+        "gpu": GpuSpec(
+            name=gpu.name,
+            compute_capability=gpu.compute_capability,
+            sm_count=gpu.sm_count,
+            memory_bytes=gpu.memory_bytes,
+        ),
+        "V": measurement.v,
+        "D": measurement.d,
+        **{
+            name: getattr(measurement, name)
+            for name in MeasurementIn.model_fields
+            if name not in {"gpu", "V", "D"}
+        },
+    }
+
+
+def _entry(best: BestConfig) -> BestEntry:
+    measurement = best.measurement
+    return BestEntry(
+        **_measurement_fields(measurement),
+        entry_id=best.id,
+        n_bucket=best.n_bucket,
+        speedup=measurement.default_ms / measurement.median_ms,
+        measurement_uid=measurement.uid,
+        measured_at=_as_utc(measurement.created_at),
+        updated_at=_as_utc(best.updated_at),
+        retired=best.retired,
+    )
+
+
+def record_measurement(engine: Engine, measurement: MeasurementIn) -> RecordResult:
+    """Append one measurement and make it the key's best if it is the fastest, atomically."""
+    with write_session(engine) as session:
+        row, _ = _add_measurement(session, measurement, uuid.uuid4().hex, _now())
+        _upsert_best(session, row, "keep_better")
+        best_id, best_measurement_id, best_median_ms = session.execute(
+            select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms).where(*_same_key(row))
+        ).one()
+        return RecordResult(
+            measurement_uid=row.uid,
+            entry_id=best_id,
+            is_best=best_measurement_id == row.id,
+            best_median_ms=best_median_ms,
+        )
+
+
+def _match_level(best: BestConfig, query: LookupQuery, bucket: int) -> MatchLevel:
+    if best.gpu.name != query.gpu:
+        return "same_arch"
+    if best.triton_version != query.triton_version:
+        return "stale_triton"
+    return "exact" if best.n_bucket == bucket else "nearest_bucket"
+
+
+def _same_gpu_or_arch(query: LookupQuery) -> ColumnElement[bool]:
+    """The named GPU, or another with its architecture: the query's, else the one the
+    store holds for the named GPU (a subquery, so a lookup is one round trip)."""
+    same_name = Gpu.name == query.gpu
+    if query.compute_capability is not None:
+        return or_(same_name, and_(Gpu.compute_capability == query.compute_capability, Gpu.sm_count == query.sm_count))
+    named = aliased(Gpu)
+    arch_of_named = select(named.compute_capability, named.sm_count).where(named.name == query.gpu)
+    return or_(same_name, tuple_(Gpu.compute_capability, Gpu.sm_count).in_(arch_of_named))
+
+
+def lookup(engine: Engine, query: LookupQuery) -> LookupResult:
+    """The best live config for a launch, with how closely it matches (see MATCH_LEVELS).
+
+    Only entries of the same kernel version, V, D, dtype and mode whose token bucket is
+    within NEAREST_BUCKET_FACTOR qualify; among them the better match level wins, then the
+    nearer bucket (the larger one on a tie), then the same Triton, then the newest.
+    """
+    bucket = n_bucket(query.tokens)
+    with read_session(engine) as session:
+        candidates = session.scalars(
+            select(BestConfig)
+            .join(Gpu, BestConfig.gpu_id == Gpu.id)
+            .where(
+                *_equal_to(query.model_dump(include=_PROBLEM_FIELDS)),
+                BestConfig.retired.is_(False),
+                BestConfig.n_bucket.between(bucket // NEAREST_BUCKET_FACTOR, bucket * NEAREST_BUCKET_FACTOR),
+                _same_gpu_or_arch(query),
+            )
+        ).all()
+        if not candidates:
+            return LookupResult(match_level="none", n_bucket=bucket, entry=None)
+
+        def rank(best: BestConfig) -> tuple[Any, ...]:
+            return (
+                MATCH_LEVELS.index(_match_level(best, query, bucket)),
+                abs(best.n_bucket.bit_length() - bucket.bit_length()),
+                best.triton_version != query.triton_version,
+                -best.n_bucket,
+                -_as_utc(best.updated_at).timestamp(),
+                best.id,
+            )
+
+        chosen = min(candidates, key=rank)
+        return LookupResult(match_level=_match_level(chosen, query, bucket), n_bucket=bucket, entry=_entry(chosen))
+
+
+def list_configs(
+    engine: Engine, filters: ConfigFilters, limit: int = 100, offset: int = 0
+) -> tuple[list[BestEntry], int]:
+    """A page of best entries matching `filters` (extra fields of a subclass are ignored),
+    in id order, and the total count."""
+    conditions = _equal_to(filters.model_dump(include=set(_FILTER_COLUMNS)))
+    if not filters.include_retired:
+        conditions.append(BestConfig.retired.is_(False))
+    with read_session(engine, snapshot=True) as session:
+        matching = select(BestConfig).join(Gpu, BestConfig.gpu_id == Gpu.id).where(*conditions)
+        total = session.scalar(select(func.count()).select_from(matching.subquery()))
+        page = session.scalars(matching.order_by(BestConfig.id).limit(limit).offset(offset)).all()
+        return [_entry(best) for best in page], total or 0
+
+
+def list_gpus(engine: Engine) -> list[GpuSummary]:
+    live_entries = func.count(BestConfig.id)
+    with read_session(engine) as session:
+        rows = session.execute(
+            select(Gpu, live_entries)
+            .outerjoin(BestConfig, and_(BestConfig.gpu_id == Gpu.id, BestConfig.retired.is_(False)))
+            .group_by(Gpu.id)
+            .order_by(Gpu.name)
+        ).all()
+        return [
+            GpuSummary(
+                name=gpu.name,
+                compute_capability=gpu.compute_capability,
+                sm_count=gpu.sm_count,
+                memory_bytes=gpu.memory_bytes,
+                entries=entries,
+            )
+            for gpu, entries in rows
+        ]
+
+
+def retire(engine: Engine, entry_id: int) -> BestEntry:
+    """Flag a best entry as bad: lookups skip it and the key's next measurement replaces it."""
+    with write_session(engine) as session:
+        flagged = session.execute(
+            update(BestConfig)
+            .where(BestConfig.id == entry_id)
+            .values(retired=True, updated_at=_now())
+            .returning(BestConfig.id)
+        ).scalar_one_or_none()
+        if flagged is None:
+            raise NotFoundError(f"no config entry {entry_id}")
+        best = session.scalars(
+            select(BestConfig).where(BestConfig.id == entry_id).execution_options(populate_existing=True)
+        ).one()
+        return _entry(best)
+
+
+def export_jsonl(engine: Engine) -> list[str]:
+    """The live best entries as JSON lines, after a header line; one consistent snapshot,
+    in key order, so two exports of the same data are identical."""
+    with read_session(engine, snapshot=True) as session:
+        live = session.scalars(
+            select(BestConfig)
+            .join(Gpu, BestConfig.gpu_id == Gpu.id)
+            .where(BestConfig.retired.is_(False))
+            .order_by(Gpu.name, *(getattr(BestConfig, column) for column in BEST_KEY_COLUMNS[1:]))
+        ).all()
+        header = ExportHeader(
+            entries=len(live), measurements=session.scalar(select(func.count()).select_from(Measurement)) or 0
+        )
+        lines = [
+            ExportLine(
+                **_measurement_fields(best.measurement),
+                measurement_uid=best.measurement.uid,
+                created_at=_as_utc(best.measurement.created_at),
+            ).model_dump_json()
+            for best in live
+        ]
+        return [header.model_dump_json(), *lines]
+
+
+def _validation_message(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, item['loc'])) or 'line'}: {item['msg']}" for item in error.errors())
+
+
+def _parse_export(lines: Iterable[str]) -> list[tuple[int, ExportLine]]:
+    """Validate a whole export file before anything is written."""
+    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise ImportFormatError(1, "empty file: expected a header line")
+    header_number, header_line = numbered[0]
+    try:
+        header = ExportHeader.model_validate_json(header_line)
+    except ValidationError as error:
+        raise ImportFormatError(header_number, f"bad header: {_validation_message(error)}") from None
+    entries: list[tuple[int, ExportLine]] = []
+    for number, line in numbered[1:]:
+        try:
+            entries.append((number, ExportLine.model_validate_json(line)))
+        except ValidationError as error:
+            raise ImportFormatError(number, _validation_message(error)) from None
+    if len(entries) != header.entries:
+        raise ImportFormatError(header_number, f"header announces {header.entries} entries, file has {len(entries)}")
+    return entries
+
+
+def import_jsonl(
+    engine: Engine, lines: Iterable[str], mode: ImportMode = "keep_better", dry_run: bool = False
+) -> ImportReport:
+    """Import an export file in one transaction: all of it or nothing.
+
+    Every line's measurement joins the history once (by its uid); `mode` decides the key's
+    best entry: keep_better keeps the faster, skip keeps any existing entry, overwrite
+    takes the file's. `dry_run` does all of it and rolls back, to report what would change.
+    """
+    entries = _parse_export(lines)
+    counts: Counter[str] = Counter()
+    with write_session(engine) as session:
+        for number, line in entries:
+            try:
+                measurement, added = _add_measurement(session, line, line.measurement_uid, line.created_at)
+            except ConflictError as error:
+                raise ImportFormatError(number, str(error)) from None
+            counts["measurements_added"] += added
+            existed = session.scalar(select(BestConfig.id).where(*_same_key(measurement))) is not None
+            applied = _upsert_best(session, measurement, mode)
+            counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
+        if dry_run:
+            session.rollback()
+    return ImportReport(
+        lines=len(entries),
+        measurements_added=counts["measurements_added"],
+        entries_added=counts["entries_added"],
+        entries_replaced=counts["entries_replaced"],
+        entries_kept=counts["entries_kept"],
+        dry_run=dry_run,
+    )
