@@ -38,8 +38,10 @@ def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
     ref_loss, ref_de, ref_dc = fp32_reference(e, c, targets, **options)
     tol = GPU_TOLERANCE[dtype]
     assert relative_error(loss, ref_loss) < tol / 10
-    assert relative_error(e.grad, ref_de) < tol
-    assert relative_error(c.grad, ref_dc) < tol
+    # fp16 gradients of a mean loss are partly subnormal: never ask for better than the
+    # fp32 reference itself rounded to the dtype.
+    for grad, ref in ((e.grad, ref_de), (c.grad, ref_dc)):
+        assert relative_error(grad, ref) < max(tol, 2 * relative_error(ref.to(dtype), ref))
 
 
 def test_huge_classifier_needs_64bit_offsets() -> None:
@@ -60,7 +62,7 @@ def test_huge_classifier_needs_64bit_offsets() -> None:
     # dC of the last rows, computed from the reference softmax of those columns only.
     logits = e.detach().float() @ c.detach()[tail].float().T
     lse = torch.logsumexp(e.detach().float() @ c.detach().float().T, dim=1)
-    grad_logits = (torch.exp(logits - lse[:, None]) - (targets[:, None] == torch.arange(v - 8, v, device="cuda"))) / n
+    grad_logits = (torch.exp(logits - lse[:, None]) - (targets[:, None] == torch.arange(v - 8, v, device="cuda")).float()) / n
     ref_tail = grad_logits.T @ e.detach().float()
     assert relative_error(c.grad[tail], ref_tail) < 1e-2
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from ..config.plan import n_bucket, plan_backward
@@ -58,7 +59,9 @@ def linear_cross_entropy_backward(
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
-    cublas = e.is_cuda and not scaled and GEMM_BACKEND == "cublas"
+    # Eager CUDA calls use cuBLAS; a traced call (torch.compile) keeps the Triton GEMMs,
+    # whose whole-buffer mutations Inductor handles without copies.
+    cublas = e.is_cuda and not scaled and not is_fake(e) and GEMM_BACKEND == "cublas"
     scale = torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
     bias_chunks: list[Tensor] = []
     last_slab = (v - 1) // plan.slab_v * plan.slab_v
