@@ -53,23 +53,30 @@ class BackwardPlan:
 
 
 def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig) -> BackwardPlan:
-    """Fewest token chunks (then the widest slab) whose scratch fits SCRATCH_FRACTION of the
-    gradients, so large GEMMs stay large; falls back to the smallest plan when none fits."""
+    """The plan with the most d-logits per slab step (rows x slab_v: fewer, larger launches)
+    whose scratch fits SCRATCH_FRACTION of the gradients; ties go to fewer token chunks
+    (each extra chunk re-reads and re-writes dC). Slabs stay within config.slab_v and at
+    least 512 wide; when nothing fits, the smallest plan tried."""
     grad_bytes = (bucket * d + v * d + v) * element_bytes
     budget = SCRATCH_FRACTION * grad_bytes
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))
-    best = BackwardPlan(1, widest, fp32_acc)
+    best: BackwardPlan | None = None
+    best_work = 0
+    smallest = BackwardPlan(1, widest, fp32_acc)
     n_chunks = 1
-    while -(-bucket // n_chunks) >= MIN_CHUNK_ROWS or n_chunks == 1:
+    while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
+        rows = -(-bucket // n_chunks)
         slab = widest
-        while slab >= 512 or slab == widest:
+        while True:
             plan = BackwardPlan(n_chunks, slab, fp32_acc)
+            smallest = plan
             if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
-                return plan
-            best = plan
+                if rows * slab > best_work:
+                    best, best_work = plan, rows * slab
+                break
             if slab <= 512:
                 break
             slab //= 2
         n_chunks *= 2
-    return best
+    return best if best is not None else smallest

@@ -17,7 +17,7 @@ def grad_logits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """d loss / d logits for rows [row_start, row_end) x cols [col_start, col_end).
 
@@ -43,7 +43,7 @@ def grad_logits_kernel(
     logits = logits_tile(
         e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
         stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+        HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
@@ -100,13 +100,16 @@ def matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = a_ptr + a_offset + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
-    b_ptrs = b_ptr + b_offset + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
+    # Out-of-range rows/columns read row/column 0 (never stored), so loads mask only K.
+    safe_m = tl.where(m_mask, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    a_ptrs = a_ptr + a_offset + safe_m[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
+    b_ptrs = b_ptr + b_offset + offs_k.to(tl.int64)[:, None] * stride_bk + safe_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         acc = mma(acc, a, b, UPCAST, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk

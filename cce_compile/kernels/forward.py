@@ -15,7 +15,7 @@ def lse_forward_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One program: BLOCK_M rows against `tiles_per_split` vocab tiles of BLOCK_N columns.
 
@@ -39,7 +39,7 @@ def lse_forward_kernel(
         logits = logits_tile(
             e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
             stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
         )
         is_target = cols[None, :] == targets[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)

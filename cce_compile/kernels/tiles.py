@@ -43,21 +43,30 @@ def logits_tile(
     e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked.
 
-    Offsets are 64-bit, so V * D and N * D past 2**31 address correctly.
+    Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
+    the K loop's loads carry no row/column predicates (callers mask what they store);
+    with EVEN_K (D a multiple of BLOCK_K) they carry none at all. Offsets are 64-bit, so
+    V * D and N * D past 2**31 address correctly.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * stride_en + offs_k[None, :] * stride_ed
-    c_ptrs = c_ptr + cols.to(tl.int64)[None, :] * stride_cv + offs_k[:, None] * stride_cd
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    e_ptrs = e_ptr + safe_rows[:, None] * stride_en + offs_k[None, :] * stride_ed
+    c_ptrs = c_ptr + safe_cols[None, :] * stride_cv + offs_k[:, None] * stride_cd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        k_mask = offs_k < D - k * BLOCK_K
-        e_tile = tl.load(e_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        c_tile = tl.load(c_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if EVEN_K:
+            e_tile = tl.load(e_ptrs)
+            c_tile = tl.load(c_ptrs)
+        else:
+            k_mask = offs_k < D - k * BLOCK_K
+            e_tile = tl.load(e_ptrs, mask=k_mask[None, :], other=0.0)
+            c_tile = tl.load(c_ptrs, mask=k_mask[:, None], other=0.0)
         acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
         e_ptrs += BLOCK_K * stride_ed
         c_ptrs += BLOCK_K * stride_cd

@@ -83,7 +83,8 @@ def linear_cross_entropy_backward(
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
                 HAS_SMOOTHING=has_smoothing, FILTER=filter_eps > 0.0, SCALED=scaled,
                 BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
-                GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
+                GROUP_M=logits_tile.group_m, EVEN_K=d % logits_tile.block_k == 0,
+                num_warps=logits_tile.num_warps,
                 num_stages=logits_tile.num_stages, **flags,
             )
             if cublas:

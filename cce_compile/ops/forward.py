@@ -40,6 +40,7 @@ def linear_cross_entropy_forward(
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
             NEED_WEIGHTED_SUM=need_weighted_sum,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            EVEN_K=e.shape[1] % tile.block_k == 0,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
         split_max = partial[0].amax(dim=0)
