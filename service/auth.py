@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Literal, get_args
 
 from fastapi import Depends, HTTPException, Request, status
@@ -53,10 +53,10 @@ def scopes_of(presented: str, tokens: TokenScopes) -> frozenset[Scope] | None:
     return granted
 
 
-def require(scope: Scope) -> Callable[..., None]:
+def require(scope: Scope) -> Callable[..., Awaitable[None]]:
     """A route dependency that lets the request through only with `scope`."""
 
-    def check(
+    async def check(  # async: it never blocks, so it runs on the event loop, not in a thread
         request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
     ) -> None:
         if scope == "read" and request.app.state.settings.open_reads:

@@ -23,7 +23,7 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAME_LENGTH = 128
 
@@ -102,8 +102,6 @@ class Measurement(ProblemKey, Base):
     host: Mapped[str] = mapped_column(String(NAME_LENGTH))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
-    gpu: Mapped[Gpu] = relationship(lazy="joined")
-
 
 class BestConfig(ProblemKey, Base):
     """The fastest live config known for one problem key.
@@ -124,6 +122,3 @@ class BestConfig(ProblemKey, Base):
     measurement_id: Mapped[int] = mapped_column(ForeignKey("measurements.id"))
     retired: Mapped[bool] = mapped_column(default=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-    gpu: Mapped[Gpu] = relationship(lazy="joined")
-    measurement: Mapped[Measurement] = relationship(lazy="joined")

@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Engine, and_, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Engine, Row, and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from cce_compile.config.plan import n_bucket
 from tuning_db.engine import read_session, write_session
@@ -69,7 +69,8 @@ _FILTER_COLUMNS: dict[str, Any] = {
     "dtype": BestConfig.dtype,
     "mode": BestConfig.mode,
 }
-_PROBLEM_FIELDS = {"kernel", "kernel_version", "V", "D", "dtype", "mode"}
+_MEASUREMENT_COLUMNS = tuple({"V": "v", "D": "d"}.get(name, name) for name in MeasurementIn.model_fields if name != "gpu")
+"""The measurements columns behind MeasurementIn's fields (the GPU is a join)."""
 _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
 
 
@@ -154,37 +155,53 @@ def _upsert_best(session: Session, measurement: Measurement, mode: ImportMode) -
     return session.execute(statement.returning(BestConfig.id)).scalar_one_or_none() is not None
 
 
-def _measurement_fields(measurement: Measurement) -> dict[str, Any]:
-    """A stored measurement as MeasurementIn's fields."""
-    gpu = measurement.gpu
+_ENTRIES = (
+    select(
+        BestConfig.id.label("entry_id"),
+        BestConfig.n_bucket,
+        BestConfig.updated_at,
+        BestConfig.retired,
+        Gpu.name.label("gpu_name"),
+        Gpu.compute_capability,
+        Gpu.sm_count,
+        Gpu.memory_bytes,
+        Measurement.uid.label("measurement_uid"),
+        Measurement.created_at.label("measured_at"),
+        *(getattr(Measurement, name) for name in _MEASUREMENT_COLUMNS),
+    )
+    .join(Gpu, BestConfig.gpu_id == Gpu.id)
+    .join(Measurement, BestConfig.measurement_id == Measurement.id)
+)
+"""Best entries with their GPU and source measurement, one flat row each (no ORM objects:
+a lookup is on the hot path of every node's first launch)."""
+
+
+def _measurement_fields(row: Row[Any]) -> dict[str, Any]:
+    """An _ENTRIES row's measurement as MeasurementIn's fields."""
+    values = row._mapping
     return {
         "gpu": GpuSpec(
-            name=gpu.name,
-            compute_capability=gpu.compute_capability,
-            sm_count=gpu.sm_count,
-            memory_bytes=gpu.memory_bytes,
+            name=row.gpu_name,
+            compute_capability=row.compute_capability,
+            sm_count=row.sm_count,
+            memory_bytes=row.memory_bytes,
         ),
-        "V": measurement.v,
-        "D": measurement.d,
-        **{
-            name: getattr(measurement, name)
-            for name in MeasurementIn.model_fields
-            if name not in {"gpu", "V", "D"}
-        },
+        "V": row.v,
+        "D": row.d,
+        **{name: values[name] for name in MeasurementIn.model_fields if name not in {"gpu", "V", "D"}},
     }
 
 
-def _entry(best: BestConfig) -> BestEntry:
-    measurement = best.measurement
+def _entry(row: Row[Any]) -> BestEntry:
     return BestEntry(
-        **_measurement_fields(measurement),
-        entry_id=best.id,
-        n_bucket=best.n_bucket,
-        speedup=measurement.default_ms / measurement.median_ms,
-        measurement_uid=measurement.uid,
-        measured_at=_as_utc(measurement.created_at),
-        updated_at=_as_utc(best.updated_at),
-        retired=best.retired,
+        **_measurement_fields(row),
+        entry_id=row.entry_id,
+        n_bucket=row.n_bucket,
+        speedup=row.default_ms / row.median_ms,
+        measurement_uid=row.measurement_uid,
+        measured_at=_as_utc(row.measured_at),
+        updated_at=_as_utc(row.updated_at),
+        retired=row.retired,
     )
 
 
@@ -204,23 +221,31 @@ def record_measurement(engine: Engine, measurement: MeasurementIn) -> RecordResu
         )
 
 
-def _match_level(best: BestConfig, query: LookupQuery, bucket: int) -> MatchLevel:
-    if best.gpu.name != query.gpu:
+def _match_level(row: Row[Any], query: LookupQuery, bucket: int) -> MatchLevel:
+    if row.gpu_name != query.gpu:
         return "same_arch"
-    if best.triton_version != query.triton_version:
+    if row.triton_version != query.triton_version:
         return "stale_triton"
-    return "exact" if best.n_bucket == bucket else "nearest_bucket"
+    return "exact" if row.n_bucket == bucket else "nearest_bucket"
 
 
-def _same_gpu_or_arch(query: LookupQuery) -> ColumnElement[bool]:
-    """The named GPU, or another with its architecture: the query's, else the one the
-    store holds for the named GPU (a subquery, so a lookup is one round trip)."""
-    same_name = Gpu.name == query.gpu
-    if query.compute_capability is not None:
-        return or_(same_name, and_(Gpu.compute_capability == query.compute_capability, Gpu.sm_count == query.sm_count))
-    named = aliased(Gpu)
-    arch_of_named = select(named.compute_capability, named.sm_count).where(named.name == query.gpu)
-    return or_(same_name, tuple_(Gpu.compute_capability, Gpu.sm_count).in_(arch_of_named))
+_named_gpu = Gpu.__table__.alias("named_gpu")
+_LOOKUP = _ENTRIES.where(
+    *(getattr(BestConfig, column) == bindparam(column) for column in ("kernel", "kernel_version", "dtype", "mode")),
+    BestConfig.v == bindparam("V"),
+    BestConfig.d == bindparam("D"),
+    BestConfig.retired.is_(False),
+    BestConfig.n_bucket.between(bindparam("min_bucket"), bindparam("max_bucket")),
+    or_(
+        Gpu.name == bindparam("gpu"),
+        # Same architecture: the one the query gives, or the one stored for the named GPU.
+        and_(Gpu.compute_capability == bindparam("compute_capability"), Gpu.sm_count == bindparam("sm_count")),
+        tuple_(Gpu.compute_capability, Gpu.sm_count).in_(
+            select(_named_gpu.c.compute_capability, _named_gpu.c.sm_count).where(_named_gpu.c.name == bindparam("gpu"))
+        ),
+    ),
+)
+"""Every candidate of a lookup in one statement, built once (only parameters change)."""
 
 
 def lookup(engine: Engine, query: LookupQuery) -> LookupResult:
@@ -231,32 +256,27 @@ def lookup(engine: Engine, query: LookupQuery) -> LookupResult:
     nearer bucket (the larger one on a tie), then the same Triton, then the newest.
     """
     bucket = n_bucket(query.tokens)
+    parameters = query.model_dump(exclude={"tokens", "triton_version"}) | {
+        "min_bucket": bucket // NEAREST_BUCKET_FACTOR,
+        "max_bucket": bucket * NEAREST_BUCKET_FACTOR,
+    }
     with read_session(engine) as session:
-        candidates = session.scalars(
-            select(BestConfig)
-            .join(Gpu, BestConfig.gpu_id == Gpu.id)
-            .where(
-                *_equal_to(query.model_dump(include=_PROBLEM_FIELDS)),
-                BestConfig.retired.is_(False),
-                BestConfig.n_bucket.between(bucket // NEAREST_BUCKET_FACTOR, bucket * NEAREST_BUCKET_FACTOR),
-                _same_gpu_or_arch(query),
-            )
-        ).all()
-        if not candidates:
-            return LookupResult(match_level="none", n_bucket=bucket, entry=None)
+        candidates = session.execute(_LOOKUP, parameters).all()
+    if not candidates:
+        return LookupResult(match_level="none", n_bucket=bucket, entry=None)
 
-        def rank(best: BestConfig) -> tuple[Any, ...]:
-            return (
-                MATCH_LEVELS.index(_match_level(best, query, bucket)),
-                abs(best.n_bucket.bit_length() - bucket.bit_length()),
-                best.triton_version != query.triton_version,
-                -best.n_bucket,
-                -_as_utc(best.updated_at).timestamp(),
-                best.id,
-            )
+    def rank(row: Row[Any]) -> tuple[Any, ...]:
+        return (
+            MATCH_LEVELS.index(_match_level(row, query, bucket)),
+            abs(row.n_bucket.bit_length() - bucket.bit_length()),
+            row.triton_version != query.triton_version,
+            -row.n_bucket,
+            -_as_utc(row.updated_at).timestamp(),
+            row.entry_id,
+        )
 
-        chosen = min(candidates, key=rank)
-        return LookupResult(match_level=_match_level(chosen, query, bucket), n_bucket=bucket, entry=_entry(chosen))
+    chosen = min(candidates, key=rank)
+    return LookupResult(match_level=_match_level(chosen, query, bucket), n_bucket=bucket, entry=_entry(chosen))
 
 
 def list_configs(
@@ -267,11 +287,11 @@ def list_configs(
     conditions = _equal_to(filters.model_dump(include=set(_FILTER_COLUMNS)))
     if not filters.include_retired:
         conditions.append(BestConfig.retired.is_(False))
+    matching = _ENTRIES.where(*conditions)
     with read_session(engine, snapshot=True) as session:
-        matching = select(BestConfig).join(Gpu, BestConfig.gpu_id == Gpu.id).where(*conditions)
         total = session.scalar(select(func.count()).select_from(matching.subquery()))
-        page = session.scalars(matching.order_by(BestConfig.id).limit(limit).offset(offset)).all()
-        return [_entry(best) for best in page], total or 0
+        page = session.execute(matching.order_by(BestConfig.id).limit(limit).offset(offset)).all()
+    return [_entry(row) for row in page], total or 0
 
 
 def list_gpus(engine: Engine) -> list[GpuSummary]:
@@ -306,32 +326,26 @@ def retire(engine: Engine, entry_id: int) -> BestEntry:
         ).scalar_one_or_none()
         if flagged is None:
             raise NotFoundError(f"no config entry {entry_id}")
-        best = session.scalars(
-            select(BestConfig).where(BestConfig.id == entry_id).execution_options(populate_existing=True)
-        ).one()
-        return _entry(best)
+        return _entry(session.execute(_ENTRIES.where(BestConfig.id == entry_id)).one())
 
 
 def export_jsonl(engine: Engine) -> list[str]:
     """The live best entries as JSON lines, after a header line; one consistent snapshot,
     in key order, so two exports of the same data are identical."""
     with read_session(engine, snapshot=True) as session:
-        live = session.scalars(
-            select(BestConfig)
-            .join(Gpu, BestConfig.gpu_id == Gpu.id)
-            .where(BestConfig.retired.is_(False))
-            .order_by(Gpu.name, *(getattr(BestConfig, column) for column in BEST_KEY_COLUMNS[1:]))
+        live = session.execute(
+            _ENTRIES.where(BestConfig.retired.is_(False)).order_by(
+                Gpu.name, *(getattr(BestConfig, column) for column in BEST_KEY_COLUMNS[1:])
+            )
         ).all()
         header = ExportHeader(
             entries=len(live), measurements=session.scalar(select(func.count()).select_from(Measurement)) or 0
         )
         lines = [
             ExportLine(
-                **_measurement_fields(best.measurement),
-                measurement_uid=best.measurement.uid,
-                created_at=_as_utc(best.measurement.created_at),
+                **_measurement_fields(row), measurement_uid=row.measurement_uid, created_at=_as_utc(row.measured_at)
             ).model_dump_json()
-            for best in live
+            for row in live
         ]
         return [header.model_dump_json(), *lines]
 
