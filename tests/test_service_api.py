@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from tests.db_fixtures import (  # noqa: F401  (fixtures)
     GPU_H100,
     H100_KEY,
+    POSTGRES_URL,
     db_url,
     lookup_params,
     measurement_data,
@@ -22,6 +23,7 @@ from tests.db_fixtures import (  # noqa: F401  (fixtures)
 )
 from service.app import create_app
 from service.settings import ServiceSettings
+from tuning_db.scratch import scratch_schema
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0001", "write-token-0001", "admin-token-0001"
 TOKENS = f"{READ_TOKEN}:read;{WRITE_TOKEN}:write;{ADMIN_TOKEN}:admin"
@@ -74,6 +76,15 @@ def test_readyz_is_503_when_the_database_is_unreachable() -> None:
         response = unreachable.get("/readyz")
     assert response.status_code == 503
     assert "unreachable" in response.json()["detail"]
+
+
+@pytest.mark.postgres
+def test_readyz_is_503_until_a_postgres_schema_is_upgraded(postgres_schema_url: str) -> None:
+    """Replicas never migrate a shared PostgreSQL: they wait for `cce db upgrade`."""
+    with scratch_schema(POSTGRES_URL, prefix="cce_test") as empty_url, make_client(empty_url) as not_upgraded:
+        response = not_upgraded.get("/readyz")
+    assert response.status_code == 503
+    assert "cce db upgrade" in response.json()["detail"]
 
 
 def test_measurement_then_lookup_with_metrics(client: TestClient) -> None:

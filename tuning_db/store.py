@@ -69,7 +69,9 @@ _FILTER_COLUMNS: dict[str, Any] = {
     "dtype": BestConfig.dtype,
     "mode": BestConfig.mode,
 }
-_MEASUREMENT_COLUMNS = tuple({"V": "v", "D": "d"}.get(name, name) for name in MeasurementIn.model_fields if name != "gpu")
+_MEASUREMENT_COLUMNS = tuple(
+    {"V": "v", "D": "d"}.get(name, name) for name in MeasurementIn.model_fields if name != "gpu"
+)
 """The measurements columns behind MeasurementIn's fields (the GPU is a join)."""
 _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
 
