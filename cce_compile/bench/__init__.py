@@ -1,0 +1,1 @@
+"""The benchmark behind `cce bench`: LM-like inputs, the peers, the harness and its report."""

@@ -1,0 +1,147 @@
+"""The implementations the benchmark compares, each as `(e, c, targets) -> mean loss`.
+
+Peers are optional packages: every entry loads lazily, and a missing or broken one is
+reported with its reason instead of stopping the run. Versions differ in what they offer
+(Apple's `impl="cce_exact"` exists only on its newer releases), so each loader says which
+form it used in the note that goes into the results.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cce_compile.bench.inputs import FILTER_EPS
+
+LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+PEER_DISTRIBUTIONS = ("cce-compile", "cut-cross-entropy", "liger-kernel")
+"""Distributions whose versions go into the results' environment."""
+
+
+class ImplUnavailable(RuntimeError):
+    """The implementation cannot be loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    fn: LossFn
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One contender. `on_uniform` marks those also timed on uniform inputs by default:
+    the filtering kernels, whose speed depends on the softmax (uniform data flatters them),
+    and this project's exact mode beside them, whose speed should not."""
+
+    key: str
+    label: str
+    load: Callable[[], Loaded]
+    on_uniform: bool
+
+
+def _load_cce(filter_eps: float | None) -> Loaded:
+    try:
+        from cce_compile import linear_cross_entropy
+    except ImportError as err:
+        raise ImplUnavailable(f"cce_compile.linear_cross_entropy does not import: {err}") from err
+    return Loaded(lambda e, c, targets: linear_cross_entropy(e, c, targets, filter_eps=filter_eps))
+
+
+def _import_apple() -> ModuleType:
+    try:
+        import cut_cross_entropy
+    except ImportError as err:
+        raise ImplUnavailable(f"cut_cross_entropy is not installed: {err}") from err
+    return cut_cross_entropy
+
+
+def _load_apple_default() -> Loaded:
+    apple = _import_apple()
+    return Loaded(lambda e, c, targets: apple.linear_cross_entropy(e, c, targets))
+
+
+def _load_apple_exact() -> Loaded:
+    """impl="cce_exact" where the release has it; older ones are exact with filter_eps=None."""
+    apple = _import_apple()
+    if "CCE_EXACT" in apple.LinearCrossEntropyImpl.__members__:
+        return Loaded(lambda e, c, targets: apple.linear_cross_entropy(e, c, targets, impl="cce_exact"), 'impl="cce_exact"')
+    return Loaded(
+        lambda e, c, targets: apple.linear_cross_entropy(e, c, targets, filter_eps=None),
+        f"release {apple.__version__} has no cce_exact: impl=\"cce\", filter_eps=None",
+    )
+
+
+def _load_liger() -> Loaded:
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:
+        raise ImplUnavailable(f"liger_kernel is not installed: {err}") from err
+    return Loaded(lambda e, c, targets: liger_fused_linear_cross_entropy(e, c, targets))
+
+
+def materialized_loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+    """What HF models do: logits in the input dtype, cross-entropy in float32."""
+    return F.cross_entropy((e @ c.T).float(), targets)
+
+
+def _load_eager() -> Loaded:
+    return Loaded(materialized_loss)
+
+
+def _load_compiled() -> Loaded:
+    """Static shapes: each benchmark shape gets its own graph, as a training run would."""
+    return Loaded(torch.compile(materialized_loss, dynamic=False))
+
+
+IMPLS: dict[str, Impl] = {
+    impl.key: impl
+    for impl in (
+        Impl("cce_exact", "cce_compile exact", lambda: _load_cce(None), on_uniform=True),
+        Impl("cce_filtered", "cce_compile filtered 2^-12", lambda: _load_cce(FILTER_EPS), on_uniform=True),
+        Impl("torch_compile", "torch.compile", _load_compiled, on_uniform=False),
+        Impl("apple_cce", "Apple cce (default, filtered)", _load_apple_default, on_uniform=True),
+        Impl("apple_cce_exact", "Apple cce_exact", _load_apple_exact, on_uniform=False),
+        Impl("liger", "Liger FLCE", _load_liger, on_uniform=False),
+        Impl("torch_eager", "torch eager", _load_eager, on_uniform=False),
+    )
+}
+"""In benchmark order: this project first, so a run cut short by its time budget still
+has the numbers that matter most."""
+
+
+def resolve_impls(keys: list[str] | None) -> list[Impl]:
+    """The named implementations in registry order; None means all."""
+    if not keys:
+        return list(IMPLS.values())
+    unknown = sorted(set(keys) - IMPLS.keys())
+    if unknown:
+        raise ValueError(f"unknown impls {unknown}; choose from {list(IMPLS)}")
+    return [impl for key, impl in IMPLS.items() if key in keys]
+
+
+def try_load(impl: Impl) -> Loaded | str:
+    """The loaded implementation, or why it does not load here (a peer's import can fail
+    in many ways: missing, or built against another torch or triton)."""
+    try:
+        return impl.load()
+    except Exception as err:  # noqa: BLE001 - any load-time failure means "not here"
+        return f"{type(err).__name__}: {err}"
+
+
+def distribution_versions() -> dict[str, str | None]:
+    """Installed versions of this project and its peers (None where absent)."""
+    versions: dict[str, str | None] = {}
+    for name in PEER_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
