@@ -3,12 +3,13 @@ dependencies (web stack, database) inside the commands, so `cce --help` stays fa
 
 import typer
 
-from cce_compile.cli import db, serve
+from cce_compile.cli import bench, db, serve
 
 app = typer.Typer(help="cce_compile: Cut Cross-Entropy kernels and their tuning database.", no_args_is_help=True)
 
 serve.register(app)
 db.register(app)
+bench.register(app)
 
 if __name__ == "__main__":
     app()
