@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT="${OUT:-benchmarks/results}"
-NAME="${NAME:-h200}"
+NAME="${NAME:-bench-h200}"
 BUDGET_S="${BUDGET_S:-390}"
 mkdir -p "$OUT" benchmarks/results
 
