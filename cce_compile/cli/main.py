@@ -3,13 +3,14 @@ dependencies (web stack, database) inside the commands, so `cce --help` stays fa
 
 import typer
 
-from cce_compile.cli import bench, db, serve
+from cce_compile.cli import bench, db, lookup, serve
 
 app = typer.Typer(help="cce_compile: Cut Cross-Entropy kernels and their tuning database.", no_args_is_help=True)
 
 serve.register(app)
 db.register(app)
 bench.register(app)
+lookup.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,14 +1,27 @@
 """Which KernelConfig the op launches with, decided before launch (at trace time under
-torch.compile, on the first eager call for a key otherwise)."""
+torch.compile, on the first eager call for a key otherwise).
+
+The ladder, first answer wins: an active `override_config`, this process's memo, the local
+disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the package, the
+heuristic. Every config that comes from outside the process is re-validated (and checked
+against the GPU's shared memory) before it is used; a bad one is logged and skipped. Under
+torch.distributed, rank 0 resolves and every rank launches its config.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
 
-from .kernel_config import KernelConfig, TileConfig
+from . import sources
+from .kernel_config import ConfigError, KernelConfig, TileConfig
+
+log = logging.getLogger("cce_compile.config")
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -45,11 +58,13 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
         # Interpreter and CPU: few, large programs are what is cheap there.
         tile = TileConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1)
         return KernelConfig(tile, tile, tile, tile, slab_v=1024, vocab_splits=4)
+    # Measured on an H200 (bf16; docs/performance.md): 128 x 256 logits tiles, 4 stages.
     wide = key.dtype != "float32"
     gemm = TileConfig(128, 128, 64 if wide else 32, 8, 8, 3)
+    logits = TileConfig(128, 256, 64, 8, 8, 4) if wide else TileConfig(128, 128, 32, 8, 8, 3)
     return KernelConfig(
-        forward=TileConfig(128, 128, 64 if wide else 32, 8, 8, 3),
-        grad_logits=TileConfig(128, 128, 64 if wide else 32, 8, 8, 3),
+        forward=logits,
+        grad_logits=logits,
         grad_classifier=gemm,
         grad_hidden=gemm,
         slab_v=4096,
@@ -66,9 +81,128 @@ def _vocab_splits(n_bucket: int, block_m: int, programs_wanted: int = 4 * 132) -
     return splits
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """A resolved config and where it came from, for logs and `cce lookup`.
+
+    `source`: "override", "disk", "service", "bundled" or "heuristic"; `match_level`: the
+    tuning database's ("exact", "nearest_bucket", "stale_triton", "same_arch"), "none" for
+    the heuristic and overrides."""
+
+    config: KernelConfig
+    source: str
+    match_level: str
+
+
+_memo: dict[ProblemKey, Resolution] = {}
+_memo_lock = threading.Lock()
+
+
 def resolve_config(key: ProblemKey) -> KernelConfig:
-    """The config for `key`: an active override, else the heuristic."""
+    """The config for `key`: an active override, else the memoized ladder (rank 0's choice
+    under torch.distributed, so every rank launches the same kernels)."""
     override = getattr(_local, "override", None)
-    if override is not None:
+    if override is None:
+        return resolution_for(key).config
+    if not _distributed():
         return override
-    return heuristic_config(key)
+    return _from_rank0(key, lambda: Resolution(override, "override", "none")).config
+
+
+def resolution_for(key: ProblemKey) -> Resolution:
+    """The ladder's answer for `key` (overrides aside), resolved on first use and then
+    remembered for the process; logged once per key.
+
+    Under torch.distributed every rank must resolve the same keys in the same order (as
+    with any collective): a key's first resolution is a broadcast from rank 0."""
+    with _memo_lock:
+        resolution = _memo.get(key)
+        if resolution is not None:
+            return resolution
+        if _distributed():
+            resolution = _from_rank0(key, lambda: look_up(key, sources.local_platform(key.device)))
+        else:
+            resolution = look_up(key, sources.local_platform(key.device))
+        _memo[key] = resolution
+    log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
+    return resolution
+
+
+def resolved() -> dict[ProblemKey, Resolution]:
+    """Every key this process has resolved so far, with its resolution."""
+    with _memo_lock:
+        return dict(_memo)
+
+
+def reset() -> None:
+    """Forget every resolution and close the service breaker (tests; a new service)."""
+    with _memo_lock:
+        _memo.clear()
+    sources.reset_breaker()
+
+
+def look_up(
+    key: ProblemKey, platform: sources.Platform, settings: sources.Settings | None = None
+) -> Resolution:
+    """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic."""
+    settings = settings or sources.Settings.from_env()
+    cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
+    if cached is not None:
+        return cached
+    served = _accept("service", sources.fetch_from_service(settings, platform, key), platform, key)
+    if served is not None:
+        sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
+        return served
+    bundled = _accept("bundled", sources.bundled_config(platform, key), platform, key)
+    if bundled is not None:
+        return bundled
+    return Resolution(heuristic_config(key), "heuristic", "none")
+
+
+def _accept(source: str, found: sources.Found | None, platform: sources.Platform, key: ProblemKey) -> Resolution | None:
+    """`found` as a Resolution if it is a valid config that fits the GPU; None otherwise."""
+    if found is None:
+        return None
+    try:
+        config = KernelConfig.from_dict(found.config)
+        if platform.shared_memory_bytes is not None:
+            config.check_limits(platform.shared_memory_bytes, ELEMENT_BYTES[key.dtype])
+    except ConfigError as error:
+        log.warning("rejected the %s config for %s: %s", source, key, error)
+        return None
+    return Resolution(config, source, found.match_level)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution]) -> Resolution:
+    """Rank 0's resolution on every rank: rank 0 resolves and broadcasts it as plain data.
+
+    This runs inside the op at trace time, so the tracer's modes (fake tensors, proxies)
+    are switched off for the broadcast's own tensors."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    mine = resolve_here() if dist.get_rank() == 0 else None
+    payload = [None if mine is None else _message(key, mine)]
+    with _disable_current_modes():
+        dist.broadcast_object_list(payload, src=0)
+    if mine is not None:
+        return mine
+    message = payload[0]
+    if message["key"] != asdict(key):
+        log.warning("rank 0 resolved %s while this rank resolves %s; launching rank 0's config", message["key"], key)
+    return Resolution(KernelConfig.from_dict(message["config"]), message["source"], message["match_level"])
+
+
+def _message(key: ProblemKey, resolution: Resolution) -> dict[str, object]:
+    return {
+        "key": asdict(key),
+        "config": resolution.config.to_dict(),
+        "source": resolution.source,
+        "match_level": resolution.match_level,
+    }

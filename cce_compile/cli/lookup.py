@@ -1,0 +1,83 @@
+"""`cce lookup`: the config the op would launch with for a GPU and problem, and where it
+comes from (the same ladder as the op, minus the in-process memo)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+if TYPE_CHECKING:  # the package imports torch: only inside the command
+    from cce_compile.config.resolve import ProblemKey, Resolution
+    from cce_compile.config.sources import Platform
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def lookup(
+    vocab: Annotated[int, typer.Option("--vocab", min=1, help="V, the vocabulary size")],
+    hidden: Annotated[int, typer.Option("--hidden", min=1, help="D, the hidden size")],
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="N, the token count (looked up by its bucket)")],
+    gpu: Annotated[
+        Optional[str], typer.Option("--gpu", help="GPU name as torch reports it; default: this machine's")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32 (or the torch names)")] = "bf16",
+    mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps set)")] = "exact",
+    url: Annotated[Optional[str], typer.Option("--url", help="tuning service; default: $CCE_TUNING_URL")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Print the resolved config, its source and match level."""
+    from cce_compile.config import sources
+    from cce_compile.config.plan import n_bucket
+    from cce_compile.config.resolve import ProblemKey, look_up
+
+    dtype_name = DTYPES.get(dtype, dtype)
+    if dtype_name not in DTYPES.values():
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
+    if mode not in ("exact", "filtered"):
+        raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
+    platform = _platform(gpu)
+    device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
+    key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)
+    resolution = look_up(key, platform, sources.Settings.from_env().with_url(url))
+    if as_json:
+        typer.echo(json.dumps({
+            "gpu": platform.gpu,
+            "key": {"V": vocab, "D": hidden, "dtype": dtype_name, "n_bucket": key.n_bucket, "mode": mode},
+            "source": resolution.source,
+            "match_level": resolution.match_level,
+            "config": resolution.config.to_dict(),
+        }))
+        return
+    _print_table(platform.gpu, key, resolution)
+
+
+def _platform(gpu: str | None) -> Platform:
+    """This machine's platform, or a named GPU's (its shared memory is then unknown)."""
+    from cce_compile.config import sources
+
+    if gpu is None:
+        import torch
+
+        return sources.local_platform("cuda" if torch.cuda.is_available() else "cpu")
+    name = gpu if gpu in ("cpu", "interpreter") else sources.normalize_gpu(gpu)
+    return sources.Platform(name, None, None, None, sources.kernel_version(), sources.triton_version())
+
+
+def _print_table(gpu: str, key: ProblemKey, resolution: Resolution) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{gpu}: V={key.v} D={key.d} {key.dtype} tokens<={key.n_bucket} {key.mode}")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_row("source", resolution.source)
+    table.add_row("match level", resolution.match_level)
+    for name, value in resolution.config.to_dict().items():
+        table.add_row(name, ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value))
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(lookup)

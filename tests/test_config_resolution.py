@@ -1,0 +1,423 @@
+"""The op's config ladder (override, memo, disk cache, service, bundled, heuristic) against a
+real `cce serve` process, dead and lying services, bad local files, `cce lookup`, and two
+gloo ranks that must launch the same config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from cce_compile import linear_cross_entropy, override_config
+from cce_compile.cli.main import app as cce
+from cce_compile.config import resolve, sources
+from cce_compile.config.kernel_config import KernelConfig
+from cce_compile.config.resolve import ProblemKey, Resolution, heuristic_config, resolution_for, resolved
+from cce_compile.ops import dispatch, forward
+from service.process import REPO_ROOT, serving
+from tests.db_fixtures import GPU_H100, H100_KEY, measurement_data
+
+READ_TOKEN, WRITE_TOKEN = "read-token-0003", "write-token-0003"
+TOKENS_ENV = {"CCE_SERVICE_TOKENS": f"{READ_TOKEN}:read;{WRITE_TOKEN}:write"}
+
+H100 = sources.Platform(
+    gpu=H100_KEY,
+    compute_capability=GPU_H100["compute_capability"],
+    sm_count=GPU_H100["sm_count"],
+    shared_memory_bytes=232_448,
+    kernel_version=sources.kernel_version(),
+    triton_version=sources.triton_version(),
+)
+"""The platform every test resolves for (patched in), so CPU machines and GPUs agree."""
+
+KEY = ProblemKey("cuda", 128_256, 4096, "bfloat16", 8192, "exact")
+TUNED = {"slab_v": 8192, "vocab_splits": 8, "forward": {"block_m": 64, "block_n": 256, "num_stages": 3}}
+SMALL = dict(v=512, d=64, n=100)
+"""The op's problem in the end-to-end tests: its key is SMALL_KEY (CPU tensors)."""
+SMALL_KEY = ProblemKey("cpu", 512, 64, "float32", 128, "exact")
+SMALL_TUNED = {"slab_v": 256, "vocab_splits": 2}
+
+
+def _problem(key: ProblemKey, tokens: int) -> dict[str, Any]:
+    return {"V": key.v, "D": key.d, "dtype": key.dtype, "tokens": tokens, "mode": key.mode}
+
+
+def _post(base_url: str, key: ProblemKey, tokens: int, config: dict[str, Any]) -> None:
+    """A real measurement of `config` on the H100, by this checkout's kernels."""
+    body = measurement_data(
+        kernel_version=H100.kernel_version, triton_version=H100.triton_version, config=config, **_problem(key, tokens)
+    )
+    response = httpx.post(f"{base_url}/v1/measurements", json=body, headers={"Authorization": f"Bearer {WRITE_TOKEN}"})
+    assert response.status_code == 201, response.text
+
+
+def _settings() -> sources.Settings:
+    return sources.Settings.from_env()
+
+
+def _heuristic(key: ProblemKey) -> Resolution:
+    return Resolution(heuristic_config(key), "heuristic", "none")
+
+
+def _bundle(directory: Path, key: ProblemKey, config: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = {"gpu": GPU_H100["name"], **_problem(key, key.n_bucket), "config": config}
+    (directory / "h100.json").write_text(json.dumps({"entries": [entry]}))
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No service, an empty disk cache and bundle of this test's own, the H100 platform,
+    and fresh module state (memo, breaker) before and after."""
+    for name in (sources.URL_ENV, sources.TOKEN_ENV, sources.OFFLINE_ENV, sources.CACHE_TTL_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(sources.CACHE_DIR_ENV, str(tmp_path / "configs"))
+    monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path / "bundled")
+    monkeypatch.setattr(sources, "local_platform", lambda device: H100)
+    resolve.reset()
+    yield
+    resolve.reset()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `cce serve` on SQLite, holding measurements for KEY and SMALL_KEY."""
+    root = tmp_path_factory.mktemp("service")
+    db_url = f"sqlite:///{root / 'tuning.db'}"
+    with serving(root / "serve.log", "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+        _post(base_url, KEY, 8000, TUNED)
+        _post(base_url, SMALL_KEY, SMALL["n"], SMALL_TUNED)
+        yield base_url
+
+
+@dataclass
+class FakeService:
+    """A tiny HTTP server standing in for the service: it answers every GET with `status`
+    and `body` (or never, with body None) and records each request's Authorization."""
+
+    status: int
+    body: bytes | None
+    requests: list[str | None] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+@contextmanager
+def fake_service(status: int, body: bytes | None) -> Iterator[tuple[str, FakeService]]:
+    fake = FakeService(status, body)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            fake.requests.append(self.headers.get("Authorization"))
+            if fake.body is None:
+                fake.release.wait(30)
+                return
+            self.send_response(fake.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(fake.body)))
+            self.end_headers()
+            self.wfile.write(fake.body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", fake
+    finally:
+        fake.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _small_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    e = torch.randn(SMALL["n"], SMALL["d"], generator=generator)
+    c = torch.randn(SMALL["v"], SMALL["d"], generator=generator)
+    return e, c, torch.randint(0, SMALL["v"], (SMALL["n"],), generator=generator)
+
+
+# (1) the service ----------------------------------------------------------------------
+
+
+def test_the_op_launches_the_service_config_and_caches_it(service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sources.URL_ENV, service)
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    e, c, targets = _small_inputs()
+    torch.testing.assert_close(linear_cross_entropy(e, c, targets), F.cross_entropy(e @ c.T, targets))
+    expected = Resolution(KernelConfig.from_dict(SMALL_TUNED), "service", "exact")
+    assert resolved() == {SMALL_KEY: expected}
+    assert resolution_for(KEY) == Resolution(KernelConfig.from_dict(TUNED), "service", "exact")
+
+    # A new process without the service: the disk cache answers, with the service's match level.
+    resolve.reset()
+    monkeypatch.delenv(sources.URL_ENV)
+    assert resolution_for(SMALL_KEY) == Resolution(expected.config, "disk", "exact")
+
+
+def test_a_missing_entry_is_not_cached(service: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(sources.URL_ENV, service)
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    other = ProblemKey("cuda", 32_000, 4096, "bfloat16", 8192, "exact")
+    assert resolution_for(other) == _heuristic(other)
+    assert not (tmp_path / "configs").exists()
+
+
+# (2) a dead service -------------------------------------------------------------------
+
+
+def test_a_killed_service_falls_back_fast_and_is_asked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bundled_key = ProblemKey("cuda", 32_000, 4096, "bfloat16", 8192, "exact")
+    _bundle(tmp_path / "bundled", bundled_key, {"slab_v": 2048})
+    db_url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    with serving(tmp_path / "serve.log", "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+        monkeypatch.setenv(sources.URL_ENV, base_url)
+        monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+        _post(base_url, KEY, 8192, TUNED)
+        assert resolution_for(KEY).source == "service"
+
+    start = time.monotonic()
+    assert resolution_for(bundled_key) == Resolution(KernelConfig(slab_v=2048), "bundled", "exact")
+    assert resolution_for(SMALL_KEY) == _heuristic(SMALL_KEY)
+    assert time.monotonic() - start < 3.0
+    assert len([r for r in caplog.records if "not asking it again" in r.getMessage()]) == 1
+
+
+def test_a_hanging_service_costs_one_timeout_per_process() -> None:
+    with fake_service(200, None) as (url, fake):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        start = time.monotonic()
+        assert sources.fetch_from_service(settings, H100, KEY) is None
+        first = time.monotonic() - start
+        start = time.monotonic()
+        assert sources.fetch_from_service(settings, H100, SMALL_KEY) is None
+        second = time.monotonic() - start
+    assert 0.9 * sources.SERVICE_TIMEOUT_S <= first < 3.0
+    assert second < 0.5
+    assert len(fake.requests) == 1, "a timeout is not retried, and the breaker stops the second lookup"
+
+
+# (3) a lying service ------------------------------------------------------------------
+
+
+def _answer(config: Any, match_level: Any = "exact") -> bytes:
+    return json.dumps({"match_level": match_level, "config": config, "entry_id": 1}).encode()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "requests"),
+    [
+        pytest.param(200, _answer({"forward": {"block_m": 48}}), 2, id="block_m-not-a-power-of-two"),
+        pytest.param(200, _answer({"slab_v": 1 << 20}), 2, id="slab_v-out-of-range"),
+        pytest.param(
+            200, _answer({"forward": {"block_m": 256, "block_n": 256, "block_k": 128, "num_stages": 4}}), 2,
+            id="exceeds-shared-memory",
+        ),
+        pytest.param(200, _answer({"forward": {"pre_hook": "os.system('x')"}}), 2, id="unknown-key"),
+        pytest.param(200, _answer([64, 64]), 2, id="config-not-an-object"),
+        pytest.param(200, _answer({"slab_v": 8192}, "perfect"), 2, id="unknown-match-level"),
+        pytest.param(200, b"<html>not json", 2, id="not-json"),
+        pytest.param(200, b"[1, 2]", 2, id="not-an-object"),
+        pytest.param(500, b"{}", 2, id="server-error-retried-once-then-given-up"),
+        pytest.param(401, b'{"detail": "no"}', 1, id="unauthorized-given-up"),
+    ],
+)
+def test_bad_answers_are_rejected_and_the_ladder_goes_on(
+    status: int, body: bytes, requests: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bundle(tmp_path / "bundled", KEY, {"slab_v": 2048})
+    with fake_service(status, body) as (url, fake):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        monkeypatch.setenv(sources.TOKEN_ENV, "secret-token")
+        assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=2048), "bundled", "exact")
+        assert resolution_for(SMALL_KEY) == _heuristic(SMALL_KEY)
+    assert fake.requests == ["Bearer secret-token"] * requests, "garbage is per key; failures trip the breaker"
+    assert not (tmp_path / "configs").exists(), "only accepted service answers reach the disk cache"
+
+
+def test_an_invalid_bundled_entry_is_skipped(tmp_path: Path) -> None:
+    _bundle(tmp_path / "bundled", KEY, {"grad_hidden": {"num_warps": 3}})
+    assert resolution_for(KEY) == _heuristic(KEY)
+
+
+def test_the_shipped_bundled_configs_are_valid() -> None:
+    for path in sorted(Path(resolve.__file__).with_name("bundled").glob("*.json")):
+        for entry in json.loads(path.read_text())["entries"]:
+            KernelConfig.from_dict(entry["config"])
+
+
+# (4) the disk cache -------------------------------------------------------------------
+
+
+def _cache(config: Any, match_level: str = "nearest_bucket") -> Path:
+    sources.write_cache(_settings(), H100, KEY, sources.Found(config, match_level))
+    return sources.cache_path(_settings(), H100, KEY)
+
+
+def test_a_fresh_cache_file_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sources.OFFLINE_ENV, "1")
+    _cache(TUNED)
+    assert resolution_for(KEY) == Resolution(KernelConfig.from_dict(TUNED), "disk", "nearest_bucket")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param('{"stored_at": ', id="truncated"),
+        pytest.param("\x00\xff garbage", id="binary"),
+        pytest.param("[]", id="not-an-object"),
+        pytest.param('{"match_level": "exact", "config": {}}', id="no-timestamp"),
+        pytest.param('{"stored_at": "now", "match_level": "exact", "config": {}}', id="timestamp-not-a-number"),
+        pytest.param('{"stored_at": NOW, "match_level": "none", "config": {}}', id="no-match"),
+        pytest.param(
+            '{"stored_at": NOW, "match_level": "exact", "config": {"forward": {"block_m": 48}}}', id="bad-config"
+        ),
+        pytest.param('{"stored_at": NOW, "match_level": "exact", "config": "slab_v=8192"}', id="config-not-an-object"),
+    ],
+)
+def test_a_corrupt_cache_file_is_a_miss(content: str) -> None:
+    path = _cache(TUNED)
+    path.write_text(content.replace("NOW", str(time.time())))
+    assert resolution_for(KEY) == _heuristic(KEY)
+
+
+def test_an_expired_cache_file_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _cache(TUNED)
+    record = json.loads(path.read_text())
+    record["stored_at"] -= 120
+    path.write_text(json.dumps(record))
+    monkeypatch.setenv(sources.CACHE_TTL_ENV, "60")
+    assert resolution_for(KEY) == _heuristic(KEY)
+    resolve.reset()
+    monkeypatch.setenv(sources.CACHE_TTL_ENV, "600")
+    assert resolution_for(KEY).source == "disk"
+
+
+def test_the_cache_is_written_atomically_and_survives_an_unwritable_directory(tmp_path: Path) -> None:
+    path = _cache(TUNED)
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file is left behind"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    settings = sources.Settings(None, None, False, blocked, 60.0)
+    sources.write_cache(settings, H100, KEY, sources.Found(TUNED, "exact"))  # logged, not raised
+    assert sources.read_cache(settings, H100, KEY) is None
+
+
+# (5) offline --------------------------------------------------------------------------
+
+
+def test_offline_makes_no_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_service(200, _answer(TUNED)) as (url, fake):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        monkeypatch.setenv(sources.OFFLINE_ENV, "1")
+        assert resolution_for(KEY) == _heuristic(KEY)
+        monkeypatch.delenv(sources.OFFLINE_ENV)
+        resolve.reset()
+        assert resolution_for(KEY).source == "service"
+    assert len(fake.requests) == 1
+
+
+def test_the_op_loads_no_web_stack_without_a_reachable_service(tmp_path: Path) -> None:
+    """Offline with a URL set, the op resolves and runs without importing httpx."""
+    check = (
+        "import sys, torch, cce_compile\n"
+        "cce_compile.linear_cross_entropy(torch.randn(8, 16), torch.randn(64, 16), torch.zeros(8, dtype=torch.long))\n"
+        "from cce_compile.config.resolve import resolved\n"
+        "print([r.source for r in resolved().values()], "
+        "[m for m in ('httpx', 'fastapi', 'sqlalchemy') if m in sys.modules])\n"
+    )
+    env = {
+        **os.environ,
+        sources.URL_ENV: "http://127.0.0.1:9",
+        sources.OFFLINE_ENV: "1",
+        sources.CACHE_DIR_ENV: str(tmp_path),
+        "TRITON_INTERPRET": "0",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO_ROOT, env=env, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "['heuristic'] []", result.stderr
+
+
+# (6) cce lookup -----------------------------------------------------------------------
+
+
+def test_cce_lookup_prints_the_service_config(service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    args = ["lookup", "--gpu", GPU_H100["name"], "--vocab", "128256", "--hidden", "4096", "--dtype", "bf16"]
+    args += ["--tokens", "8000", "--url", service]
+    result = CliRunner().invoke(cce, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert (answer["gpu"], answer["source"], answer["match_level"]) == (H100_KEY, "service", "exact")
+    assert answer["config"] == KernelConfig.from_dict(TUNED).to_dict()
+
+    table = CliRunner().invoke(cce, args)  # now from the disk cache the first call wrote
+    assert table.exit_code == 0 and "disk" in table.stdout and "exact" in table.stdout
+    refused = CliRunner().invoke(cce, [*args, "--dtype", "int8"])
+    assert refused.exit_code == 2 and "unknown dtype" in refused.output
+
+
+# (7) torch.distributed ----------------------------------------------------------------
+
+
+def _rank_config(rank: int, use: int) -> dict[str, Any]:
+    """A config that differs per rank and per use."""
+    return {"slab_v": 256 << rank, "vocab_splits": 1 << (2 * use + rank)}
+
+
+def _rank_main(rank: int, root: str) -> None:
+    """One gloo rank with its own disk cache and override: eager calls, then a compiled one
+    that resolves a new key at trace time (under the tracer's fake tensors)."""
+    os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
+    dispatch.INTERPRET = False
+    sources.local_platform = lambda device: H100
+    for use, key in enumerate((SMALL_KEY, replace(SMALL_KEY, n_bucket=512))):
+        sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
+    launched: list[KernelConfig] = []
+    resolve_here = forward.config_for
+    forward.config_for = lambda *args: launched.append(resolve_here(*args)) or launched[-1]
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        e, c, targets = _small_inputs()
+        linear_cross_entropy(e, c, targets)
+        with override_config(KernelConfig.from_dict(_rank_config(rank, 2))):
+            linear_cross_entropy(e, c, targets)
+        linear_cross_entropy(e, c, targets)  # memoized: no collective, the same config
+        compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
+        compiled(e.repeat(3, 1), c, targets.repeat(3))
+        report = {"launched": [config.to_dict() for config in launched], "source": resolution_for(SMALL_KEY).source}
+        Path(root, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_launches_rank_0s_config(tmp_path: Path) -> None:
+    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0] == reports[1]
+    rank0 = [KernelConfig.from_dict(_rank_config(0, use)).to_dict() for use in (0, 2, 0, 1)]
+    assert reports[0]["launched"][:3] == rank0[:3] and reports[0]["source"] == "disk"
+    traced = reports[0]["launched"][3:]
+    assert traced and all(config == rank0[3] for config in traced), "resolved at trace time, from rank 0"
