@@ -1,0 +1,250 @@
+"""The op in a training loop on one CUDA GPU: a patched Llama built from a config (hidden 512,
+4 layers, vocab 32000, batch 8 x 512 tokens), AdamW on one repeated batch so the loss falls.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_integration.py --out integration.json
+
+Checks (a table on stdout; JSON to --out, rewritten after each check):
+  compile       torch.compile'd training (bf16 weights, 5 steps) tracks eager HF's loss, and falls;
+  kernels       Inductor's generated code (that same compile) has lse_forward_kernel and grad_logits_kernel;
+  cudagraphs    mode="reduce-overhead" tracks eager, with no CUDA graph skipped;
+  autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
+  dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket)
+                compile once; --next-bucket-seq (the next bucket) compiles once more;
+  timing        step time (median of steps 2..) and peak memory of each run, HF's loss vs patched.
+Losses "track" when each step is within LOSS_RTOL of the reference run's. Without CUDA the script
+runs on CPU (a dry run: no Triton kernels in the code, no CUDA graphs, no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch._dynamo.testing
+from torch import Tensor, nn
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cce_compile.config.plan import n_bucket  # noqa: E402
+from cce_compile.integrations.transformers import patch  # noqa: E402
+from tests.test_distributed import recording_op_inputs  # noqa: E402
+
+KERNELS = ("lse_forward_kernel", "grad_logits_kernel")
+LOSS_RTOL = 1e-2
+"""bf16 weights: a step's loss may differ by bf16 rounding of logits and activations (HF rounds
+its logits to bf16, the op does not), not by more."""
+
+
+def build(args: argparse.Namespace, *, patched: bool, dtype: torch.dtype) -> nn.Module:
+    """The same random init every call (seeded, on CPU), moved to the device in `dtype`."""
+    config = LlamaConfig(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64, head_dim=64, intermediate_size=args.hidden * 11 // 4,
+        vocab_size=args.vocab, max_position_embeddings=2048, use_cache=False, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train().to(args.device, dtype)
+    return patch(model) if patched else model
+
+
+def make_batch(args: argparse.Namespace, seq: int) -> tuple[Tensor, Tensor]:
+    """Random tokens, labels = input_ids (the model shifts them)."""
+    generator = torch.Generator().manual_seed(seq)
+    input_ids = torch.randint(0, args.vocab, (args.batch, seq), generator=generator).to(args.device)
+    return input_ids, input_ids.clone()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool = False) -> dict:
+    """`args.steps` AdamW steps on one batch: eager (mode None) or torch.compile(mode=mode).
+    bf16 weights, or fp32 weights under autocast(bf16)."""
+    torch._dynamo.reset()
+    model = build(args, patched=patched, dtype=torch.float32 if autocast else torch.bfloat16)
+    forward = model if mode is None else torch.compile(model, mode=mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    input_ids, labels = make_batch(args, args.seq)
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(args.device)
+    losses, seconds = [], []
+    for _ in range(args.steps):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        sync(args.device)
+        start = time.perf_counter()
+        with torch.autocast(args.device.type, torch.bfloat16, enabled=autocast):
+            loss = forward(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if args.device.type == "cuda" else None
+    return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0], "peak_mib": peak}
+
+
+def tracks(run: dict, reference: dict) -> float:
+    """The worst relative difference of a step's loss from the reference run's."""
+    return max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
+
+
+def check_compile(args: argparse.Namespace, runs: dict) -> tuple[dict, dict]:
+    """compile and kernels: one compiled run, its generated code captured (caches off, so
+    Inductor writes the code here and now)."""
+    runs["hf eager"] = train(args, patched=False, mode=None)
+    runs["patched eager"] = train(args, patched=True, mode=None)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        runs["patched compiled"], code = run_and_get_code(train, args, patched=True, mode="default")
+    runs["hf compiled"] = train(args, patched=False, mode="default")
+    reference, compiled = runs["hf eager"], runs["patched compiled"]
+    worst = max(tracks(compiled, reference), tracks(runs["patched eager"], reference))
+    falls = compiled["losses"][-1] < compiled["losses"][0]
+    found = {name: any(name in chunk for chunk in code) for name in KERNELS}
+    return (
+        {"status": worst <= LOSS_RTOL and falls, "worst_rel_diff_vs_hf_eager": worst, "loss_falls": falls},
+        {"status": all(found.values()), "found": found, "code_chunks": len(code)},
+    )
+
+
+def check_cudagraphs(args: argparse.Namespace, runs: dict) -> dict:
+    counters.clear()
+    runs["patched reduce-overhead"] = train(args, patched=True, mode="reduce-overhead")
+    worst = tracks(runs["patched reduce-overhead"], runs["patched eager"])
+    skips = counters["inductor"]["cudagraph_skips"]
+    on_cuda = args.device.type == "cuda"
+    return {"status": worst <= LOSS_RTOL and (skips == 0 or not on_cuda), "worst_rel_diff_vs_patched_eager": worst,
+            "cudagraph_skips": skips, "cuda_graphs_possible": on_cuda}
+
+
+def check_autocast(args: argparse.Namespace, runs: dict) -> dict:
+    """Also which dtype the op computes in: the integration casts the hidden states to the
+    head's dtype, fp32 here."""
+    runs["hf autocast eager"] = train(args, patched=False, mode=None, autocast=True)
+    runs["patched autocast compiled"] = train(args, patched=True, mode="default", autocast=True)
+    worst = tracks(runs["patched autocast compiled"], runs["hf autocast eager"])
+    model = build(args, patched=True, dtype=torch.float32)
+    input_ids, labels = make_batch(args, args.seq)
+    with recording_op_inputs() as seen, torch.autocast(args.device.type, torch.bfloat16):
+        model(input_ids, labels=labels)
+    return {"status": worst <= LOSS_RTOL, "worst_rel_diff_vs_hf_autocast_eager": worst,
+            "op_dtypes": [str(e.dtype) for e, _ in seen]}
+
+
+def check_dynamic(args: argparse.Namespace) -> dict:
+    """Frames compiled after each length: none more within the bucket, at most one more past it."""
+    torch._dynamo.reset()
+    model = build(args, patched=True, dtype=torch.bfloat16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter)
+    frames = {}
+    for seq in [*args.seqs, args.next_bucket_seq]:
+        input_ids, labels = make_batch(args, seq)
+        torch._dynamo.mark_dynamic(input_ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+        compiled(input_ids, labels=labels).loss.backward()
+        frames[seq] = counter.frame_count
+    within = frames[args.seqs[-1]] - frames[args.seqs[0]]
+    past = frames[args.next_bucket_seq] - frames[args.seqs[-1]]
+    return {"status": within == 0 and past <= 1, "frames_after_seq": frames,
+            "recompiles_within_bucket": within, "recompiles_past_bucket": past,
+            "n_buckets": {seq: n_bucket(args.batch * seq) for seq in frames}}
+
+
+def check_timing(runs: dict) -> dict:
+    """Not a pass/fail check: the runs' figures, for the table."""
+    return {"status": None, **{name: {k: v for k, v in run.items() if k != "losses"} for name, run in runs.items()}}
+
+
+def guarded(check: Callable[[], dict | tuple[dict, ...]], names: tuple[str, ...]) -> dict[str, dict]:
+    """A check's results by name; an exception fails it with its traceback, the others still run."""
+    try:
+        results = check()
+    except Exception:  # noqa: BLE001 (reported in the table and the JSON)
+        error = traceback.format_exc()
+        print(error, file=sys.stderr, flush=True)
+        return {name: {"status": False, "error": error.strip().splitlines()[-1], "traceback": error} for name in names}
+    return dict(zip(names, results if isinstance(results, tuple) else (results,)))
+
+
+def status_word(status: bool | None) -> str:
+    return {True: "PASS", False: "FAIL", None: "info"}[status]
+
+
+def print_table(results: dict[str, dict], runs: dict[str, dict]) -> None:
+    print(f"\n{'check':<12} {'status':<6} detail")
+    for name, result in results.items():
+        if name == "timing":
+            continue
+        detail = {k: v for k, v in result.items() if k not in ("status", "traceback")}
+        print(f"{name:<12} {status_word(result['status']):<6} {json.dumps(detail, default=str)}")
+    print(f"\n{'run':<28} {'step ms':>9} {'1st step s':>10} {'peak MiB':>9}  losses")
+    for name, run in runs.items():
+        peak = f"{run['peak_mib']:9.0f}" if run["peak_mib"] is not None else f"{'-':>9}"
+        losses = " ".join(f"{loss:.4f}" for loss in run["losses"])
+        print(f"{name:<28} {run['step_ms']:9.1f} {run['first_step_s']:10.1f} {peak}  {losses}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--hidden", type=int, default=512, help="a multiple of 64 (head_dim 64)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[300, 400, 500])
+    parser.add_argument("--next-bucket-seq", type=int, default=600)
+    args = parser.parse_args()
+    buckets = {n_bucket(args.batch * seq) for seq in args.seqs}
+    if len(buckets) != 1 or n_bucket(args.batch * args.next_bucket_seq) <= max(buckets):
+        parser.error("--seqs must share one power-of-two bucket of batch x seq, --next-bucket-seq be in a higher one")
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device.type == "cpu":
+        from cce_compile.ops import dispatch
+
+        dispatch.INTERPRET = False
+    environment = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
+                   "args": {k: v for k, v in vars(args).items() if k != "out"}}
+    runs: dict[str, dict] = {}
+    results: dict[str, dict] = {}
+    checks = [
+        (lambda: check_compile(args, runs), ("compile", "kernels")),
+        (lambda: check_cudagraphs(args, runs), ("cudagraphs",)),
+        (lambda: check_autocast(args, runs), ("autocast",)),
+        (lambda: check_dynamic(args), ("dynamic",)),
+        (lambda: check_timing(runs), ("timing",)),
+    ]
+    started = time.perf_counter()
+    for check, names in checks:
+        results.update(guarded(check, names))
+        for name in names:
+            print(f"[{time.perf_counter() - started:6.0f} s] {name}: {status_word(results[name]['status'])}", flush=True)
+        args.out.write_text(json.dumps({"environment": environment, "checks": results, "runs": runs}, indent=2, default=str))
+    print_table(results, runs)
+    failed = [name for name, result in results.items() if result["status"] is False]
+    print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'all checks PASS'}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
