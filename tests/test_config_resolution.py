@@ -407,6 +407,10 @@ def _rank_main(rank: int, root: str) -> None:
         compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
         compiled(e.repeat(3, 1), c, targets.repeat(3))
         report = {"launched": [config.to_dict() for config in launched], "source": resolution_for(SMALL_KEY).source}
+        if rank == 0:  # a new key on one rank only: without the broadcast it cannot hang
+            os.environ[resolve.BROADCAST_ENV] = "0"
+            linear_cross_entropy(e.repeat(7, 1), c, targets.repeat(7))
+            report["alone"] = resolution_for(replace(SMALL_KEY, n_bucket=1024)).source
         Path(root, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -416,6 +420,7 @@ def _rank_main(rank: int, root: str) -> None:
 def test_every_rank_launches_rank_0s_config(tmp_path: Path) -> None:
     mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0].pop("alone") == "heuristic"
     assert reports[0] == reports[1]
     rank0 = [KernelConfig.from_dict(_rank_config(0, use)).to_dict() for use in (0, 2, 0, 1)]
     assert reports[0]["launched"][:3] == rank0[:3] and reports[0]["source"] == "disk"

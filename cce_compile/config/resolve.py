@@ -5,13 +5,15 @@ The ladder, first answer wins: an active `override_config`, this process's memo,
 disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the package, the
 heuristic. Every config that comes from outside the process is re-validated (and checked
 against the GPU's shared memory) before it is used; a bad one is logged and skipped. Under
-torch.distributed, rank 0 resolves and every rank launches its config.
+torch.distributed, rank 0 resolves and every rank launches its config (CCE_CONFIG_BROADCAST=0
+turns that off, for code that runs the op on some ranks only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
@@ -22,6 +24,7 @@ from .kernel_config import ConfigError, KernelConfig, TileConfig
 log = logging.getLogger("cce_compile.config")
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,12 @@ def _accept(source: str, found: sources.Found | None, platform: sources.Platform
 
 
 def _distributed() -> bool:
+    """Whether rank 0 decides: several ranks, unless CCE_CONFIG_BROADCAST=0 (the broadcast
+    would wait forever where only some ranks run the op, e.g. evaluation on rank 0)."""
     import torch.distributed as dist
 
+    if os.environ.get(BROADCAST_ENV, "1").strip() == "0":
+        return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
