@@ -5,14 +5,17 @@
 
 Checks (a table on stdout; JSON to --out, rewritten after each check):
   compile       torch.compile'd training (bf16 weights, 5 steps) tracks eager HF's loss, and falls;
-  kernels       Inductor's generated code (that same compile) has lse_forward_kernel and grad_logits_kernel;
+  kernels       Inductor's generated code (that same compile) has lse_forward_kernel and grad_logits_kernel
+                (matmul_kernel, the backward's traced GEMMs, is reported too);
   cudagraphs    mode="reduce-overhead" tracks eager, with no CUDA graph skipped;
   autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
   dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket)
                 compile once; --next-bucket-seq (the next bucket) compiles once more;
   timing        step time (median of steps 2..) and peak memory of each run, HF's loss vs patched.
-Losses "track" when each step is within LOSS_RTOL of the reference run's. Without CUDA the script
-runs on CPU (a dry run: no Triton kernels in the code, no CUDA graphs, no memory figures).
+Losses "track" when each step is within LOSS_RTOL of the reference run's. `--checks` runs a
+subset, each check making the runs it needs (a run's first step includes its compile). Without
+CUDA the script runs on CPU (a dry run: no Triton kernels in the code, no CUDA graphs, no
+memory figures).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from cce_compile.config.plan import n_bucket  # noqa: E402
 from cce_compile.integrations.transformers import patch  # noqa: E402
 from tests.test_distributed import recording_op_inputs  # noqa: E402
 
+CHECK_NAMES = ("compile", "kernels", "cudagraphs", "autocast", "dynamic", "timing")
 KERNELS = ("lse_forward_kernel", "grad_logits_kernel")
+TRACED_GEMM = "matmul_kernel"
+"""The backward's GEMMs under compile (cuBLAS in eager): reported, not required."""
 LOSS_RTOL = 1e-2
 """bf16 weights: a step's loss may differ by bf16 rounding of logits and activations (HF rounds
 its logits to bf16, the op does not), not by more."""
@@ -95,7 +101,33 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
         losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if args.device.type == "cuda" else None
-    return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0], "peak_mib": peak}
+    return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0],
+            "peak_mib": peak}
+
+
+RUNS = {
+    "hf eager": dict(patched=False, mode=None),
+    "patched eager": dict(patched=True, mode=None),
+    "patched compiled": dict(patched=True, mode="default"),
+    "hf compiled": dict(patched=False, mode="default"),
+    "patched reduce-overhead": dict(patched=True, mode="reduce-overhead"),
+    "hf autocast eager": dict(patched=False, mode=None, autocast=True),
+    "patched autocast compiled": dict(patched=True, mode="default", autocast=True),
+}
+"""The training runs by name, as train()'s keyword arguments."""
+
+
+class Runs(dict):
+    """The runs made so far, by name; `get_run` makes one on first use, so a check can run alone."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+
+    def get_run(self, name: str) -> dict:
+        if name not in self:
+            self[name] = train(self.args, **RUNS[name])
+        return self[name]
 
 
 def tracks(run: dict, reference: dict) -> float:
@@ -103,40 +135,37 @@ def tracks(run: dict, reference: dict) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
 
 
-def check_compile(args: argparse.Namespace, runs: dict) -> tuple[dict, dict]:
+def check_compile(runs: Runs) -> tuple[dict, dict]:
     """compile and kernels: one compiled run, its generated code captured (caches off, so
     Inductor writes the code here and now)."""
-    runs["hf eager"] = train(args, patched=False, mode=None)
-    runs["patched eager"] = train(args, patched=True, mode=None)
     with torch._inductor.config.patch(force_disable_caches=True):
-        runs["patched compiled"], code = run_and_get_code(train, args, patched=True, mode="default")
-    runs["hf compiled"] = train(args, patched=False, mode="default")
-    reference, compiled = runs["hf eager"], runs["patched compiled"]
-    worst = max(tracks(compiled, reference), tracks(runs["patched eager"], reference))
+        runs["patched compiled"], code = run_and_get_code(train, runs.args, **RUNS["patched compiled"])
+    reference, compiled = runs.get_run("hf eager"), runs["patched compiled"]
+    worst = max(tracks(compiled, reference), tracks(runs.get_run("patched eager"), reference))
+    runs.get_run("hf compiled")  # for the timing table
     falls = compiled["losses"][-1] < compiled["losses"][0]
-    found = {name: any(name in chunk for chunk in code) for name in KERNELS}
+    found = {name: any(name in chunk for chunk in code) for name in (*KERNELS, TRACED_GEMM)}
     return (
         {"status": worst <= LOSS_RTOL and falls, "worst_rel_diff_vs_hf_eager": worst, "loss_falls": falls},
-        {"status": all(found.values()), "found": found, "code_chunks": len(code)},
+        {"status": all(found[name] for name in KERNELS), "found": found, "code_chunks": len(code)},
     )
 
 
-def check_cudagraphs(args: argparse.Namespace, runs: dict) -> dict:
+def check_cudagraphs(runs: Runs) -> dict:
+    eager = runs.get_run("patched eager")
     counters.clear()
-    runs["patched reduce-overhead"] = train(args, patched=True, mode="reduce-overhead")
-    worst = tracks(runs["patched reduce-overhead"], runs["patched eager"])
+    worst = tracks(runs.get_run("patched reduce-overhead"), eager)
     skips = counters["inductor"]["cudagraph_skips"]
-    on_cuda = args.device.type == "cuda"
+    on_cuda = runs.args.device.type == "cuda"
     return {"status": worst <= LOSS_RTOL and (skips == 0 or not on_cuda), "worst_rel_diff_vs_patched_eager": worst,
             "cudagraph_skips": skips, "cuda_graphs_possible": on_cuda}
 
 
-def check_autocast(args: argparse.Namespace, runs: dict) -> dict:
+def check_autocast(runs: Runs) -> dict:
     """Also which dtype the op computes in: the integration casts the hidden states to the
     head's dtype, fp32 here."""
-    runs["hf autocast eager"] = train(args, patched=False, mode=None, autocast=True)
-    runs["patched autocast compiled"] = train(args, patched=True, mode="default", autocast=True)
-    worst = tracks(runs["patched autocast compiled"], runs["hf autocast eager"])
+    worst = tracks(runs.get_run("patched autocast compiled"), runs.get_run("hf autocast eager"))
+    args = runs.args
     model = build(args, patched=True, dtype=torch.float32)
     input_ids, labels = make_batch(args, args.seq)
     with recording_op_inputs() as seen, torch.autocast(args.device.type, torch.bfloat16):
@@ -210,7 +239,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[300, 400, 500])
     parser.add_argument("--next-bucket-seq", type=int, default=600)
+    parser.add_argument("--checks", type=lambda s: set(s.split(",")), default=set(CHECK_NAMES),
+                        help=f"a comma-separated subset of {','.join(CHECK_NAMES)} (timing: of the runs made)")
     args = parser.parse_args()
+    if args.checks - set(CHECK_NAMES):
+        parser.error(f"unknown checks {sorted(args.checks - set(CHECK_NAMES))}")
     buckets = {n_bucket(args.batch * seq) for seq in args.seqs}
     if len(buckets) != 1 or n_bucket(args.batch * args.next_bucket_seq) <= max(buckets):
         parser.error("--seqs must share one power-of-two bucket of batch x seq, --next-bucket-seq be in a higher one")
@@ -224,23 +257,28 @@ def main() -> None:
         from cce_compile.ops import dispatch
 
         dispatch.INTERPRET = False
-    environment = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
+    device_name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
+    environment = {"torch": torch.__version__, "device": device_name,
                    "args": {k: v for k, v in vars(args).items() if k != "out"}}
-    runs: dict[str, dict] = {}
+    runs = Runs(args)
     results: dict[str, dict] = {}
     checks = [
-        (lambda: check_compile(args, runs), ("compile", "kernels")),
-        (lambda: check_cudagraphs(args, runs), ("cudagraphs",)),
-        (lambda: check_autocast(args, runs), ("autocast",)),
+        (lambda: check_compile(runs), ("compile", "kernels")),
+        (lambda: check_cudagraphs(runs), ("cudagraphs",)),
+        (lambda: check_autocast(runs), ("autocast",)),
         (lambda: check_dynamic(args), ("dynamic",)),
         (lambda: check_timing(runs), ("timing",)),
     ]
     started = time.perf_counter()
     for check, names in checks:
+        if not args.checks.intersection(names):
+            continue
         results.update(guarded(check, names))
         for name in names:
-            print(f"[{time.perf_counter() - started:6.0f} s] {name}: {status_word(results[name]['status'])}", flush=True)
-        args.out.write_text(json.dumps({"environment": environment, "checks": results, "runs": runs}, indent=2, default=str))
+            elapsed = time.perf_counter() - started
+            print(f"[{elapsed:6.0f} s] {name}: {status_word(results[name]['status'])}", flush=True)
+        report = {"environment": environment, "checks": results, "runs": runs}
+        args.out.write_text(json.dumps(report, indent=2, default=str))
     print_table(results, runs)
     failed = [name for name, result in results.items() if result["status"] is False]
     print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'all checks PASS'}; wrote {args.out}")

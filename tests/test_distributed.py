@@ -79,7 +79,10 @@ def compare(loss: Tensor, grads: dict[str, Tensor], references: Results, dtype: 
     """Relative errors against one process in `dtype`, worst over the parameters; for bf16 also
     against the fp32 process, next to how far one bf16 process is from it."""
     ref_loss, ref_grads = references[dtype]
-    errors = {"loss": relative_error(loss, ref_loss), "grad": max(relative_error(grads[n], g) for n, g in ref_grads.items())}
+    errors = {
+        "loss": relative_error(loss, ref_loss),
+        "grad": max(relative_error(grads[n], g) for n, g in ref_grads.items()),
+    }
     if dtype != torch.float32:
         fp32_grads = references[torch.float32][1]
         errors["grad_vs_fp32"] = max(relative_error(grads[n], g) for n, g in fp32_grads.items())
