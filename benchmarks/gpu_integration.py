@@ -21,6 +21,7 @@ memory figures).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -84,6 +85,7 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
     forward = model if mode is None else torch.compile(model, mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     input_ids, labels = make_batch(args, args.seq)
+    gc.collect()  # the previous run's model, so that it does not count in this run's peak
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(args.device)
