@@ -3,7 +3,7 @@ dependencies (web stack, database) inside the commands, so `cce --help` stays fa
 
 import typer
 
-from cce_compile.cli import bench, db, lookup, serve
+from cce_compile.cli import bench, db, lookup, serve, tune
 
 app = typer.Typer(help="cce_compile: Cut Cross-Entropy kernels and their tuning database.", no_args_is_help=True)
 
@@ -11,6 +11,7 @@ serve.register(app)
 db.register(app)
 bench.register(app)
 lookup.register(app)
+tune.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,226 @@
+"""`cce tune`: search the op's launch parameters for one problem on this GPU, then print
+best vs default per kernel and for the whole op, and write the results (JSON, bundled
+configs, the tuning service or database).
+
+Runs as `python -m cce_compile.cli.tune` too, which loads no database code: a GPU node
+without pydantic can tune and publish over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from cce_compile.cli.lookup import DTYPES
+
+if TYPE_CHECKING:  # the package imports torch: only inside the command
+    from cce_compile.config.kernel_config import KernelConfig
+    from cce_compile.tuning.candidates import Limits
+    from cce_compile.tuning.publish import Publisher
+    from cce_compile.tuning.tuner import Timing, Trial, Tuner, TuneResult
+
+
+def tune(
+    vocab: Annotated[int, typer.Option("--vocab", min=1, help="V, the vocabulary size")],
+    hidden: Annotated[int, typer.Option("--hidden", min=1, help="D, the hidden size")],
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="N, the token count to time")],
+    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32 (or the torch names)")] = "bf16",
+    mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps='auto')")] = "exact",
+    publish: Annotated[
+        Optional[str],
+        typer.Option("--publish", metavar="URL", help="POST the measurements to this tuning service ($CCE_TUNING_TOKEN: a write token)"),
+    ] = None,
+    db_url: Annotated[
+        Optional[str], typer.Option("--db-url", help="write the measurements into this tuning database instead")
+    ] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the results as JSON here")] = None,
+    bundle: Annotated[
+        Optional[Path],
+        typer.Option("--bundle", help="add the best config to this bundled-configs file (cce_compile/config/bundled/*.json)"),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan and run nothing")] = False,
+    budget_s: Annotated[
+        float, typer.Option("--budget-s", min=0.0, help="start no candidate after this many seconds")
+    ] = 60.0,
+    input_sets: Annotated[int, typer.Option(min=1, help="input copies the timings rotate over")] = 3,
+    seed: Annotated[int, typer.Option(help="seed of the LM-like inputs")] = 0,
+    submitter: Annotated[Optional[str], typer.Option(help="the measurements' submitter; default: cce-tune-$USER")] = None,
+) -> None:
+    """Tune the kernel config for one problem: coordinate descent from the heuristic, one
+    kernel at a time, every candidate checked against the default config's results."""
+    from cce_compile.ops import dispatch
+    from cce_compile.tuning import candidates, publish as results
+    from cce_compile.tuning.tuner import Tuner, default_timer
+
+    dtype_name = DTYPES.get(dtype, dtype)
+    if dtype_name not in DTYPES.values():
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
+    if mode not in ("exact", "filtered"):
+        raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
+    if publish and db_url:
+        raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() or not dispatch.INTERPRET else "interpreter"
+    problem = candidates.Problem(tokens, vocab, hidden, dtype_name, mode)
+    limits = candidates.device_limits(problem)
+    untuned = candidates.untuned_kernels(device, dtype_name)
+    spaces = candidates.kernel_spaces(problem, device, limits)
+    tuner = Tuner(problem, device, spaces, default_timer(device), budget_s, input_sets=input_sets, seed=seed)
+    _print_plan(tuner, limits, untuned)
+    if dry_run:
+        return
+    if device == "cuda" and not torch.cuda.is_available():
+        typer.echo("cce tune times Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, for tests)", err=True)
+        raise typer.Exit(2)
+    publisher = _publisher(publish, db_url)
+    result = _run_with_progress(tuner)
+    _print_result(result, untuned)
+    identity = results.local_identity(device)
+    bodies = results.measurements(result, identity, submitter or results.default_submitter())
+    if out is not None:
+        report = {**result.to_json(), "identity": asdict(identity), "measurements": bodies}
+        out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if bundle is not None:
+        results.write_bundled(bundle, result, identity)
+        typer.echo(f"bundled config for V={vocab} D={hidden} tokens={tokens} written to {bundle}", err=True)
+    if publisher is not None:
+        _publish(publisher, bodies)
+
+
+def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> None:
+    """Publish, report what the store said, and fail if it refused anything."""
+    outcomes = publisher.publish(bodies)
+    refused = [outcome for outcome in outcomes if not outcome.accepted]
+    whole = outcomes[0]  # measurements() puts the whole-op measurement first
+    typer.echo(
+        f"published {len(outcomes) - len(refused)} of {len(outcomes)} measurements"
+        + (f"; the whole-op config is the key's best: {whole.is_best}" if whole.accepted else ""),
+        err=True,
+    )
+    for outcome in refused:
+        typer.echo(f"  refused {outcome.kernel} ({outcome.median_ms:.3f} ms): {outcome.detail}", err=True)
+    if refused:
+        raise typer.Exit(1)
+
+
+def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
+    """The configured publisher, checked before any GPU time is spent."""
+    from cce_compile.config import sources
+    from cce_compile.tuning import publish as results
+
+    try:
+        if url:
+            publisher: Publisher = results.ServicePublisher(url, os.environ.get(sources.TOKEN_ENV))
+        elif db_url:
+            publisher = results.DatabasePublisher(db_url)
+        else:
+            return None
+        publisher.check()
+    except results.PublishError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from None
+    return publisher
+
+
+def _print_plan(tuner: Tuner, limits: Limits, untuned: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    problem = tuner.problem
+    start = tuner.default_config
+    table = Table(
+        title=f"cce tune plan: N={problem.n} V={problem.v} D={problem.d} {problem.dtype} {problem.mode} on "
+        f"{tuner.device} (shared memory {limits.shared_memory_bytes} B); budget {tuner.budget_s:g} s, "
+        f"{tuner.input_sets} input sets, {tuner.timer.method}"
+    )
+    for column in ("kernel", "timed as", "default", "candidates", "first sweep"):
+        table.add_column(column)
+    for space in tuner.spaces:
+        timed_as = "no-grad forward" if space.kernel == "forward" else "fwd+bwd minus fwd"
+        table.add_row(space.kernel, timed_as, _describe(start, space.kernel), str(space.size(start)),
+                      str(space.first_pass(start)))
+    for kernel, why in untuned.items():
+        table.add_row(kernel, why, _describe(start, kernel), "0", "0")
+    Console(stderr=True).print(table)
+    axes = {name: values for space in tuner.spaces for name, values in space.axes.items()}
+    Console(stderr=True).print(
+        "Axes, in search order: " + "; ".join(f"{name} {','.join(map(str, values))}" for name, values in axes.items())
+        + ".\nEach candidate is checked against the default config's loss, dE and dC before it is timed; "
+        "the default is timed in the same run, and the best config's whole forward+backward against it."
+    )
+
+
+def _describe(config: KernelConfig, kernel: str) -> str:
+    """A kernel's tile (and its config-wide value) in one short string."""
+    tile = getattr(config, kernel)
+    text = f"{tile.block_m}x{tile.block_n}x{tile.block_k} g{tile.group_m} w{tile.num_warps} s{tile.num_stages}"
+    extra = {"forward": f" splits {config.vocab_splits}", "grad_logits": f" slab {config.slab_v}"}
+    return text + extra.get(kernel, "")
+
+
+def _run_with_progress(tuner: Tuner) -> TuneResult:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    planned = sum(space.first_pass(tuner.default_config) for space in tuner.spaces)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("default config: check and time", total=planned)
+
+        def on_trial(trial: Trial) -> None:
+            done = progress.tasks[0].completed + 1
+            progress.update(
+                task, advance=1, total=max(planned, done),
+                description=f"{trial.kernel} {_describe(trial.config, trial.kernel)}: {trial.status}",
+            )
+
+        tuner.on_trial = on_trial
+        result = tuner.run()
+        progress.update(task, description=f"done in {result.elapsed_s:.0f} s")
+    return result
+
+
+def _print_result(result: TuneResult, untuned: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cce tune: best vs default ({result.method}, median ms; p20-p80)")
+    for column in ("kernel", "default ms", "best ms", "speedup", "tried", "dropped", "best config"):
+        table.add_column(column)
+
+    def span(timing: Timing) -> str:
+        return f"{timing.median_ms:.3f} ({timing.p20_ms:.3f}-{timing.p80_ms:.3f})"
+
+    for kernel, outcome in result.kernels.items():
+        trials = [trial for trial in result.trials if trial.kernel == kernel]
+        dropped = sum(trial.status != "timed" for trial in trials)
+        table.add_row(
+            kernel, span(outcome.default), span(outcome.best), f"{outcome.speedup:.3f}x",
+            str(len(trials)), str(dropped), _describe(outcome.best_config, kernel),
+        )
+    for kernel, why in untuned.items():
+        table.add_row(kernel, "-", "-", "-", "0", "0", why)
+    table.add_row(
+        "forward+backward", span(result.default_whole), span(result.best_whole), f"{result.speedup:.3f}x",
+        str(len(result.trials)), str(sum(t.status != "timed" for t in result.trials)),
+        "default" if result.best_config == result.default_config else "tuned",
+    )
+    console = Console()
+    console.print(table)
+    for trial in result.trials:
+        if trial.status != "timed":
+            console.print(f"{trial.status}: {trial.kernel} {_describe(trial.config, trial.kernel)}: {trial.detail}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(tune)
+
+
+if __name__ == "__main__":
+    typer.run(tune)

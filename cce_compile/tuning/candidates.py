@@ -1,0 +1,184 @@
+"""What the tuner may try: per kernel, the values each launch parameter can take, pruned to
+what fits the GPU (shared memory for the pipelined buffers, accumulator registers) and the
+problem (no tile wider than the padded dimension it covers), and deduplicated by what the
+op actually launches (many slab_v or vocab_splits values end in the same launches).
+
+The search walks these axes one at a time from the current config (coordinate descent);
+the whole grid is only counted, for the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, fields, replace
+from typing import Iterator
+
+import torch
+
+from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
+from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
+from cce_compile.config.resolve import ProblemKey
+from cce_compile.ops import backward
+
+PLANNING_SHARED_MEMORY = 232448
+"""Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
+MAX_ACCUMULATOR_REGISTERS = 256
+"""fp32 accumulator registers per thread (block_m * block_n / threads) above which a tile spills."""
+
+PIPELINE_AXES: dict[str, tuple[int, ...]] = {"num_stages": (2, 3, 4, 5), "group_m": (4, 8, 16, 32)}
+SHAPE_AXES: dict[str, tuple[int, ...]] = {
+    "block_n": (64, 128, 256),
+    "block_m": (64, 128, 256),
+    "block_k": (32, 64, 128),
+    "num_warps": (4, 8),
+}
+"""Tile values to try. A kernel's axes are searched in the order pipeline, config-wide,
+shape: on the H200 stages and grouping moved the logits kernels most around the
+128x256x64 tiles, and BK=128 and 128x128 tiles were slower."""
+FORWARD_AXES: dict[str, tuple[int, ...]] = {"vocab_splits": (1, 2, 4, 8, 16, 32, 64)}
+BACKWARD_AXES: dict[str, tuple[int, ...]] = {"slab_v": (1024, 2048, 4096, 8192, 16384, 32768)}
+CONFIG_AXES = {"forward": FORWARD_AXES, "grad_logits": BACKWARD_AXES}
+"""Config-wide values searched with the kernel they shape: vocab_splits splits the
+forward's vocabulary sweep, slab_v sizes every grad_logits launch."""
+TILE_FIELDS = tuple(f.name for f in fields(TileConfig))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One tuning problem: N tokens of hidden size D against a vocabulary of V."""
+
+    n: int
+    v: int
+    d: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    mode: str  # "exact" | "filtered"
+
+    def key(self, device: str) -> ProblemKey:
+        return ProblemKey(device, self.v, self.d, self.dtype, n_bucket(self.n), self.mode)
+
+    @property
+    def element_bytes(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+    def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
+        """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
+        return {
+            "forward": (self.n, self.v, self.d),
+            "grad_logits": (self.n, self.v, self.d),
+            "grad_classifier": (self.v, self.d, self.n),  # dC[slab] = d_logits.T @ e
+            "grad_hidden": (self.n, self.d, self.v),  # dE += d_logits @ c[slab]
+        }[kernel]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a tile must fit on the target GPU."""
+
+    shared_memory_bytes: int
+    element_bytes: int
+
+    def fits(self, tile: TileConfig) -> bool:
+        registers = tile.block_m * tile.block_n // (32 * tile.num_warps)
+        return (
+            tile.shared_memory_bytes(self.element_bytes) <= self.shared_memory_bytes
+            and registers <= MAX_ACCUMULATOR_REGISTERS
+        )
+
+
+def gemm_kernels_run_in_triton(device: str, dtype: str) -> bool:
+    """Whether grad_classifier/grad_hidden tiles matter to an eager call: eager CUDA runs
+    these GEMMs in cuBLAS for bf16 and fp32 (their tiles then only matter under compile)."""
+    return device != "cuda" or dtype == "float16" or backward.GEMM_BACKEND != "cublas"
+
+
+def untuned_kernels(device: str, dtype: str) -> dict[str, str]:
+    """Kernels the tuner leaves at the default, with why."""
+    if gemm_kernels_run_in_triton(device, dtype):
+        return {}
+    why = "cuBLAS in eager bf16/fp32: not timed"
+    return {"grad_classifier": why, "grad_hidden": why}
+
+
+@dataclass(frozen=True)
+class KernelSpace:
+    """One kernel's axes: TileConfig fields of `kernel`, plus config-wide fields (slab_v,
+    vocab_splits) searched with it. The objective is the kernel's stage time: the forward
+    alone for `forward`, the backward (forward+backward minus forward) for the others."""
+
+    kernel: str
+    axes: dict[str, tuple[int, ...]]
+    problem: Problem
+    limits: Limits
+
+    def with_value(self, config: KernelConfig, axis: str, value: int) -> KernelConfig | None:
+        """`config` with one value changed, or None if that config is invalid or does not fit."""
+        try:
+            if axis in TILE_FIELDS:
+                tile = replace(getattr(config, self.kernel), **{axis: value})
+                return replace(config, **{self.kernel: tile}) if self.admits(tile) else None
+            return replace(config, **{axis: value})
+        except ConfigError:
+            return None
+
+    def admits(self, tile: TileConfig) -> bool:
+        """Fits the GPU, and no block is wider than the padded dimension it covers."""
+        m, n, k = (max(16, next_pow2(dim)) for dim in self.problem.gemm_dims(self.kernel))
+        return self.limits.fits(tile) and tile.block_m <= m and tile.block_n <= n and tile.block_k <= k
+
+    def along(self, config: KernelConfig, axis: str) -> Iterator[KernelConfig]:
+        """The admitted configs that differ from `config` in `axis` alone and launch
+        differently from it and from each other."""
+        seen = {self.launches(config)}
+        for value in self.axes[axis]:
+            candidate = self.with_value(config, axis, value)
+            if candidate is not None and self.launches(candidate) not in seen:
+                seen.add(self.launches(candidate))
+                yield candidate
+
+    def launches(self, config: KernelConfig) -> tuple[object, ...]:
+        """What this kernel's launches depend on: its tile and the effective vocab split
+        (forward) or backward plan (grad_logits)."""
+        tile = getattr(config, self.kernel)
+        if self.kernel == "forward":
+            vocab_tiles = -(-self.problem.v // tile.block_n)
+            return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
+        if self.kernel == "grad_logits":
+            p = self.problem
+            return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config))
+        return (tile,)
+
+    def size(self, start: KernelConfig) -> int:
+        """How many distinct launches the whole space holds (for the plan): every axis
+        with `start`'s own value added."""
+        start_tile = getattr(start, self.kernel)
+        tile_values = [{*self.axes.get(name, ()), getattr(start_tile, name)} for name in TILE_FIELDS]
+        tiles = [TileConfig(**dict(zip(TILE_FIELDS, values))) for values in itertools.product(*tile_values)]
+        admitted = [tile for tile in tiles if self.admits(tile)]
+        extra = [name for name in self.axes if name not in TILE_FIELDS]
+        return len({
+            self.launches(replace(start, **{self.kernel: tile}, **dict(zip(extra, values))))
+            for tile in admitted
+            for values in itertools.product(*({*self.axes[name], getattr(start, name)} for name in extra))
+        })
+
+    def first_pass(self, start: KernelConfig) -> int:
+        """How many configs one sweep of every axis from `start` tries (at most)."""
+        return sum(len(list(self.along(start, axis))) for axis in self.axes)
+
+
+def kernel_spaces(problem: Problem, device: str, limits: Limits) -> list[KernelSpace]:
+    """The search spaces of the kernels an eager call on `device` launches with Triton."""
+    skipped = untuned_kernels(device, problem.dtype)
+    return [
+        KernelSpace(kernel, {**PIPELINE_AXES, **CONFIG_AXES.get(kernel, {}), **SHAPE_AXES}, problem, limits)
+        for kernel in KERNELS
+        if kernel not in skipped
+    ]
+
+
+def device_limits(problem: Problem) -> Limits:
+    """This GPU's opt-in shared memory per block; the H100/H200 value off the GPU."""
+    shared = PLANNING_SHARED_MEMORY
+    if torch.cuda.is_available():
+        shared = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    return Limits(shared, problem.element_bytes)

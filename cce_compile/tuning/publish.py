@@ -1,0 +1,248 @@
+"""Where tuning results go: the tuning service (POST /v1/measurements over httpx), the
+tuning database directly (tuning_db.store), and the bundled configs shipped with the
+package. Only the database path loads pydantic and SQLAlchemy, so a GPU node without the
+web stack can tune and publish over HTTP.
+
+Each run yields kernel-level measurements (kernel "cce.<kernel>": one per timed config,
+the default's included, with that kernel's stage time) and one whole-op measurement
+(kernel "cce", the key the op's config resolution looks up: the best config's
+forward+backward time against the default's).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import math
+import os
+import re
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from cce_compile.config import sources
+from cce_compile.config.kernel_config import KernelConfig
+from cce_compile.config.plan import n_bucket
+
+from .tuner import Timing, TuneResult
+
+HTTP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a measurement is valid for besides the problem: the GPU and the code versions.
+
+    The GPU name is torch's, unnormalized: the service and the bundled-config reader
+    normalize it as the op's resolution does (config.sources.normalize_gpu), and that
+    normalization lives with pydantic, which a GPU node may lack. Off the GPU the name is
+    the op's device ("interpreter"), as config.sources.local_platform names it."""
+
+    gpu: dict[str, Any]
+    kernel_version: str
+    triton_version: str
+    torch_version: str
+
+
+def local_identity(device: str) -> Identity:
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        gpu = {
+            "name": torch.cuda.get_device_name(index),
+            "compute_capability": f"{props.major}.{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "memory_bytes": props.total_memory,
+        }
+    else:
+        gpu = {"name": device, "compute_capability": "0.0", "sm_count": 1, "memory_bytes": 0}
+    return Identity(gpu, sources.kernel_version(), sources.triton_version(), torch.__version__)
+
+
+def _name(text: str) -> str:
+    """`text` in the database's name alphabet ([A-Za-z0-9_.+-], at most 128 characters)."""
+    return re.sub(r"[^A-Za-z0-9_.+\-]", "-", text)[:128] or "unknown"
+
+
+def default_submitter() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name in some containers
+        user = "unknown"
+    return _name(f"cce-tune-{user}")
+
+
+def is_publishable(timing: Timing) -> bool:
+    """Whether the database takes these times (positive, finite, ordered); a backward time
+    (a difference of two timings) can fail this on a noisy machine."""
+    values = (timing.p20_ms, timing.median_ms, timing.p80_ms)
+    return all(math.isfinite(value) for value in values) and 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
+
+
+def measurements(result: TuneResult, identity: Identity, submitter: str) -> list[dict[str, Any]]:
+    """POST /v1/measurements bodies for `result`: the whole-op measurement first, then the
+    kernel-level ones; times the database would refuse are left out."""
+    problem = result.problem
+    common = {
+        "gpu": identity.gpu,
+        "kernel_version": identity.kernel_version,
+        "triton_version": identity.triton_version,
+        "torch_version": _name(identity.torch_version),
+        "V": problem.v,
+        "D": problem.d,
+        "dtype": problem.dtype,
+        "tokens": problem.n,
+        "mode": problem.mode,
+        "method": _name(result.method),
+        "submitter": _name(submitter),
+        "host": _name(socket.gethostname()),
+    }
+
+    def body(kernel: str, config: KernelConfig, timing: Timing, default: Timing) -> dict[str, Any]:
+        return {**common, "kernel": kernel, "config": config.to_dict(), **asdict(timing), "default_ms": default.median_ms}
+
+    bodies = [body(sources.KERNEL_NAME, result.best_config, result.best_whole, result.default_whole)]
+    for kernel, outcome in result.kernels.items():
+        name = f"{sources.KERNEL_NAME}.{kernel}"
+        bodies.append(body(name, result.default_config, outcome.default, outcome.default))
+        bodies += [
+            body(name, trial.config, trial.time, outcome.default)
+            for trial in result.trials
+            if trial.kernel == kernel and trial.time is not None
+        ]
+    return [
+        item for item in bodies
+        if is_publishable(Timing(item["median_ms"], item["p20_ms"], item["p80_ms"])) and item["default_ms"] > 0
+    ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the store said about one measurement."""
+
+    kernel: str
+    median_ms: float
+    accepted: bool
+    is_best: bool
+    detail: str
+
+
+class Publisher(Protocol):
+    def check(self) -> None:
+        """Raise PublishError if publishing cannot work (checked before tuning starts)."""
+
+    def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]: ...
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+class ServicePublisher:
+    """POST /v1/measurements to a tuning service with a write token."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        if not token:
+            raise PublishError(f"publishing needs a write token in ${sources.TOKEN_ENV}")
+        self.url = url.rstrip("/")
+        self.token = token
+
+    def _client(self) -> Any:
+        import httpx
+
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=HTTP_TIMEOUT_S
+        )
+
+    def check(self) -> None:
+        import httpx
+
+        try:
+            with self._client() as client:
+                response = client.get("/readyz")
+        except httpx.HTTPError as error:
+            raise PublishError(f"tuning service {self.url} unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code != 200:
+            raise PublishError(f"tuning service {self.url} not ready: {response.status_code} {response.text[:200]}")
+
+    def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
+        outcomes = []
+        with self._client() as client:
+            for item in bodies:
+                response = client.post("/v1/measurements", json=item)
+                if response.status_code == 201:
+                    answer = response.json()
+                    outcomes.append(Outcome(item["kernel"], item["median_ms"], True, answer["is_best"], ""))
+                else:
+                    detail = f"{response.status_code}: {response.text[:300]}"
+                    outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
+        return outcomes
+
+
+class DatabasePublisher:
+    """tuning_db.store.record_measurement on a database URL (no service in between)."""
+
+    def __init__(self, db_url: str) -> None:
+        from tuning_db.engine import make_engine
+
+        self.engine = make_engine(db_url)
+
+    def check(self) -> None:
+        from tuning_db.migrate import current_revision, head_revision
+
+        try:
+            revision = current_revision(self.engine)
+        except Exception as error:  # any failure to reach the database
+            raise PublishError(f"tuning database unreachable: {type(error).__name__}: {error}") from None
+        if revision != head_revision():
+            raise PublishError(f"tuning database at revision {revision}, not {head_revision()}: run `cce db upgrade`")
+
+    def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
+        from pydantic import ValidationError
+
+        from tuning_db.records import MeasurementIn
+        from tuning_db.store import StoreError, record_measurement
+
+        outcomes = []
+        for item in bodies:
+            try:
+                recorded = record_measurement(self.engine, MeasurementIn.model_validate(item))
+            except (ValidationError, StoreError) as error:
+                outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, str(error)[:300]))
+            else:
+                outcomes.append(Outcome(item["kernel"], item["median_ms"], True, recorded.is_best, ""))
+        self.engine.dispose()
+        return outcomes
+
+
+def write_bundled(path: Path, result: TuneResult, identity: Identity) -> None:
+    """Put `result`'s best config into a bundled-configs file (config/bundled/README.md),
+    replacing an entry for the same GPU name and key; written atomically."""
+    problem = result.problem
+    entry = {
+        "gpu": identity.gpu["name"],
+        "V": problem.v,
+        "D": problem.d,
+        "dtype": problem.dtype,
+        "tokens": problem.n,
+        "mode": problem.mode,
+        "config": result.best_config.to_dict(),
+        "kernel_version": identity.kernel_version,
+        "triton_version": identity.triton_version,
+        "median_ms": result.best_whole.median_ms,
+        "default_ms": result.default_whole.median_ms,
+    }
+
+    def key(item: dict[str, Any]) -> tuple[Any, ...]:
+        return (item["gpu"], item["V"], item["D"], item["dtype"], n_bucket(item["tokens"]), item["mode"])
+
+    entries = json.loads(path.read_text(encoding="utf-8"))["entries"] if path.exists() else []
+    entries = sorted([item for item in entries if key(item) != key(entry)] + [entry], key=key)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".tmp")
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write('{"entries": [\n' + ",\n".join(json.dumps(item) for item in entries) + "\n]}\n")  # a line per entry
+    os.replace(temporary, path)

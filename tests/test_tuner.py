@@ -1,0 +1,218 @@
+"""`cce tune` on CPU: the search with its correctness gate, run on a tiny problem through the
+Triton interpreter with the wall-clock timer; publishing into a real `cce serve` process
+and into a database; the CLI; the candidate pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from cce_compile import linear_cross_entropy
+from cce_compile.cli.main import app as cce
+from cce_compile.config import sources
+from cce_compile.config.kernel_config import KernelConfig, TileConfig
+from cce_compile.ops import dispatch
+from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
+from cce_compile.tuning.publish import (
+    DatabasePublisher,
+    PublishError,
+    ServicePublisher,
+    local_identity,
+    measurements,
+    write_bundled,
+)
+from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
+from service.process import serving
+from tests.db_fixtures import sqlite_url  # noqa: F401  (fixture)
+from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
+
+TINY = Problem(n=64, v=257, d=32, dtype="bfloat16", mode="exact")
+WRONG_BLOCK_M = 16
+"""The test op corrupts its results under any config whose grad_logits rows are this tall."""
+
+
+def _corrupting_op(e: Any, c: Any, targets: Any) -> Any:
+    """The op, except that a config with WRONG_BLOCK_M grad_logits rows computes 1.5x the
+    loss and gradients: a candidate that computes something else."""
+    loss = linear_cross_entropy(e, c, targets)
+    wrong = dispatch.config_for(e, c, 0.0).grad_logits.block_m == WRONG_BLOCK_M
+    return loss * 1.5 if wrong else loss
+
+
+@pytest.fixture(scope="module")
+def tuned() -> TuneResult:
+    """One search on TINY: a forward candidate (no vocab split), a grad_logits candidate
+    (narrower tiles) and a wrong one (shorter tiles)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 set before import (CPU-only machines)")
+    limits = device_limits(TINY)
+    spaces = [
+        KernelSpace("forward", {"vocab_splits": (1,)}, TINY, limits),
+        KernelSpace("grad_logits", {"block_n": (16,), "block_m": (WRONG_BLOCK_M,)}, TINY, limits),
+    ]
+    timer = WallClockTimer(warmup=0, runs=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch, "INTERPRET", True)
+        tuner = Tuner(TINY, "interpreter", spaces, timer, budget_s=600, input_sets=2, loss_fn=_corrupting_op)
+        return tuner.run()
+
+
+@pytest.fixture(scope="module")
+def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("service")
+    with serving(directory / "serve.log", "--db-url", f"sqlite:///{directory / 'tuning.db'}", env=TOKENS_ENV) as url:
+        yield url
+
+
+def _best(url: str, problem: Problem, kernel: str = sources.KERNEL_NAME) -> dict[str, Any]:
+    """GET /v1/configs/best for `problem` on the interpreter, asked as the op asks."""
+    platform = sources.local_platform("interpreter")
+    params = {
+        "gpu": platform.gpu, "kernel": kernel, "kernel_version": platform.kernel_version,
+        "triton_version": platform.triton_version, "V": problem.v, "D": problem.d, "dtype": problem.dtype,
+        "tokens": problem.n, "mode": problem.mode,
+    }
+    response = httpx.get(f"{url}/v1/configs/best", params=params, headers={"Authorization": f"Bearer {READ_TOKEN}"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.interpreter
+def test_the_search_times_checked_candidates_and_drops_a_wrong_one(tuned: TuneResult) -> None:
+    by_status = {trial.status: trial for trial in tuned.trials}
+    assert sorted(trial.status for trial in tuned.trials) == ["dropped", "timed", "timed"]
+    dropped = by_status["dropped"]
+    assert dropped.config.grad_logits.block_m == WRONG_BLOCK_M and dropped.time is None
+    assert "loss relative error 5.00e-01 > 0.01" in dropped.detail and "dE" in dropped.detail
+    assert tuned.best_config.grad_logits.block_m != WRONG_BLOCK_M
+    assert {trial.kernel for trial in tuned.trials if trial.status == "timed"} == {"forward", "grad_logits"}
+    assert tuned.best_config in {tuned.default_config, *(t.config for t in tuned.trials if t.status == "timed")}
+    for kernel in tuned.kernels.values():
+        assert 0 < kernel.best.median_ms <= kernel.default.median_ms
+    assert tuned.best_whole.median_ms <= tuned.default_whole.median_ms
+    assert tuned.method == "wall_clock"
+    assert json.loads(json.dumps(tuned.to_json()))["trials"][0]["kernel"] == "forward"
+
+
+@pytest.mark.interpreter
+def test_published_measurements_make_the_best_config_what_the_service_answers(
+    tuned: TuneResult, service_url: str
+) -> None:
+    bodies = measurements(tuned, local_identity("interpreter"), "tester")
+    assert [body["kernel"] for body in bodies].count("cce") == 1
+    publisher = ServicePublisher(service_url, WRITE_TOKEN)
+    publisher.check()
+    outcomes = publisher.publish(bodies)
+    assert all(outcome.accepted for outcome in outcomes), [o.detail for o in outcomes if not o.accepted]
+    assert outcomes[0].kernel == "cce" and outcomes[0].is_best
+
+    best = _best(service_url, TINY)
+    assert best["match_level"] == "exact"
+    assert KernelConfig.from_dict(best["config"]) == tuned.best_config
+    assert best["source"]["median_ms"] == pytest.approx(tuned.best_whole.median_ms)
+    assert best["source"]["default_ms"] == pytest.approx(tuned.default_whole.median_ms)
+    forward = _best(service_url, TINY, kernel="cce.forward")
+    assert forward["source"]["median_ms"] == pytest.approx(tuned.kernels["forward"].best.median_ms)
+    refused = ServicePublisher(service_url, READ_TOKEN).publish(bodies[:1])
+    assert not refused[0].accepted and refused[0].detail.startswith("403")
+
+
+@pytest.mark.interpreter
+def test_db_url_publishing_writes_through_the_store(tuned: TuneResult, sqlite_url: str, tmp_path: Path) -> None:  # noqa: F811
+    from tuning_db.records import LookupQuery
+    from tuning_db.store import lookup
+
+    with pytest.raises(PublishError, match="cce db upgrade"):
+        DatabasePublisher(f"sqlite:///{tmp_path / 'not-upgraded.db'}").check()
+    publisher = DatabasePublisher(sqlite_url)
+    publisher.check()
+    bodies = measurements(tuned, local_identity("interpreter"), "tester")
+    assert all(outcome.accepted for outcome in publisher.publish(bodies))
+    platform = sources.local_platform("interpreter")
+    query = LookupQuery(
+        gpu=platform.gpu, kernel="cce", kernel_version=platform.kernel_version,
+        triton_version=platform.triton_version, V=TINY.v, D=TINY.d, dtype=TINY.dtype, tokens=TINY.n, mode=TINY.mode,
+    )
+    answer = lookup(publisher.engine, query)
+    assert answer.match_level == "exact" and KernelConfig.from_dict(answer.entry.config) == tuned.best_config
+    publisher.engine.dispose()
+
+
+@pytest.mark.interpreter
+def test_bundled_entries_replace_the_same_key_and_the_op_reads_them(
+    tuned: TuneResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundle = tmp_path / "interpreter.json"
+    other = {"gpu": "interpreter", "V": 1000, "D": 64, "dtype": "float32", "tokens": 8, "mode": "exact", "config": {}}
+    stale = {**other, "V": TINY.v, "D": TINY.d, "dtype": TINY.dtype, "tokens": 40, "config": {"slab_v": 128}}
+    bundle.write_text(json.dumps({"entries": [stale, other]}))
+    write_bundled(bundle, tuned, local_identity("interpreter"))
+    entries = json.loads(bundle.read_text())["entries"]
+    assert len(entries) == 2 and other in entries
+    mine = next(entry for entry in entries if entry["V"] == TINY.v)
+    assert mine["tokens"] == TINY.n and KernelConfig.from_dict(mine["config"]) == tuned.best_config
+    monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path)
+    found = sources.bundled_config(sources.local_platform("interpreter"), TINY.key("interpreter"))
+    assert found is not None and KernelConfig.from_dict(found.config) == tuned.best_config
+
+
+@pytest.mark.interpreter
+def test_cli_tunes_writes_json_and_publishes(service_url: str, tmp_path: Path) -> None:
+    """With no budget the CLI checks and times the default config only, and publishes it."""
+    out = tmp_path / "results.json"
+    args = ["tune", "--vocab", "200", "--hidden", "16", "--tokens", "40", "--mode", "filtered", "--budget-s", "0",
+            "--input-sets", "1", "--out", str(out), "--publish", service_url]
+    result = CliRunner().invoke(cce, args, env={sources.TOKEN_ENV: WRITE_TOKEN})
+    assert result.exit_code == 0, result.output
+    assert "forward+backward" in result.output and "1.000x" in result.output
+    report = json.loads(out.read_text())
+    assert report["best_config"] == report["default_config"]
+    assert {body["kernel"] for body in report["measurements"]} >= {"cce", "cce.forward", "cce.grad_logits"}
+    best = _best(service_url, Problem(40, 200, 16, "bfloat16", "filtered"))
+    assert best["match_level"] == "exact" and best["config"] == report["best_config"]
+
+
+@pytest.mark.interpreter
+def test_cli_checks_where_results_go_before_tuning(tmp_path: Path) -> None:
+    runner = CliRunner()
+    base = ["tune", "--vocab", "200", "--hidden", "16", "--tokens", "40"]
+    no_token = runner.invoke(cce, [*base, "--publish", "http://127.0.0.1:9"], env={sources.TOKEN_ENV: ""})
+    assert no_token.exit_code == 2 and "CCE_TUNING_TOKEN" in no_token.output
+    dead = runner.invoke(cce, [*base, "--publish", "http://127.0.0.1:9"], env={sources.TOKEN_ENV: "x"})
+    assert dead.exit_code == 2 and "unreachable" in dead.output
+    both = runner.invoke(cce, [*base, "--publish", "http://x", "--db-url", "sqlite://"])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing() -> None:
+    """Off the GPU the plan is for a GPU with an H100/H200's shared memory."""
+    runner = CliRunner(env={"COLUMNS": "200"})  # rich wraps table cells at 80
+    bf16 = runner.invoke(cce, ["tune", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192", "--dry-run"])
+    assert bf16.exit_code == 0, bf16.output
+    shared_memory = str(device_limits(TINY).shared_memory_bytes)  # 232448 off the GPU
+    for text in ("cuda", shared_memory, "no-grad forward", "fwd+bwd minus fwd", "first sweep", "cuBLAS", "slab_v"):
+        assert text in bf16.output
+    fp16 = runner.invoke(cce, ["tune", "--vocab", "1000", "--hidden", "64", "--tokens", "100", "--dtype", "fp16",
+                               "--dry-run"])
+    assert fp16.exit_code == 0 and "cuBLAS" not in fp16.output and "grad_hidden" in fp16.output
+
+
+def test_candidates_fit_the_gpu_and_launch_differently() -> None:
+    bf16 = Limits(shared_memory_bytes=232_448, element_bytes=2)
+    assert bf16.fits(TileConfig(128, 256, 64, 8, 8, 4))
+    assert not bf16.fits(TileConfig(256, 256, 64, 8, 8, 4))  # 262144 bytes of stages
+    assert not bf16.fits(TileConfig(256, 256, 32, 8, 4, 2))  # 512 accumulator registers a thread
+    llama = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="exact")
+    space = KernelSpace("grad_logits", {"slab_v": (2048, 4096, 8192, 16384)}, llama, bf16)
+    start = KernelConfig(slab_v=4096)
+    # slab_v 8192 plans the same slabs as 4096 within the scratch budget: not tried again.
+    assert [config.slab_v for config in space.along(start, "slab_v")] == [2048, 16384]
+    tiny = KernelSpace("forward", {"block_k": (32, 64, 128)}, TINY, bf16)
+    assert [config.forward.block_k for config in tiny.along(KernelConfig(), "block_k")] == []  # D = 32
