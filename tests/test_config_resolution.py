@@ -344,7 +344,7 @@ def test_the_op_loads_no_web_stack_without_a_reachable_service(tmp_path: Path) -
         "cce_compile.linear_cross_entropy(torch.randn(8, 16), torch.randn(64, 16), torch.zeros(8, dtype=torch.long))\n"
         "from cce_compile.config.resolve import resolved\n"
         "print([r.source for r in resolved().values()], "
-        "[m for m in ('httpx', 'fastapi', 'sqlalchemy') if m in sys.modules])\n"
+        "[m for m in ('httpx', 'fastapi', 'sqlalchemy', 'pydantic') if m in sys.modules])\n"
     )
     env = {
         **os.environ,
@@ -414,6 +414,31 @@ def _rank_main(rank: int, root: str) -> None:
         Path(root, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+def _failing_rank_main(rank: int, root: str) -> None:
+    """Rank 0 cannot resolve (its platform lookup fails): every rank must raise, none wait."""
+    os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
+    dispatch.INTERPRET = False
+    if rank == 0:
+        def broken(device: str):
+            raise RuntimeError("no GPU identity")
+
+        sources.local_platform = broken
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        linear_cross_entropy(*_small_inputs())
+    except RuntimeError as exc:
+        Path(root, f"rank{rank}.txt").write_text(str(exc))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
+    mp.spawn(_failing_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    assert (tmp_path / "rank0.txt").read_text() == "no GPU identity"
+    assert "rank 0 failed to resolve" in (tmp_path / "rank1.txt").read_text()
 
 
 @pytest.mark.timeout(180)

@@ -22,6 +22,8 @@ from pydantic import (
 )
 
 from cce_compile.config.kernel_config import KernelConfig
+from cce_compile.config.sources import MATCH_LEVELS as _MATCH_LEVELS
+from cce_compile.config.sources import normalize_gpu_name
 
 NEAREST_BUCKET_FACTOR = 4
 """A config tuned for another token bucket is used only within this factor (never snap far)."""
@@ -30,12 +32,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 Mode = Literal["exact", "filtered"]
 MatchLevel = Literal["exact", "nearest_bucket", "stale_triton", "same_arch", "none"]
 ImportMode = Literal["keep_better", "skip", "overwrite"]
-MATCH_LEVELS: tuple[MatchLevel, ...] = ("exact", "nearest_bucket", "stale_triton", "same_arch", "none")
-
-
-def normalize_gpu_name(name: str) -> str:
-    """One spelling per GPU model: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return "-".join(name.lower().replace("_", " ").split())
+MATCH_LEVELS: tuple[MatchLevel, ...] = _MATCH_LEVELS  # type: ignore[assignment]
 
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+\-]{1,128}$")]

@@ -61,7 +61,7 @@ def _platform(gpu: str | None) -> Platform:
         import torch
 
         return sources.local_platform("cuda" if torch.cuda.is_available() else "cpu")
-    name = gpu if gpu in ("cpu", "interpreter") else sources.normalize_gpu(gpu)
+    name = gpu if gpu in ("cpu", "interpreter") else sources.normalize_gpu_name(gpu)
     return sources.Platform(name, None, None, None, sources.kernel_version(), sources.triton_version())
 
 

@@ -194,13 +194,23 @@ def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution]) -> Reso
     import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
 
-    mine = resolve_here() if dist.get_rank() == 0 else None
-    payload = [None if mine is None else _message(key, mine)]
+    mine: Resolution | None = None
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            mine = resolve_here()
+        except Exception as exc:  # tell the other ranks, or they wait in the broadcast forever
+            failure = exc
+    payload: list[object] = [_message(key, mine) if mine is not None else {"error": repr(failure)}]
     with _disable_current_modes():
         dist.broadcast_object_list(payload, src=0)
+    if failure is not None:
+        raise failure
     if mine is not None:
         return mine
     message = payload[0]
+    if "error" in message:
+        raise RuntimeError(f"rank 0 failed to resolve a kernel config for {key}: {message['error']}")
     if message["key"] != asdict(key):
         log.warning("rank 0 resolved %s while this rank resolves %s; launching rank 0's config", message["key"], key)
     return Resolution(KernelConfig.from_dict(message["config"]), message["source"], message["match_level"])

@@ -111,11 +111,16 @@ def _ttl_from_env() -> float:
 # --- identity ---------------------------------------------------------------------------
 
 
-def normalize_gpu(name: str) -> str:
-    """The tuning database's spelling of a GPU name (lazily: it lives with the records)."""
-    from tuning_db.records import normalize_gpu_name
+MATCH_LEVELS = ("exact", "nearest_bucket", "stale_triton", "same_arch", "none")
+"""How closely a stored config matches a query, best first (the tuning database's answer)."""
 
-    return normalize_gpu_name(name)
+
+def normalize_gpu_name(name: str) -> str:
+    """One spelling per GPU model: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'.
+
+    Lives here, not with the database records, so the op's resolution path imports
+    neither pydantic nor SQLAlchemy."""
+    return "-".join(name.lower().replace("_", " ").split())
 
 
 @lru_cache(maxsize=1)
@@ -151,7 +156,7 @@ def _cuda_platform(index: int) -> Platform:
 
     props = torch.cuda.get_device_properties(index)
     return Platform(
-        gpu=normalize_gpu(torch.cuda.get_device_name(index)),
+        gpu=normalize_gpu_name(torch.cuda.get_device_name(index)),
         compute_capability=f"{props.major}.{props.minor}",
         sm_count=props.multi_processor_count,
         shared_memory_bytes=props.shared_memory_per_block_optin,
@@ -162,8 +167,6 @@ def _cuda_platform(index: int) -> Platform:
 
 def _match_level(value: Any) -> str | None:
     """`value` if it is one of the database's match levels that carries a config."""
-    from tuning_db.records import MATCH_LEVELS
-
     return value if isinstance(value, str) and value in MATCH_LEVELS and value != "none" else None
 
 
@@ -345,5 +348,5 @@ def _add_bundled(index: dict[tuple[Any, ...], Any], entry: Mapping[str, Any], wh
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         log.warning("bundled %s has tokens %r; skipping it", where, tokens)
         return
-    key = (normalize_gpu(str(entry["gpu"])), entry["V"], entry["D"], entry["dtype"], n_bucket(tokens), entry["mode"])
+    key = (normalize_gpu_name(str(entry["gpu"])), entry["V"], entry["D"], entry["dtype"], n_bucket(tokens), entry["mode"])
     index[key] = entry["config"]

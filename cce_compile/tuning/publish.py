@@ -38,7 +38,7 @@ class Identity:
     """What a measurement is valid for besides the problem: the GPU and the code versions.
 
     The GPU name is torch's, unnormalized: the service and the bundled-config reader
-    normalize it as the op's resolution does (config.sources.normalize_gpu), and that
+    normalize it as the op's resolution does (config.sources.normalize_gpu_name), and that
     normalization lives with pydantic, which a GPU node may lack. Off the GPU the name is
     the op's device ("interpreter"), as config.sources.local_platform names it."""
 
