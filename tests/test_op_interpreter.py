@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -43,20 +45,41 @@ def test_several_token_chunks_and_slabs() -> None:
         check_against_reference(e, c, targets, {"reduction": "sum"}, bias=torch.randn(300).bfloat16())
 
 
-def test_kernels_and_cpu_path_filter_the_same_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+FILTER_CASES = {
+    "one chunk": dict(lead=(96,), v=512, d=32, options={}, config=None),
+    "chunks, slabs, bias, weights, smoothing": dict(
+        lead=(520,), v=300, d=16, options={"label_smoothing": 0.1, "reduction": "sum"},
+        config=KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FILTER_CASES, ids=list(FILTER_CASES))
+def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filtered mode's sorted vocab, tile masks and block-sparse GEMMs (kernels) against the
+    CPU path's dense arithmetic on the same tiles; and filtering really drops tiles."""
     from cce_compile.ops import dispatch
 
-    e, c, targets = make_inputs("peaked", (96,), 512, 32, torch.float32, seed=4)
-    grads = []
-    for interpret in (True, False):
+    spec = FILTER_CASES[case]
+    e, c, targets = make_inputs("peaked", spec["lead"], spec["v"], spec["d"], torch.float32, seed=4)
+    bias = torch.randn(spec["v"]) * 0.1
+    weight = torch.rand(spec["v"]) + 0.5 if spec["options"] else None
+    if spec["config"] is not None:
+        assert plan_backward(1024, spec["v"], spec["d"], 4, spec["config"]).n_chunks > 1
+
+    def grads(interpret: bool, filter_eps: float | None):
         monkeypatch.setattr(dispatch, "INTERPRET", interpret)
-        ec = [t.clone().requires_grad_() for t in (e, c)]
-        cce_compile.linear_cross_entropy(*ec, targets, filter_eps=2.0**-12).backward()
-        grads.append([t.grad for t in ec])
-    exact = [t.clone().requires_grad_() for t in (e, c)]
-    cce_compile.linear_cross_entropy(*exact, targets).backward()
-    assert not torch.equal(grads[0][1], exact[1].grad), "no tile was filtered: the test shows nothing"
-    for kernel_grad, cpu_grad in zip(*grads):
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        loss = cce_compile.linear_cross_entropy(
+            leaves[0], leaves[1], targets, bias=leaves[2], weight=weight, filter_eps=filter_eps, **spec["options"]
+        )
+        loss.backward()
+        return [t.grad for t in leaves]
+
+    with cce_compile.override_config(spec["config"]) if spec["config"] else contextlib.nullcontext():
+        kernels, cpu, exact = grads(True, 2.0**-12), grads(False, 2.0**-12), grads(False, None)
+    assert not torch.equal(cpu[1], exact[1]), "no tile was filtered: the test shows nothing"
+    for kernel_grad, cpu_grad in zip(kernels, cpu):
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
 
 

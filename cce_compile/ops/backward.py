@@ -15,7 +15,12 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from ..config.plan import n_bucket, plan_backward
-from ..kernels.backward import grad_logits_kernel, matmul_kernel
+from ..kernels.backward import (
+    grad_logits_kernel,
+    matmul_kernel,
+    sparse_grad_classifier_kernel,
+    sparse_grad_hidden_kernel,
+)
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
 from .loss_terms import grad_coefficients
@@ -39,12 +44,14 @@ def linear_cross_entropy_backward(
         grad_loss, grad_lse, targets, weight, v, ignore_index, label_smoothing
     )
     has_smoothing = label_smoothing > 0.0
+    filtered = filter_eps > 0.0
+    order = vocab_order(e, c, bias) if filtered else None
     if not use_triton(e):
         tile = config.grad_logits
         grad_e, grad_c, grad_bias = backward_cpu(
             e, c, targets, bias, weight, lse, coef_softmax, coef_target,
             coef_smooth if has_smoothing else None, softcap, filter_eps,
-            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n),
+            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n), vocab_order=order,
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
@@ -57,12 +64,20 @@ def linear_cross_entropy_backward(
     grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
+    # Filtered mode: which d-logits tiles survived, for the block-sparse GEMMs.
+    tile_mask = torch.empty(
+        (cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)) if filtered else (1, 1),
+        dtype=torch.int8, device=e.device,
+    )
+    order_arg = order if order is not None else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
     # Eager CUDA calls use cuBLAS; a traced call (torch.compile) keeps the Triton GEMMs,
     # whose whole-buffer mutations Inductor handles without copies.
-    cublas = e.is_cuda and not scaled and not is_fake(e) and GEMM_BACKEND == "cublas"
+    cublas = e.is_cuda and not scaled and not filtered and not is_fake(e) and GEMM_BACKEND == "cublas"
     scale = torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
+    # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
+    sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
     bias_chunks: list[Tensor] = []
     last_slab = (v - 1) // plan.slab_v * plan.slab_v
 
@@ -76,18 +91,41 @@ def linear_cross_entropy_backward(
             col_end = min(col_start + plan.slab_v, v)
             cols = col_end - col_start
             wrap_triton(grad_logits_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),)](
-                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
-                grad_logits, row_start, row_end, col_start, col_end, d,
+                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale, order_arg,
+                grad_logits, tile_mask, row_start, row_end, col_start, col_end, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1),
-                grad_logits.stride(0), grad_logits.stride(1), softcap, filter_eps,
+                grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), softcap, filter_eps,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-                HAS_SMOOTHING=has_smoothing, FILTER=filter_eps > 0.0, SCALED=scaled,
+                HAS_SMOOTHING=has_smoothing, FILTER=filtered, SCALED=scaled,
                 BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
                 GROUP_M=logits_tile.group_m, EVEN_K=d % logits_tile.block_k == 0,
                 num_warps=logits_tile.num_warps,
                 num_stages=logits_tile.num_stages, **flags,
             )
-            if cublas:
+            final = plan.fp32_accumulator and col_start == last_slab
+            if filtered:
+                wrap_triton(sparse_grad_classifier_kernel)[
+                    (cdiv(cols, logits_tile.block_n) * cdiv(d, dc_tile.block_n),)
+                ](
+                    grad_logits, tile_mask, e, order_arg, scale, grad_c, rows, cols, row_start, col_start, d,
+                    grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), e.stride(0), e.stride(1),
+                    ACCUMULATE=chunk > 0, SCALED=scaled,
+                    TILE_M=logits_tile.block_m, TILE_N=logits_tile.block_n, BLOCK_N=dc_tile.block_n,
+                    BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
+                    num_stages=dc_tile.num_stages, **flags,
+                )
+                wrap_triton(sparse_grad_hidden_kernel)[
+                    (cdiv(rows, logits_tile.block_m) * cdiv(d, de_tile.block_n),)
+                ](
+                    grad_logits, tile_mask, c, order_arg, scale, acc, acc_offset, grad_e, row_start * d,
+                    rows, cols, col_start, d,
+                    grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), c.stride(0), c.stride(1),
+                    ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                    TILE_M=logits_tile.block_m, TILE_N=logits_tile.block_n, BLOCK_N=de_tile.block_n,
+                    BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
+                    num_stages=de_tile.num_stages, **flags,
+                )
+            elif cublas:
                 # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
                 # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
                 d_logits = grad_logits[:rows, :cols]
@@ -101,7 +139,7 @@ def linear_cross_entropy_backward(
                     torch.mm(d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
                 else:
                     torch.addmm(acc_rows, d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
-                if plan.fp32_accumulator and col_start == last_slab:
+                if final:
                     grad_e[row_start:row_end].copy_(acc_rows)
             else:
                 # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
@@ -119,8 +157,7 @@ def linear_cross_entropy_backward(
                     grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
                     rows, d, cols,
                     grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                    ACCUMULATE=col_start > 0, FINAL=plan.fp32_accumulator and col_start == last_slab,
-                    SCALED=scaled,
+                    ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
                     BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
                     GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages, **flags,
                 )
@@ -131,4 +168,18 @@ def linear_cross_entropy_backward(
             bias_chunks.append(torch.cat(bias_slabs))
     if bias is None:
         return grad_e, grad_c, c.new_empty((0,))
-    return grad_e, grad_c, torch.stack(bias_chunks).sum(dim=0).to(bias.dtype)
+    grad_bias = torch.stack(bias_chunks).sum(dim=0)
+    if order is not None:  # slab columns were positions in the vocab order
+        grad_bias = torch.empty_like(grad_bias).index_copy_(0, order, grad_bias)
+    return grad_e, grad_c, grad_bias.to(bias.dtype)
+
+
+def vocab_order(e: Tensor, c: Tensor, bias: Tensor | None) -> Tensor:
+    """The vocabulary sorted by mean logit over the batch (likely tokens first), so that
+    filtered mode's surviving tiles cluster in a few tile columns. The mean logit of token j
+    is mean(e) . c_j + b_j: one matrix-vector product, no logits."""
+    mean_e = e.mean(dim=0, dtype=torch.float32).to(c.dtype)
+    mean_logit = (c @ mean_e).float()  # never a float copy of c: it may be gigabytes
+    if bias is not None:
+        mean_logit = mean_logit + bias.float()
+    return torch.argsort(mean_logit, descending=True, stable=True)

@@ -7,10 +7,10 @@ import torch
 from torch import Tensor
 
 
-def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, start: int, stop: int, softcap: float) -> Tensor:
-    logits = e32 @ c[start:stop].to(torch.float32).T
+def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
+    logits = e32 @ c[ids].to(torch.float32).T
     if bias is not None:
-        logits = logits + bias[start:stop].to(torch.float32)
+        logits = logits + bias[ids].to(torch.float32)
     if softcap > 0.0:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
@@ -29,7 +29,7 @@ def forward_cpu(
     weighted_sum = e32.new_zeros((n,)) if need_weighted_sum else None
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
-        logits = _logits(e32, c, bias, start, stop, softcap)
+        logits = _logits(e32, c, bias, slice(start, stop), softcap)
         new_max = torch.maximum(row_max, logits.amax(dim=1))
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
         row_sumexp = row_sumexp * torch.exp(row_max - shift) + torch.exp(logits - shift[:, None]).sum(dim=1)
@@ -60,9 +60,12 @@ def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: in
 def backward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor,
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
-    softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int],
+    softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32."""
+    """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32.
+
+    With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
+    that order, as the kernels do, and the gradients land back at each token's own row."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     grad_e = torch.zeros_like(e32)
@@ -70,22 +73,24 @@ def backward_cpu(
     grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
-        logits = _logits(e32, c, bias, start, stop, softcap)
+        ids = slice(start, stop) if vocab_order is None else vocab_order[start:stop]
+        vocab = torch.arange(start, stop, device=e.device) if vocab_order is None else vocab_order[start:stop]
+        logits = _logits(e32, c, bias, ids, softcap)
         softmax = torch.exp(logits - lse[:, None])
-        is_target = (targets - start)[:, None] == torch.arange(stop - start, device=e.device)[None, :]
+        is_target = targets[:, None] == vocab[None, :]
         grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
         if coef_smooth is not None:
-            w = weight[start:stop].to(torch.float32) if weight is not None else 1.0
+            w = weight[ids].to(torch.float32) if weight is not None else 1.0
             grad = grad - coef_smooth[:, None] * w
         if softcap > 0.0:
             grad = grad * (1.0 - (logits / softcap) ** 2)
         if filter_eps > 0.0:
             distance = torch.where(is_target, 1.0, softmax)
             grad = grad * _tile_keep(distance, *filter_tile, 0, start, filter_eps)
-        grad_e += grad @ c[start:stop].to(torch.float32)
-        grad_c[start:stop] = grad.T @ e32
+        grad_e += grad @ c[ids].to(torch.float32)
+        grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
-            grad_bias[start:stop] = grad.sum(dim=0)
+            grad_bias[ids] = grad.sum(dim=0)
     return (
         grad_e.to(e.dtype),
         grad_c.to(c.dtype),
