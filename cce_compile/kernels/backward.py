@@ -135,91 +135,53 @@ def matmul_kernel(
 
 
 @triton.jit
-def sparse_grad_hidden_kernel(
-    grad_logits_ptr, tile_mask_ptr, c_ptr, vocab_order_ptr, scale_ptr,
-    acc_ptr, acc_offset, final_ptr, final_offset,
-    rows, cols, col_start, D,
-    stride_gm, stride_gn, stride_mask, stride_cv, stride_cd,
+def sparse_matmul_kernel(
+    a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
+    tile_mask_ptr, scale_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_mask_m, stride_mask_k,
+    GATHER_B: tl.constexpr, SCATTER_OUT: tl.constexpr,
     ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
-    TILE_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Filtered mode's dE[chunk] += d_logits @ c[vocab_order[slab]], skipping the d-logits
-    tiles (TILE_M x TILE_N, grad_logits_kernel's tiles) that the filter zeroed.
+    """out[M, N] (+)= a[M, K] @ b[K, N] over the (TILE_M x TILE_K) tiles of `a` that
+    tile_mask keeps: filtered mode's two gradient GEMMs on the d-logits slab.
 
-    One program: TILE_M rows x BLOCK_N of D, summing over the slab's kept tiles of its row
-    block. acc and final are (rows, D) row-major, as in matmul_kernel.
+    dE chunk += d_logits @ c[vocab_order[slab]]: B's rows gathered (GATHER_B: row k of b is
+    b_index[k]); dC[vocab_order[slab]] (+)= d_logits.T @ e chunk: out's rows scattered
+    (SCATTER_OUT: row m of out is out_index[m]). Out, final: row-major with N columns.
+    ACCUMULATE, FINAL and SCALED as in matmul_kernel.
     """
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(rows, TILE_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, TILE_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < rows
-    n_mask = offs_n < D
+    m_mask = offs_m < M
+    n_mask = offs_n < N
     safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    for tile in range(0, tl.cdiv(cols, TILE_N)):
-        if tl.load(tile_mask_ptr + pid_m * stride_mask + tile) != 0:
-            for part in tl.static_range(TILE_N // BLOCK_K):
-                offs_k = tile * TILE_N + part * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < cols
-                a = tl.load(grad_logits_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
-                            + offs_k.to(tl.int64)[None, :] * stride_gn,
+    for tile in range(0, tl.cdiv(K, TILE_K)):
+        if tl.load(tile_mask_ptr + pid_m * stride_mask_m + tile * stride_mask_k) != 0:
+            for part in tl.static_range(TILE_K // BLOCK_K):
+                offs_k = tile * TILE_K + part * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < K
+                a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                vocab = tl.load(vocab_order_ptr + col_start + offs_k, mask=k_mask, other=0).to(tl.int64)
-                b = tl.load(c_ptr + vocab[:, None] * stride_cv + safe_n[None, :] * stride_cd,
+                b_rows = offs_k.to(tl.int64)
+                if GATHER_B:
+                    b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0).to(tl.int64)
+                b = tl.load(b_ptr + b_offset + b_rows[:, None] * stride_bk + safe_n[None, :] * stride_bn,
                             mask=k_mask[:, None], other=0.0)
                 acc = mma(acc, a, b, UPCAST, IEEE)
     if SCALED:
         acc = acc * tl.load(scale_ptr)
+    out_rows = offs_m.to(tl.int64)
+    if SCATTER_OUT:
+        out_rows = tl.load(out_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     mask = m_mask[:, None] & n_mask[None, :]
-    out = offs_m.to(tl.int64)[:, None] * D + offs_n.to(tl.int64)[None, :]
+    out = out_rows[:, None] * N + offs_n.to(tl.int64)[None, :]
     if ACCUMULATE:
-        acc += tl.load(acc_ptr + acc_offset + out, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(out_ptr + out_offset + out, mask=mask, other=0.0).to(tl.float32)
     if FINAL:
         tl.store(final_ptr + final_offset + out, acc.to(final_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(acc_ptr + acc_offset + out, acc.to(acc_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def sparse_grad_classifier_kernel(
-    grad_logits_ptr, tile_mask_ptr, e_ptr, vocab_order_ptr, scale_ptr, grad_c_ptr,
-    rows, cols, row_start, col_start, D,
-    stride_gm, stride_gn, stride_mask, stride_en, stride_ed,
-    ACCUMULATE: tl.constexpr, SCALED: tl.constexpr,
-    TILE_M: tl.constexpr, TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Filtered mode's dC[vocab_order[slab]] (+)= d_logits.T @ e[chunk], skipping zeroed
-    d-logits tiles; rows of dC are written at their tokens' own positions.
-
-    One program: TILE_N slab columns x BLOCK_N of D, summing over the chunk's kept tiles of
-    its tile column. A tile column with no kept tile still writes its zeros (or keeps the
-    previous chunks' sum with ACCUMULATE). grad_c is (V, D) row-major.
-    """
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(cols, TILE_N), tl.cdiv(D, BLOCK_N), GROUP_M)
-    offs_m = pid_m * TILE_N + tl.arange(0, TILE_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < cols
-    n_mask = offs_n < D
-    safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    acc = tl.zeros((TILE_N, BLOCK_N), dtype=tl.float32)
-    for tile in range(0, tl.cdiv(rows, TILE_M)):
-        if tl.load(tile_mask_ptr + tile * stride_mask + pid_m) != 0:
-            for part in tl.static_range(TILE_M // BLOCK_K):
-                offs_k = tile * TILE_M + part * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < rows
-                a = tl.load(grad_logits_ptr + offs_k.to(tl.int64)[None, :] * stride_gm
-                            + offs_m.to(tl.int64)[:, None] * stride_gn,
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(e_ptr + (row_start + offs_k).to(tl.int64)[:, None] * stride_en
-                            + safe_n[None, :] * stride_ed, mask=k_mask[:, None], other=0.0)
-                acc = mma(acc, a, b, UPCAST, IEEE)
-    if SCALED:
-        acc = acc * tl.load(scale_ptr)
-    vocab = tl.load(vocab_order_ptr + col_start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    mask = m_mask[:, None] & n_mask[None, :]
-    out = grad_c_ptr + vocab[:, None] * D + offs_n.to(tl.int64)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out, acc.to(grad_c_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_offset + out, acc.to(out_ptr.dtype.element_ty), mask=mask)

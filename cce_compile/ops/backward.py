@@ -15,12 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from ..config.plan import n_bucket, plan_backward
-from ..kernels.backward import (
-    grad_logits_kernel,
-    matmul_kernel,
-    sparse_grad_classifier_kernel,
-    sparse_grad_hidden_kernel,
-)
+from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
 from .loss_terms import grad_coefficients
@@ -104,24 +99,24 @@ def linear_cross_entropy_backward(
             )
             final = plan.fp32_accumulator and col_start == last_slab
             if filtered:
-                wrap_triton(sparse_grad_classifier_kernel)[
-                    (cdiv(cols, logits_tile.block_n) * cdiv(d, dc_tile.block_n),)
-                ](
-                    grad_logits, tile_mask, e, order_arg, scale, grad_c, rows, cols, row_start, col_start, d,
-                    grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), e.stride(0), e.stride(1),
-                    ACCUMULATE=chunk > 0, SCALED=scaled,
-                    TILE_M=logits_tile.block_m, TILE_N=logits_tile.block_n, BLOCK_N=dc_tile.block_n,
+                # dC[order[slab]] (+)= d_logits.T @ e[chunk] over kept tiles: M = cols, K = rows.
+                slab_order = order_arg[col_start:]
+                wrap_triton(sparse_matmul_kernel)[(cdiv(cols, logits_tile.block_n) * cdiv(d, dc_tile.block_n),)](
+                    grad_logits, e, row_start * e.stride(0), slab_order, grad_c, 0, slab_order, grad_c, 0,
+                    tile_mask, scale, cols, d, rows,
+                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), 1, tile_mask.stride(0),
+                    GATHER_B=False, SCATTER_OUT=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                    TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                     num_stages=dc_tile.num_stages, **flags,
                 )
-                wrap_triton(sparse_grad_hidden_kernel)[
-                    (cdiv(rows, logits_tile.block_m) * cdiv(d, de_tile.block_n),)
-                ](
-                    grad_logits, tile_mask, c, order_arg, scale, acc, acc_offset, grad_e, row_start * d,
-                    rows, cols, col_start, d,
-                    grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), c.stride(0), c.stride(1),
-                    ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
-                    TILE_M=logits_tile.block_m, TILE_N=logits_tile.block_n, BLOCK_N=de_tile.block_n,
+                # dE[chunk] += d_logits @ c[order[slab]] over kept tiles: M = rows, K = cols.
+                wrap_triton(sparse_matmul_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                    grad_logits, c, 0, slab_order, acc, acc_offset, slab_order, grad_e, row_start * d,
+                    tile_mask, scale, rows, d, cols,
+                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), tile_mask.stride(0), 1,
+                    GATHER_B=True, SCATTER_OUT=False, ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                    TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
                     num_stages=de_tile.num_stages, **flags,
                 )
