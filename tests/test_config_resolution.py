@@ -29,7 +29,7 @@ from cce_compile import linear_cross_entropy, override_config
 from cce_compile.cli.main import app as cce
 from cce_compile.config import resolve, sources
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.resolve import ProblemKey, Resolution, heuristic_config, resolution_for, resolved
+from cce_compile.config.resolve import ProblemKey, Resolution, heuristic_config, resolution_for, resolve_config, resolved
 from cce_compile.ops import dispatch, forward
 from service.process import REPO_ROOT, serving
 from tests.db_fixtures import GPU_H100, H100_KEY, measurement_data
@@ -407,7 +407,7 @@ def _rank_main(rank: int, root: str) -> None:
         compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
         compiled(e.repeat(3, 1), c, targets.repeat(3))
         report = {"launched": [config.to_dict() for config in launched], "source": resolution_for(SMALL_KEY).source}
-        if rank == 0:  # a new key on one rank only: without the broadcast it cannot hang
+        if rank == 0:  # a new key on one rank only, with the exchange switched off
             os.environ[resolve.BROADCAST_ENV] = "0"
             linear_cross_entropy(e.repeat(7, 1), c, targets.repeat(7))
             report["alone"] = resolution_for(replace(SMALL_KEY, n_bucket=1024)).source
@@ -432,6 +432,34 @@ def _failing_rank_main(rank: int, root: str) -> None:
         Path(root, f"rank{rank}.txt").write_text(str(exc))
     finally:
         dist.destroy_process_group()
+
+
+def _unordered_rank_main(rank: int, root: str) -> None:
+    """The ranks meet the keys in opposite orders, and rank 1 also meets a bucket rank 0
+    never runs: nobody hangs, shared keys get rank 0's config, the lone key rank 1's own."""
+    os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1",
+                       resolve.WAIT_ENV: "2"})
+    dispatch.INTERPRET = False
+    sources.local_platform = lambda device: H100
+    keys = [SMALL_KEY, replace(SMALL_KEY, n_bucket=512)]
+    for use, key in enumerate(keys):
+        sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        order = keys if rank == 0 else keys[::-1] + [replace(SMALL_KEY, n_bucket=4096)]
+        report = {str(key.n_bucket): resolve_config(key).to_dict() for key in order}
+        Path(root, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_may_meet_keys_in_any_order(tmp_path: Path) -> None:
+    mp.spawn(_unordered_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    assert rank1.pop("4096") == heuristic_config(replace(SMALL_KEY, n_bucket=4096)).to_dict()
+    assert rank0 == rank1
+    assert rank0[str(SMALL_KEY.n_bucket)] == KernelConfig.from_dict(_rank_config(0, 0)).to_dict()
 
 
 @pytest.mark.timeout(120)

@@ -5,17 +5,19 @@ The ladder, first answer wins: an active `override_config`, this process's memo,
 disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the package, the
 heuristic. Every config that comes from outside the process is re-validated (and checked
 against the GPU's shared memory) before it is used; a bad one is logged and skipped. Under
-torch.distributed, rank 0 resolves and every rank launches its config (CCE_CONFIG_BROADCAST=0
-turns that off, for code that runs the op on some ranks only).
+torch.distributed, rank 0 resolves and every rank launches its config, exchanged through
+the process group's store (CCE_CONFIG_BROADCAST=0 turns that off).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Callable, Iterator
 
 from . import sources
@@ -25,6 +27,9 @@ log = logging.getLogger("cce_compile.config")
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
+WAIT_ENV = "CCE_CONFIG_WAIT_S"
+DEFAULT_WAIT_S = 600.0
+"""How long a rank waits for rank 0's config for a key (rank 0 may be compiling)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class Resolution:
 
 
 _memo: dict[ProblemKey, Resolution] = {}
+_override_uses: dict[ProblemKey, int] = {}
+"""Per key, how many times an override was exchanged between ranks (names its store entry)."""
 _memo_lock = threading.Lock()
 
 
@@ -109,21 +116,21 @@ def resolve_config(key: ProblemKey) -> KernelConfig:
         return resolution_for(key).config
     if not _distributed():
         return override
-    return _from_rank0(key, lambda: Resolution(override, "override", "none")).config
+    with _memo_lock:  # the n-th override use of a key on every rank names the same entry
+        use = _override_uses[key] = _override_uses.get(key, 0) + 1
+    return _from_rank0(key, lambda: Resolution(override, "override", "none"), f"override-{use}").config
 
 
 def resolution_for(key: ProblemKey) -> Resolution:
     """The ladder's answer for `key` (overrides aside), resolved on first use and then
-    remembered for the process; logged once per key.
-
-    Under torch.distributed every rank must resolve the same keys in the same order (as
-    with any collective): a key's first resolution is a broadcast from rank 0."""
+    remembered for the process; logged once per key. Under torch.distributed, rank 0's
+    answer (see _from_rank0)."""
     with _memo_lock:
         resolution = _memo.get(key)
         if resolution is not None:
             return resolution
         if _distributed():
-            resolution = _from_rank0(key, lambda: look_up(key, sources.local_platform(key.device)))
+            resolution = _from_rank0(key, lambda: look_up(key, sources.local_platform(key.device)), "ladder")
         else:
             resolution = look_up(key, sources.local_platform(key.device))
         _memo[key] = resolution
@@ -141,6 +148,7 @@ def reset() -> None:
     """Forget every resolution and close the service breaker (tests; a new service)."""
     with _memo_lock:
         _memo.clear()
+        _override_uses.clear()
     sources.reset_breaker()
 
 
@@ -177,8 +185,7 @@ def _accept(source: str, found: sources.Found | None, platform: sources.Platform
 
 
 def _distributed() -> bool:
-    """Whether rank 0 decides: several ranks, unless CCE_CONFIG_BROADCAST=0 (the broadcast
-    would wait forever where only some ranks run the op, e.g. evaluation on rank 0)."""
+    """Whether rank 0 decides: several ranks, unless CCE_CONFIG_BROADCAST=0."""
     import torch.distributed as dist
 
     if os.environ.get(BROADCAST_ENV, "1").strip() == "0":
@@ -186,33 +193,43 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution]) -> Resolution:
-    """Rank 0's resolution on every rank: rank 0 resolves and broadcasts it as plain data.
+def _wait_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
+    except ValueError:
+        log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, os.environ[WAIT_ENV])
+        return DEFAULT_WAIT_S
 
-    This runs inside the op at trace time, so the tracer's modes (fake tensors, proxies)
-    are switched off for the broadcast's own tensors."""
+
+def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose: str) -> Resolution:
+    """Rank 0's resolution on every rank, exchanged through the process group's key-value
+    store under a name derived from the key.
+
+    Not a collective: ranks may resolve keys in any order (token counts that fall in other
+    buckets on other ranks, evaluation on rank 0 only) without waiting on each other's
+    calls. Rank 0 publishes each key it resolves (or its failure); another rank waits up to
+    CCE_CONFIG_WAIT_S for the key and, if rank 0 never resolves it (it does not run that
+    shape), resolves it itself."""
     import torch.distributed as dist
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    mine: Resolution | None = None
-    failure: BaseException | None = None
+    store = dist.distributed_c10d._get_default_store()
+    name = f"cce_compile/config/{purpose}/" + json.dumps(asdict(key), sort_keys=True)
     if dist.get_rank() == 0:
         try:
             mine = resolve_here()
-        except Exception as exc:  # tell the other ranks, or they wait in the broadcast forever
-            failure = exc
-    payload: list[object] = [_message(key, mine) if mine is not None else {"error": repr(failure)}]
-    with _disable_current_modes():
-        dist.broadcast_object_list(payload, src=0)
-    if failure is not None:
-        raise failure
-    if mine is not None:
+        except Exception as exc:
+            store.set(name, json.dumps({"error": repr(exc)}))
+            raise
+        store.set(name, json.dumps(_message(key, mine)))
         return mine
-    message = payload[0]
+    try:
+        store.wait([name], timedelta(seconds=_wait_s()))
+    except Exception:  # the store's timeout: rank 0 has not resolved this key
+        log.warning("rank 0 did not resolve %s within %s s; resolving it on this rank", key, _wait_s())
+        return resolve_here()
+    message = json.loads(store.get(name))
     if "error" in message:
         raise RuntimeError(f"rank 0 failed to resolve a kernel config for {key}: {message['error']}")
-    if message["key"] != asdict(key):
-        log.warning("rank 0 resolved %s while this rank resolves %s; launching rank 0's config", message["key"], key)
     return Resolution(KernelConfig.from_dict(message["config"]), message["source"], message["match_level"])
 
 
