@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
 
 from cce_compile.ops import dispatch  # noqa: E402
 
+pytest_plugins = ["tests.db_fixtures"]  # the database fixtures (sqlite_url, db_url, engine, ...)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "interpreter: runs the Triton kernels under TRITON_INTERPRET=1 on CPU")

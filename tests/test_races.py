@@ -10,15 +10,7 @@ from multiprocessing.synchronize import Barrier
 
 from sqlalchemy import Engine, func, select
 
-from tests.db_fixtures import (  # noqa: F401  (fixtures)
-    db_url,
-    engine,
-    lookup_params,
-    measurement,
-    postgres_schema_url,
-    postgres_url,
-    sqlite_url,
-)
+from tests.db_fixtures import lookup_params, measurement
 from tuning_db import store
 from tuning_db.engine import make_engine
 from tuning_db.models import Measurement

@@ -10,17 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.db_fixtures import (  # noqa: F401  (fixtures)
-    GPU_H100,
-    H100_KEY,
-    POSTGRES_URL,
-    db_url,
-    lookup_params,
-    measurement_data,
-    postgres_schema_url,
-    postgres_url,
-    sqlite_url,
-)
+from tests.db_fixtures import GPU_H100, H100_KEY, POSTGRES_URL, lookup_params, measurement_data
 from service.app import create_app
 from service.settings import ServiceSettings
 from tuning_db.scratch import scratch_schema

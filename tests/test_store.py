@@ -11,17 +11,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, func, select, text
 
-from tests.db_fixtures import (  # noqa: F401  (fixtures)
-    H100_KEY,
-    db_url,
-    engine,
-    lookup_params,
-    measurement,
-    postgres_schema_url,
-    postgres_url,
-    snapshot,
-    sqlite_url,
-)
+from tests.db_fixtures import H100_KEY, lookup_params, measurement, snapshot
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade

@@ -30,7 +30,6 @@ from cce_compile.tuning.publish import (
 )
 from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
 from service.process import serving
-from tests.db_fixtures import sqlite_url  # noqa: F401  (fixture)
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
 
 TINY = Problem(n=64, v=257, d=32, dtype="bfloat16", mode="exact")
