@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import grouped_tile, logits_tile, mma
+from .tiles import dot_rows_cols, grouped_tile, logits_tile, mma
 
 
 @triton.jit
@@ -104,22 +104,12 @@ def matmul_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    # Out-of-range rows/columns read row/column 0 (never stored), so loads mask only K.
-    safe_m = tl.where(m_mask, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    a_ptrs = a_ptr + a_offset + safe_m[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
-    b_ptrs = b_ptr + b_offset + offs_k.to(tl.int64)[:, None] * stride_bk + safe_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = mma(acc, a, b, UPCAST, IEEE)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = dot_rows_cols(
+        a_ptr + a_offset, b_ptr + b_offset, offs_m, offs_n, m_mask, n_mask, K,
+        stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, IEEE,
+    )
     if SCALED:
         acc = acc * tl.load(scale_ptr)
     mask = m_mask[:, None] & n_mask[None, :]

@@ -39,6 +39,40 @@ def tanh(x):
 
 
 @triton.jit
+def dot_rows_cols(
+    a_ptr, b_ptr, rows, cols, row_mask, col_mask, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """fp32 a[rows, :K] @ b[:K, cols], the K loop every GEMM-shaped kernel here shares.
+
+    Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
+    the loads carry no row/column predicates (callers mask what they store); with EVEN_K
+    (K a multiple of BLOCK_K) they carry none at all. Offsets are 64-bit, so operands past
+    2**31 elements address correctly.
+    """
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    a_ptrs = a_ptr + safe_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + safe_cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a_tile = tl.load(a_ptrs)
+            b_tile = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            a_tile = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b_tile = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = mma(acc, a_tile, b_tile, UPCAST, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def logits_tile(
     e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
@@ -46,30 +80,11 @@ def logits_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked.
-
-    Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
-    the K loop's loads carry no row/column predicates (callers mask what they store);
-    with EVEN_K (D a multiple of BLOCK_K) they carry none at all. Offsets are 64-bit, so
-    V * D and N * D past 2**31 address correctly.
-    """
-    offs_k = tl.arange(0, BLOCK_K)
-    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
-    e_ptrs = e_ptr + safe_rows[:, None] * stride_en + offs_k[None, :] * stride_ed
-    c_ptrs = c_ptr + safe_cols[None, :] * stride_cv + offs_k[:, None] * stride_cd
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            e_tile = tl.load(e_ptrs)
-            c_tile = tl.load(c_ptrs)
-        else:
-            k_mask = offs_k < D - k * BLOCK_K
-            e_tile = tl.load(e_ptrs, mask=k_mask[None, :], other=0.0)
-            c_tile = tl.load(c_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
-        e_ptrs += BLOCK_K * stride_ed
-        c_ptrs += BLOCK_K * stride_cd
+    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked."""
+    acc = dot_rows_cols(
+        e_ptr, c_ptr, rows, cols, row_mask, col_mask, D, stride_en, stride_ed, stride_cd, stride_cv,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
