@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 import cce_compile
+from cce_compile.bench.inputs import lm_like_inputs
 
 from .reference import reference_loss
 
@@ -18,8 +19,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.dtype, seed: int,
                 device: str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
     """(e, c, targets). kind: "signed" (plain signed randn), "peaked" (a few dominant logits
-    per row, the target often among them), "zipf" (Zipfian targets and a unigram prior in
-    the logits, like a trained LM's sparse softmax)."""
+    per row, the target often among them), "zipf" (the benchmark's LM-like inputs:
+    Zipfian targets, a unigram prior in the logits, a sparse softmax)."""
     g = torch.Generator().manual_seed(seed)
     n = math.prod(lead)
     e = torch.randn(n, d, generator=g) / d**0.25
@@ -29,17 +30,7 @@ def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.d
         e = e * 4.0
         c[targets] += 2.0 * e / e.norm(dim=1, keepdim=True) * d**0.25
     elif kind == "zipf":
-        freq = 1.0 / torch.arange(1, v + 1, dtype=torch.float64)
-        order = torch.randperm(v, generator=g)
-        targets = order[torch.multinomial(freq / freq.sum(), n, replacement=True, generator=g)]
-        prior = torch.zeros(v)
-        prior[order] = torch.log(freq / freq.sum()).float()
-        # Logit_j = e . c_j gets a log-unigram term through a shared direction.
-        u = torch.randn(d, generator=g)
-        u = u / u.norm()
-        c = c * 0.5 + prior[:, None] * u[None, :]
-        e = e * 0.5 + u[None, :]
-        c[targets] += 1.5 * e / e.norm(dim=1, keepdim=True)
+        e, c, targets = lm_like_inputs(n, d, v, torch.float32, "cpu", seed)
     elif kind != "signed":
         raise ValueError(kind)
     return (e.reshape(*lead, d).to(dtype).to(device), c.to(dtype).to(device), targets.reshape(lead).to(device))
