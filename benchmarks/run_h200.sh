@@ -17,13 +17,7 @@ NAME="${NAME:-bench-h200}"
 BUDGET_S="${BUDGET_S:-390}"
 mkdir -p "$OUT" benchmarks/results
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-else
-  echo "no .whl/ here: peers that are not installed will be reported unavailable" >&2
-fi
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 
 nvidia-smi || echo "nvidia-smi failed" >&2
 python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
