@@ -85,6 +85,34 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pyte
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
 
 
+def test_kept_tiles_lists_match_the_mask() -> None:
+    """The block-sparse GEMMs' work lists: per tile row the kept tile columns and per tile
+    column the kept tile rows, in order, with their counts; tiles past the launched grid
+    (stale entries of a larger buffer) never listed."""
+    from cce_compile.kernels.backward import kept_tiles_kernel
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(7, 11, generator=g) < 0.3).to(torch.int8)
+    mask[2] = 0  # a tile row with no kept tile
+    tile_rows, tile_cols = 6, 9  # the last slab: a smaller grid than the buffer
+    row_lists = torch.full((7, 11), -1, dtype=torch.int32)
+    col_lists = torch.full((11, 7), -1, dtype=torch.int32)
+    row_counts = torch.full((7,), -1, dtype=torch.int32)
+    col_counts = torch.full((11,), -1, dtype=torch.int32)
+    kept_tiles_kernel[(tile_rows + tile_cols,)](
+        mask, tile_rows, tile_cols, mask.stride(0), row_lists, row_counts, col_lists, col_counts,
+        row_lists.stride(0), col_lists.stride(0), BLOCK=16,
+    )
+    live = mask[:tile_rows, :tile_cols] != 0
+    for row in range(tile_rows):
+        expected = live[row].nonzero().flatten().int()
+        assert row_counts[row] == len(expected) and torch.equal(row_lists[row, : len(expected)], expected)
+    for col in range(tile_cols):
+        expected = live[:, col].nonzero().flatten().int()
+        assert col_counts[col] == len(expected) and torch.equal(col_lists[col, : len(expected)], expected)
+    assert row_counts[2] == 0 and row_counts[tile_rows] == -1 and col_counts[tile_cols] == -1
+
+
 def test_out_of_range_target_gives_nan_without_reading_it() -> None:
     """Past the API's CPU check (as on the GPU), a bad target poisons only its own token."""
     e, c, targets = make_inputs("signed", (40,), 64, 16, torch.float32, seed=0)

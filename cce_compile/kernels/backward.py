@@ -125,49 +125,86 @@ def matmul_kernel(
 
 
 @triton.jit
+def kept_tiles_kernel(
+    tile_mask_ptr, num_tile_rows, num_tile_cols, stride_mask,
+    row_lists_ptr, row_counts_ptr, col_lists_ptr, col_counts_ptr, stride_row_list, stride_col_list,
+    BLOCK: tl.constexpr,
+):
+    """Compact filtered mode's tile mask into lists of kept tiles, so the block-sparse GEMMs
+    loop over work only (a branch on the mask inside their K loop would stop Triton's
+    software pipelining). Programs [0, num_tile_rows) list each tile row's kept tile
+    columns, in order; the rest list each tile column's kept tile rows."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if pid < num_tile_rows:
+        in_range = offs < num_tile_cols
+        keep = (tl.load(tile_mask_ptr + pid * stride_mask + offs, mask=in_range, other=0) != 0) & in_range
+        lists_ptr = row_lists_ptr + pid * stride_row_list
+        counts_ptr = row_counts_ptr + pid
+    else:
+        col = pid - num_tile_rows
+        in_range = offs < num_tile_rows
+        keep = (tl.load(tile_mask_ptr + offs * stride_mask + col, mask=in_range, other=0) != 0) & in_range
+        lists_ptr = col_lists_ptr + col * stride_col_list
+        counts_ptr = col_counts_ptr + col
+    kept = keep.to(tl.int32)
+    position = tl.cumsum(kept, axis=0) - 1
+    tl.store(lists_ptr + position, offs, mask=keep)
+    tl.store(counts_ptr, tl.sum(kept, axis=0))
+
+
+@triton.jit
 def sparse_matmul_kernel(
     a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
-    tile_mask_ptr, scale_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_mask_m, stride_mask_k,
+    kept_lists_ptr, kept_counts_ptr, stride_list, scale_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
     GATHER_B: tl.constexpr, SCATTER_OUT: tl.constexpr,
     ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
     TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """out[M, N] (+)= a[M, K] @ b[K, N] over the (TILE_M x TILE_K) tiles of `a` that
-    tile_mask keeps: filtered mode's two gradient GEMMs on the d-logits slab.
+    """out[M, N] (+)= a[M, K] @ b[K, N] over the (TILE_M x TILE_K) tiles of `a` that the
+    filter kept (kept_lists[m tile, :kept_counts[m tile]], from kept_tiles_kernel):
+    filtered mode's two gradient GEMMs on the d-logits slab.
 
     dE chunk += d_logits @ c[vocab_order[slab]]: B's rows gathered (GATHER_B: row k of b is
     b_index[k]); dC[vocab_order[slab]] (+)= d_logits.T @ e chunk: out's rows scattered
     (SCATTER_OUT: row m of out is out_index[m]). Out, final: row-major with N columns.
-    ACCUMULATE, FINAL and SCALED as in matmul_kernel.
+    ACCUMULATE, FINAL and SCALED as in matmul_kernel; an accumulating program with no kept
+    tile leaves `out` untouched.
     """
+    PARTS: tl.constexpr = TILE_K // BLOCK_K
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, TILE_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    safe_m = tl.where(m_mask, offs_m, 0).to(tl.int64)
     safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    kept = tl.load(kept_counts_ptr + pid_m)
+    tiles_ptr = kept_lists_ptr + pid_m * stride_list
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    for tile in range(0, tl.cdiv(K, TILE_K)):
-        if tl.load(tile_mask_ptr + pid_m * stride_mask_m + tile * stride_mask_k) != 0:
-            for part in tl.static_range(TILE_K // BLOCK_K):
-                offs_k = tile * TILE_K + part * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < K
-                a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak,
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                b_rows = offs_k.to(tl.int64)
-                if GATHER_B:
-                    b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0).to(tl.int64)
-                b = tl.load(b_ptr + b_offset + b_rows[:, None] * stride_bk + safe_n[None, :] * stride_bn,
-                            mask=k_mask[:, None], other=0.0)
-                acc = mma(acc, a, b, UPCAST, IEEE)
+    # One flat loop over (kept tile, part of it): no branch, so the loads pipeline.
+    for step in range(0, kept * PARTS):
+        tile = tl.load(tiles_ptr + step // PARTS)
+        offs_k = tile * TILE_K + (step % PARTS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        safe_k = tl.where(k_mask, offs_k, 0).to(tl.int64)
+        a = tl.load(a_ptr + safe_m[:, None] * stride_am + safe_k[None, :] * stride_ak, mask=k_mask[None, :], other=0.0)
+        b_rows = safe_k
+        if GATHER_B:
+            b_rows = tl.load(b_index_ptr + safe_k).to(tl.int64)
+        b = tl.load(b_ptr + b_offset + b_rows[:, None] * stride_bk + safe_n[None, :] * stride_bn)
+        acc = mma(acc, a, b, UPCAST, IEEE)
     if SCALED:
         acc = acc * tl.load(scale_ptr)
     out_rows = offs_m.to(tl.int64)
     if SCATTER_OUT:
         out_rows = tl.load(out_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    mask = m_mask[:, None] & n_mask[None, :]
+    live_m = M
+    if ACCUMULATE and not FINAL:
+        live_m = tl.where(kept > 0, M, 0)
+    mask = (offs_m < live_m)[:, None] & n_mask[None, :]
     out = out_rows[:, None] * N + offs_n.to(tl.int64)[None, :]
     if ACCUMULATE:
         acc += tl.load(out_ptr + out_offset + out, mask=mask, other=0.0).to(tl.float32)

@@ -14,8 +14,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-from ..config.plan import n_bucket, plan_backward
-from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
+from ..config.plan import n_bucket, next_pow2, plan_backward
+from ..kernels.backward import grad_logits_kernel, kept_tiles_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
 from .loss_terms import grad_coefficients
@@ -59,11 +59,14 @@ def linear_cross_entropy_backward(
     grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
-    # Filtered mode: which d-logits tiles survived, for the block-sparse GEMMs.
-    tile_mask = torch.empty(
-        (cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)) if filtered else (1, 1),
-        dtype=torch.int8, device=e.device,
-    )
+    # Filtered mode: which d-logits tiles survived, and per tile row / tile column the list
+    # of kept tiles the block-sparse GEMMs loop over.
+    tile_grid = (cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)) if filtered else (1, 1)
+    tile_mask = torch.empty(tile_grid, dtype=torch.int8, device=e.device)
+    row_lists = torch.empty(tile_grid, dtype=torch.int32, device=e.device)
+    col_lists = torch.empty(tile_grid[::-1], dtype=torch.int32, device=e.device)
+    row_counts = torch.empty(tile_grid[0], dtype=torch.int32, device=e.device)
+    col_counts = torch.empty(tile_grid[1], dtype=torch.int32, device=e.device)
     order_arg = order if order is not None else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
@@ -99,22 +102,28 @@ def linear_cross_entropy_backward(
             )
             final = plan.fp32_accumulator and col_start == last_slab
             if filtered:
+                tile_rows, tile_cols = cdiv(rows, logits_tile.block_m), cdiv(cols, logits_tile.block_n)
+                wrap_triton(kept_tiles_kernel)[(tile_rows + tile_cols,)](
+                    tile_mask, tile_rows, tile_cols, tile_mask.stride(0),
+                    row_lists, row_counts, col_lists, col_counts, row_lists.stride(0), col_lists.stride(0),
+                    BLOCK=next_pow2(max(tile_grid)),
+                )
                 # dC[order[slab]] (+)= d_logits.T @ e[chunk] over kept tiles: M = cols, K = rows.
                 slab_order = order_arg[col_start:]
-                wrap_triton(sparse_matmul_kernel)[(cdiv(cols, logits_tile.block_n) * cdiv(d, dc_tile.block_n),)](
+                wrap_triton(sparse_matmul_kernel)[(tile_cols * cdiv(d, dc_tile.block_n),)](
                     grad_logits, e, row_start * e.stride(0), slab_order, grad_c, 0, slab_order, grad_c, 0,
-                    tile_mask, scale, cols, d, rows,
-                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), 1, tile_mask.stride(0),
+                    col_lists, col_counts, col_lists.stride(0), scale, cols, d, rows,
+                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1),
                     GATHER_B=False, SCATTER_OUT=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
                     TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                     num_stages=dc_tile.num_stages, **flags,
                 )
                 # dE[chunk] += d_logits @ c[order[slab]] over kept tiles: M = rows, K = cols.
-                wrap_triton(sparse_matmul_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                wrap_triton(sparse_matmul_kernel)[(tile_rows * cdiv(d, de_tile.block_n),)](
                     grad_logits, c, 0, slab_order, acc, acc_offset, slab_order, grad_e, row_start * d,
-                    tile_mask, scale, rows, d, cols,
-                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), tile_mask.stride(0), 1,
+                    row_lists, row_counts, row_lists.stride(0), scale, rows, d, cols,
+                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1),
                     GATHER_B=True, SCATTER_OUT=False, ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
                     TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
