@@ -1,0 +1,97 @@
+"""Where one forward+backward of the op spends its GPU time, kernel by kernel.
+
+    PYTHONPATH=$PWD python benchmarks/profile_kernels.py --shape 8192x2304x256000 --modes exact,filtered
+
+The benchmark gives one number per mode; when a mode misses its prediction (filtered mode's
+v5 and v6 did, by 3-6 x), this says which kernel to blame before any more code is written.
+For each mode it runs `--iters` forward+backward passes on LM-like bf16 inputs under
+torch.profiler and prints, per kernel name, the launches and the GPU milliseconds per pass,
+with their share of the pass and the ratio to one cuBLAS `e @ c.T` of the same shape timed
+in the same run. `--out` writes the same as JSON. Without CUDA it is a dry run on CPU under
+TRITON_INTERPRET=1 (a small shape; CPU times, no ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+if not torch.cuda.is_available():  # before cce_compile's kernels are decorated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cce_compile  # noqa: E402
+from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+
+
+def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
+    """Per kernel (or, on CPU, per op) name: launches and milliseconds per call of `step`."""
+    step()  # compile and warm up outside the profile
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0.0, "ms": 0.0})
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us <= 0:
+            continue
+        totals[event.key]["launches"] += event.count / iters
+        totals[event.key]["ms"] += us / 1000 / iters
+    return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default=None, help="NxDxV [default: 8192x2304x256000 on CUDA, 256x64x1031 on CPU]")
+    parser.add_argument("--modes", default="exact,filtered", help="exact, filtered, or both")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    n, d, v = (int(x) for x in (args.shape or ("8192x2304x256000" if cuda else "256x64x1031")).split("x"))
+    e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, device, seed=0)
+    e.requires_grad_()
+    c.requires_grad_()
+
+    gemm_ms = None
+    if cuda:
+        import triton.testing
+
+        gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
+    report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "gemm_ms": gemm_ms, "modes": {}}
+    print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
+    for mode in args.modes.split(","):
+        filter_eps = FILTER_EPS if mode == "filtered" else None
+
+        def step() -> None:
+            e.grad = c.grad = None
+            cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
+
+        times = kernel_times(step, args.iters, cuda)
+        total = sum(entry["ms"] for entry in times.values())
+        report["modes"][mode] = {"total_ms": total, "kernels": times}
+        print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"
+              + (f" = {total / gemm_ms:.2f} x GEMM" if gemm_ms else ""))
+        print(f"  {'kernel':60s} {'launches':>9s} {'ms':>9s} {'share':>6s}" + ("  x GEMM" if gemm_ms else ""))
+        for name, entry in list(times.items())[:15]:
+            ratio = f"  {entry['ms'] / gemm_ms:6.2f}" if gemm_ms else ""
+            print(f"  {name[:60]:60s} {entry['launches']:9.0f} {entry['ms']:9.3f} {entry['ms'] / total:6.1%}{ratio}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
