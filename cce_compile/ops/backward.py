@@ -4,7 +4,9 @@ Triton path, per token chunk and vocab slab (sizes from config.plan, within the 
 budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype),
 then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
-never more than the slab's logits in memory.
+never more than the slab's logits in memory. Filtered mode walks the vocabulary in
+vocab_order, lists each slab's kept d-logits tiles (kept_tiles_kernel) and runs the two
+GEMMs block-sparse over them (sparse_matmul_kernel).
 """
 
 from __future__ import annotations
