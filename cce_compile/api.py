@@ -25,6 +25,20 @@ def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> f
     return float(filter_eps)
 
 
+def _autocast_operands(e: Tensor, c: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Under torch.autocast the op runs in autocast's dtype, as the F.linear it replaces would:
+    fp32 master weights under autocast(bf16) get bf16 tensor-core speed, not an IEEE fp32
+    loss head. The casts are differentiable, so gradients reach fp32 leaves in fp32."""
+    if not isinstance(e, Tensor) or not torch.is_autocast_enabled(e.device.type):
+        return e, c, bias  # not a tensor: _check_inputs says what is wrong
+    dtype = torch.get_autocast_dtype(e.device.type)
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+    return cast(e), cast(c), cast(bias)
+
+
 def _check_inputs(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     reduction: str, label_smoothing: float, z_loss: float, softcap: float | None,
@@ -107,6 +121,7 @@ def linear_cross_entropy(
     Returns the loss (float32 whatever the input dtype), or (loss, lse) with return_lse
     (lse per token, float32, differentiable).
     """
+    e, c, bias = _autocast_operands(e, c, bias)
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap)
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
@@ -117,10 +132,12 @@ def linear_cross_entropy(
     lead_shape = targets.shape
     flat_targets = targets.reshape(-1).to(torch.int64)
     _check_target_range(flat_targets, v, ignore_index)
-    loss, lse = ops.linear_cross_entropy_forward(
-        e.reshape(-1, d), c, flat_targets, bias, weight,
-        int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
-    )
+    # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
+    with torch.autocast(e.device.type, enabled=False):
+        loss, lse = ops.linear_cross_entropy_forward(
+            e.reshape(-1, d), c, flat_targets, bias, weight,
+            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
+        )
     valid = flat_targets != ignore_index
     if z_loss > 0.0:
         loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from cce_compile.integrations import transformers as hf_integration
+from cce_compile import ops as cce_ops
 from cce_compile.integrations.transformers import patch
 from cce_compile.ops import dispatch
 
@@ -92,15 +92,15 @@ def compare(loss: Tensor, grads: dict[str, Tensor], references: Results, dtype: 
 
 @contextlib.contextmanager
 def recording_op_inputs() -> Iterator[list[tuple[Tensor, Tensor]]]:
-    """The (e, c) of each call that the transformers integration makes to the op (eager only)."""
+    """The (e, c) that each eager call of the op receives, after the API's autocast casts."""
     seen: list[tuple[Tensor, Tensor]] = []
-    real = hf_integration.linear_cross_entropy
+    real = cce_ops.linear_cross_entropy_forward
 
     def spy(e: Tensor, c: Tensor, *args, **kwargs):
         seen.append((e, c))
         return real(e, c, *args, **kwargs)
 
-    with mock.patch.object(hf_integration, "linear_cross_entropy", spy):
+    with mock.patch.object(cce_ops, "linear_cross_entropy_forward", spy):
         yield seen
 
 

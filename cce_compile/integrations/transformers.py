@@ -104,9 +104,11 @@ def causal_lm_loss(
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
     weight = lm_head.weight
+    if not torch.is_autocast_enabled(kept_hidden.device.type):
+        # Outside autocast the op needs one dtype: the head's (under autocast it casts both).
+        kept_hidden = kept_hidden.to(weight.dtype)
     loss = linear_cross_entropy(
-        # autocast can hand over hidden states in another dtype than the head's; the op needs one
-        kept_hidden.to(weight.dtype),
+        kept_hidden,
         weight,
         kept_targets.to(kept_hidden.device),
         bias=lm_head.bias,

@@ -20,9 +20,11 @@ def _backward(ctx, grad_loss, grad_lse):
     e, c, targets, bias, weight, lse = ctx.saved_tensors
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-        grad_loss, grad_lse, e, c, targets, bias, weight, lse, *ctx.options
-    )
+    # backward() may be called inside an autocast region: keep the op's fp32 math its own.
+    with torch.autocast(e.device.type, enabled=False):
+        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+            grad_loss, grad_lse, e, c, targets, bias, weight, lse, *ctx.options
+        )
     return grad_e, grad_c, None, grad_bias if bias is not None else None, None, None, None, None, None
 
 
