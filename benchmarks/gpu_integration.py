@@ -164,8 +164,8 @@ def check_cudagraphs(runs: Runs) -> dict:
 
 
 def check_autocast(runs: Runs) -> dict:
-    """Also which dtype the op computes in: the integration casts the hidden states to the
-    head's dtype, fp32 here."""
+    """Also which dtype the op computes in: under autocast the API casts the hidden states
+    and the fp32 head to autocast's dtype, so the op receives bf16."""
     worst = tracks(runs.get_run("patched autocast compiled"), runs.get_run("hf autocast eager"))
     args = runs.args
     model = build(args, patched=True, dtype=torch.float32)

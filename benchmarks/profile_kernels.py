@@ -28,6 +28,7 @@ if not torch.cuda.is_available():  # before cce_compile's kernels are decorated
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cce_compile  # noqa: E402
+from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
 
 
@@ -60,7 +61,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    n, d, v = (int(x) for x in (args.shape or ("8192x2304x256000" if cuda else "256x64x1031")).split("x"))
+    shape = parse_shape(args.shape or ("8192x2304x256000" if cuda else "256x64x1031"))
+    n, d, v = shape.n, shape.d, shape.v
     e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, device, seed=0)
     e.requires_grad_()
     c.requires_grad_()

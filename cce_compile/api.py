@@ -89,7 +89,7 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int) -> None:
         raise ValueError(f"targets must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
 
 
-def _shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
+def shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
     """Position t is scored against target t+1; the last position of each sequence is
     ignored. Only targets move: e is never copied."""
     pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
@@ -127,7 +127,7 @@ def linear_cross_entropy(
     if shift:
         if targets.dim() < 1:
             raise ValueError("shift=True needs targets with a sequence dimension")
-        targets = _shift_targets(targets, ignore_index)
+        targets = shift_targets(targets, ignore_index)
     v, d = c.shape
     lead_shape = targets.shape
     flat_targets = targets.reshape(-1).to(torch.int64)

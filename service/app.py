@@ -1,5 +1,5 @@
-"""The FastAPI app: `create_app(settings)` for tests and embedding, `create_app_from_env`
-for uvicorn (each worker builds its own app from the environment)."""
+"""The FastAPI app: `create_app(settings)` for tests and embedding; with no settings it reads
+the environment, which is how uvicorn's factory calls it (each worker builds its own app)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,3 @@ async def _validation_error(_request: Request, error: Exception) -> JSONResponse
     assert isinstance(error, RequestValidationError)
     details = [{"loc": item["loc"], "msg": item["msg"], "type": item["type"]} for item in error.errors()]
     return JSONResponse({"detail": details}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-
-
-def create_app_from_env() -> FastAPI:
-    return create_app(ServiceSettings())

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import httpx
 
+from tuning_db.engine import DB_URL_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 90
 
 
 def free_port() -> int:
@@ -26,16 +29,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(
-    log: Path, *serve_args: str, env: Mapping[str, str] | None = None, startup_timeout_s: float = 90
-) -> Iterator[str]:
+def serving(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -> Iterator[str]:
     """Run `python -m cce_compile.cli.main serve --port <free> *serve_args` on loopback
     until the block ends (SIGINT, as Ctrl-C would); yields the base URL once /readyz is 200.
 
     The child's environment is this one plus `env`, less CCE_TUNING_DB_URL unless `env`
     sets it, so the database is the one the arguments name. Its output goes to `log`."""
     port = free_port()
-    environment = {key: value for key, value in os.environ.items() if key != "CCE_TUNING_DB_URL"}
+    environment = {key: value for key, value in os.environ.items() if key != DB_URL_ENV}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     environment.update(env or {})
     command = [sys.executable, "-m", "cce_compile.cli.main", "serve", "--port", str(port), *serve_args]
@@ -43,12 +44,12 @@ def serving(
         process = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout_s
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not _ready(base_url):
             if process.poll() is not None:
                 raise RuntimeError(f"cce serve exited with {process.returncode}:\n{log.read_text()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"cce serve not ready after {startup_timeout_s}s:\n{log.read_text()}")
+                raise TimeoutError(f"cce serve not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()}")
             time.sleep(0.2)
         yield base_url
     finally:

@@ -8,6 +8,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.auth import TokenScopes, parse_token_spec
+from tuning_db.engine import DB_URL_ENV
 
 
 class ServiceSettings(BaseSettings):
@@ -15,7 +16,7 @@ class ServiceSettings(BaseSettings):
 
     db_url: str | None = Field(
         None,
-        validation_alias="CCE_TUNING_DB_URL",
+        validation_alias=DB_URL_ENV,
         description="SQLAlchemy URL; unset = the per-user SQLite file (see tuning_db.engine)",
     )
     tokens: str = Field("", description="'token:scope,scope;token2:scope' with scopes read, write, admin")

@@ -12,14 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.exc import OperationalError
 
 from tuning_db.engine import make_engine
 from tuning_db.migrate import upgrade
+from tuning_db.models import Measurement
 from tuning_db.records import MeasurementIn
 from tuning_db.scratch import scratch_schema
-from tuning_db.store import export_jsonl
 
 POSTGRES_URL = os.environ.get("CCE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -60,26 +60,24 @@ def measurement(median_ms: float = 10.0, **overrides: Any) -> MeasurementIn:
     )
 
 
+_LOOKUP_FIELDS = ("kernel", "kernel_version", "triton_version", "V", "D", "dtype", "tokens", "mode")
+
+
 def lookup_params(**overrides: Any) -> dict[str, Any]:
     """The query of GET /v1/configs/best for measurement_data()'s problem."""
-    params: dict[str, Any] = {
-        "gpu": GPU_H100["name"],
-        "kernel": "cce",
-        "kernel_version": "k1a2b3",
-        "triton_version": "3.5.0",
-        "V": 128_256,
-        "D": 4096,
-        "dtype": "bfloat16",
-        "tokens": 8192,
-        "mode": "exact",
-    }
+    data = measurement_data()
+    params: dict[str, Any] = {"gpu": data["gpu"]["name"], **{name: data[name] for name in _LOOKUP_FIELDS}}
     params.update(overrides)
     return params
 
 
-def snapshot(engine: Engine) -> list[str]:
-    """The database's observable content: export lines, whose header counts measurements."""
-    return export_jsonl(engine)
+def measurement_count(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return connection.scalar(select(func.count()).select_from(Measurement)) or 0
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def _require_postgres() -> None:

@@ -8,12 +8,11 @@ import multiprocessing
 import random
 from multiprocessing.synchronize import Barrier
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
-from tests.db_fixtures import lookup_params, measurement
+from tests.db_fixtures import lookup_params, measurement, measurement_count
 from tuning_db import store
 from tuning_db.engine import make_engine
-from tuning_db.models import Measurement
 from tuning_db.records import LookupQuery
 
 WRITERS = 16
@@ -46,8 +45,7 @@ def test_concurrent_writers_keep_the_true_minimum(db_url: str, engine: Engine) -
         process.join(timeout=120)
     assert [process.exitcode for process in writers] == [0] * WRITERS
 
-    with engine.connect() as connection:
-        assert connection.scalar(select(func.count()).select_from(Measurement)) == WRITERS * PER_WRITER
+    assert measurement_count(engine) == WRITERS * PER_WRITER
     best = store.lookup(engine, LookupQuery.model_validate(lookup_params())).entry
     assert best is not None
     assert (best.median_ms, best.host) == (fastest, fastest_host)

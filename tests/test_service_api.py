@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.db_fixtures import GPU_H100, H100_KEY, POSTGRES_URL, lookup_params, measurement_data
+from tests.db_fixtures import GPU_H100, H100_KEY, POSTGRES_URL, bearer, lookup_params, measurement_data
 from service.app import create_app
 from service.settings import ServiceSettings
 from tuning_db.scratch import scratch_schema
@@ -18,10 +18,6 @@ from tuning_db.scratch import scratch_schema
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0001", "write-token-0001", "admin-token-0001"
 TOKENS = f"{READ_TOKEN}:read;{WRITE_TOKEN}:write;{ADMIN_TOKEN}:admin"
 MAX_BODY_BYTES = 16 * 1024
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def make_client(db_url: str, **settings: Any) -> TestClient:

@@ -15,18 +15,14 @@ from typer.testing import CliRunner
 
 from cce_compile.cli.main import app as cce
 from service.process import REPO_ROOT, serving
-from tests.db_fixtures import lookup_params, measurement_data
+from tests.db_fixtures import bearer, lookup_params, measurement_data
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0002", "write-token-0002", "admin-token-0002"
 TOKENS_ENV = {"CCE_SERVICE_TOKENS": f"{READ_TOKEN}:read;{WRITE_TOKEN}:write;{ADMIN_TOKEN}:admin"}
 
 
-def _bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
 def _lookup(base_url: str) -> dict[str, Any]:
-    response = httpx.get(f"{base_url}/v1/configs/best", params=lookup_params(), headers=_bearer(READ_TOKEN))
+    response = httpx.get(f"{base_url}/v1/configs/best", params=lookup_params(), headers=bearer(READ_TOKEN))
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -36,7 +32,7 @@ def test_data_survives_a_restart_of_the_service(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     cache_home = tmp_path / "cache"
     with serving(log, env={**TOKENS_ENV, "XDG_CACHE_HOME": str(cache_home)}) as base_url:
-        response = httpx.post(f"{base_url}/v1/measurements", json=measurement_data(), headers=_bearer(WRITE_TOKEN))
+        response = httpx.post(f"{base_url}/v1/measurements", json=measurement_data(), headers=bearer(WRITE_TOKEN))
         assert response.status_code == 201, response.text
         first = _lookup(base_url)
         assert first["match_level"] == "exact"
@@ -56,7 +52,7 @@ def test_cli_exports_from_the_service_and_imports_into_another_database(tmp_path
 
     with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'origin.db'}", env=TOKENS_ENV) as base_url:
         for tokens in (1024, 8192):
-            httpx.post(f"{base_url}/v1/measurements", json=measurement_data(tokens=tokens), headers=_bearer(WRITE_TOKEN))
+            httpx.post(f"{base_url}/v1/measurements", json=measurement_data(tokens=tokens), headers=bearer(WRITE_TOKEN))
         exported = runner.invoke(cce, ["export", "--url", base_url, "--token", READ_TOKEN])
         assert exported.exit_code == 0, exported.output
         export_file = tmp_path / "export.jsonl"

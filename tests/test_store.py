@@ -9,23 +9,18 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, text
 
-from tests.db_fixtures import H100_KEY, lookup_params, measurement, snapshot
+from tests.db_fixtures import H100_KEY, lookup_params, measurement, measurement_count
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade
-from tuning_db.models import Base, Measurement
+from tuning_db.models import Base
 from tuning_db.records import ConfigFilters, LookupQuery, normalize_gpu_name
 
 
 def lookup(engine: Engine, **overrides: Any) -> store.LookupResult:
     return store.lookup(engine, LookupQuery.model_validate(lookup_params(**overrides)))
-
-
-def measurement_count(engine: Engine) -> int:
-    with engine.connect() as connection:
-        return connection.scalar(select(func.count()).select_from(Measurement)) or 0
 
 
 def test_migrations_create_exactly_the_models(engine: Engine) -> None:
@@ -89,11 +84,11 @@ def test_configs_are_stored_in_canonical_form(engine: Engine) -> None:
 
 def test_a_gpu_name_with_other_properties_is_refused_and_nothing_written(engine: Engine) -> None:
     store.record_measurement(engine, measurement())
-    before = snapshot(engine)
+    before = store.export_jsonl(engine)
     other_sm_count = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "sm_count": 114, "memory_bytes": 1}
     with pytest.raises(store.ConflictError, match="114"):
         store.record_measurement(engine, measurement(5.0, gpu=other_sm_count))
-    assert snapshot(engine) == before
+    assert store.export_jsonl(engine) == before
 
 
 GPU_H100_PCIE = {"name": "NVIDIA H100 PCIe", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1}
@@ -225,10 +220,10 @@ def test_import_modes(engine: Engine, mode: str, imported_ms: float, best_after:
 
 def test_import_dry_run_reports_and_changes_nothing(engine: Engine) -> None:
     store.record_measurement(engine, measurement(10.0))
-    before = snapshot(engine)
+    before = store.export_jsonl(engine)
     report = store.import_jsonl(engine, _exported_with(engine, 5.0), dry_run=True)
     assert (report.entries_replaced, report.measurements_added, report.dry_run) == (1, 1, True)
-    assert snapshot(engine) == before
+    assert store.export_jsonl(engine) == before
 
 
 def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:
@@ -253,9 +248,9 @@ def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:
 )
 def test_a_bad_import_file_changes_nothing(engine: Engine, case: str) -> None:
     store.record_measurement(engine, measurement(10.0))
-    before = snapshot(engine)
+    before = store.export_jsonl(engine)
     lines, line_number = _bad_import_files(_exported_with(engine, 5.0))[case]
     with pytest.raises(store.ImportFormatError) as raised:
         store.import_jsonl(engine, lines)
     assert raised.value.line_number == line_number
-    assert snapshot(engine) == before
+    assert store.export_jsonl(engine) == before

@@ -37,15 +37,15 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
-def upgrade(url: str | None = None, revision: str = "head") -> str | None:
-    """Bring the database at `url` to `revision`; safe to run from several processes at once
+def upgrade(url: str | None = None) -> str | None:
+    """Bring the database at `url` to the head revision; safe to run from several processes at once
     (SQLite serializes them on the write lock, PostgreSQL on the transactional DDL)."""
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
             connection.execution_options(**{WRITE_OPTION: True})
             with connection.begin():
-                command.upgrade(alembic_config(connection), revision)
+                command.upgrade(alembic_config(connection), "head")
         return current_revision(engine)
     finally:
         engine.dispose()

@@ -22,17 +22,14 @@ from pydantic import (
 )
 
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.sources import MATCH_LEVELS as _MATCH_LEVELS
-from cce_compile.config.sources import normalize_gpu_name
+from cce_compile.config.sources import MATCH_LEVELS, MatchLevel, normalize_gpu_name  # noqa: F401 (re-exported)
 
 NEAREST_BUCKET_FACTOR = 4
 """A config tuned for another token bucket is used only within this factor (never snap far)."""
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Mode = Literal["exact", "filtered"]
-MatchLevel = Literal["exact", "nearest_bucket", "stale_triton", "same_arch", "none"]
 ImportMode = Literal["keep_better", "skip", "overwrite"]
-MATCH_LEVELS: tuple[MatchLevel, ...] = _MATCH_LEVELS  # type: ignore[assignment]
 
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+\-]{1,128}$")]

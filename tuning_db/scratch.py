@@ -7,10 +7,10 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from tuning_db.engine import CONNECT_TIMEOUT_S
+from tuning_db.engine import make_engine
 
 
 @contextmanager
@@ -19,9 +19,8 @@ def scratch_schema(postgres_url: str, prefix: str = "cce_scratch") -> Iterator[s
 
     Raises sqlalchemy.exc.OperationalError when the server cannot be reached."""
     schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(
-        postgres_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
-    )
+    engine = make_engine(postgres_url)
+    admin = engine.execution_options(isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as connection:
             connection.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -32,4 +31,4 @@ def scratch_schema(postgres_url: str, prefix: str = "cce_scratch") -> Iterator[s
             with admin.connect() as connection:
                 connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
     finally:
-        admin.dispose()
+        engine.dispose()

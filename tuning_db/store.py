@@ -69,10 +69,12 @@ _FILTER_COLUMNS: dict[str, Any] = {
     "dtype": BestConfig.dtype,
     "mode": BestConfig.mode,
 }
-_MEASUREMENT_COLUMNS = tuple(
-    {"V": "v", "D": "d"}.get(name, name) for name in MeasurementIn.model_fields if name != "gpu"
-)
-"""The measurements columns behind MeasurementIn's fields (the GPU is a join)."""
+_SHAPE_COLUMNS = {"V": "v", "D": "d"}
+"""MeasurementIn's shape fields and their (lower-case) measurements columns."""
+_MEASUREMENT_COLUMNS = {
+    name: _SHAPE_COLUMNS.get(name, name) for name in MeasurementIn.model_fields if name != "gpu"
+}
+"""MeasurementIn's fields and the measurements columns behind them (the GPU is a join)."""
 _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
 
 
@@ -116,12 +118,11 @@ def _add_measurement(
 ) -> tuple[Measurement, bool]:
     """Append a measurement unless one with this uid exists; returns the stored row and
     whether it was added (a re-imported file adds nothing twice)."""
-    values = measurement.model_dump(exclude={"gpu", "V", "D", "measurement_uid", "created_at"})
+    fields = measurement.model_dump(include=set(_MEASUREMENT_COLUMNS))
+    values = {_MEASUREMENT_COLUMNS[name]: value for name, value in fields.items()}
     values |= {
         "uid": uid,
         "gpu_id": _gpu_id(session, measurement.gpu),
-        "v": measurement.V,
-        "d": measurement.D,
         "n_bucket": n_bucket(measurement.tokens),
         "created_at": created_at,
     }
@@ -169,7 +170,7 @@ _ENTRIES = (
         Gpu.memory_bytes,
         Measurement.uid.label("measurement_uid"),
         Measurement.created_at.label("measured_at"),
-        *(getattr(Measurement, name) for name in _MEASUREMENT_COLUMNS),
+        *(getattr(Measurement, column) for column in _MEASUREMENT_COLUMNS.values()),
     )
     .join(Gpu, BestConfig.gpu_id == Gpu.id)
     .join(Measurement, BestConfig.measurement_id == Measurement.id)
@@ -188,9 +189,7 @@ def _measurement_fields(row: Row[Any]) -> dict[str, Any]:
             sm_count=row.sm_count,
             memory_bytes=row.memory_bytes,
         ),
-        "V": row.v,
-        "D": row.d,
-        **{name: values[name] for name in MeasurementIn.model_fields if name not in {"gpu", "V", "D"}},
+        **{name: values[column] for name, column in _MEASUREMENT_COLUMNS.items()},
     }
 
 

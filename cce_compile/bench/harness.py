@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from torch import Tensor
 
-from cce_compile.bench.inputs import SoftmaxStats, lm_like_inputs, softmax_stats, uniform_inputs
+from cce_compile.bench.inputs import InputSet, SoftmaxStats, cycling, lm_like_inputs, softmax_stats, uniform_inputs
+from cce_compile.bench.metrics import relative_error
 from cce_compile.bench.peers import Impl, LossFn, try_load
 
 DTYPE = torch.bfloat16
@@ -182,10 +182,6 @@ def reference_loss_and_grads(e: Tensor, c: Tensor, targets: Tensor) -> Reference
     return Reference(loss=(loss_sum / n).item(), de=de, dc=dc)
 
 
-def _relative_error(value: Tensor, ref: Tensor) -> float:
-    return ((value.float() - ref).norm() / ref.norm()).item()
-
-
 def relative_errors(fn: LossFn, e: Tensor, c: Tensor, targets: Tensor, ref: Reference) -> dict[str, float]:
     """One forward+backward of `fn` (e and c must be leaves requiring grad), against `ref`."""
     e.grad = c.grad = None
@@ -193,8 +189,8 @@ def relative_errors(fn: LossFn, e: Tensor, c: Tensor, targets: Tensor, ref: Refe
     loss.backward()
     errors = {
         "rel_err_loss": abs(loss.item() - ref.loss) / abs(ref.loss),
-        "rel_err_de": _relative_error(e.grad, ref.de),
-        "rel_err_dc": _relative_error(c.grad, ref.dc),
+        "rel_err_de": relative_error(e.grad, ref.de),
+        "rel_err_dc": relative_error(c.grad, ref.dc),
     }
     e.grad = c.grad = None
     return errors
@@ -211,19 +207,6 @@ def _peak_fwd_bwd_bytes(fn: LossFn, e: Tensor, c: Tensor, targets: Tensor) -> in
     peak = torch.cuda.max_memory_allocated() - before
     e.grad = c.grad = None
     return peak
-
-
-InputSet = tuple[Tensor, Tensor, Tensor]
-
-
-def _cycling(step: Callable[[Tensor, Tensor, Tensor], object], sets: list[InputSet]) -> Callable[[], None]:
-    """A do_bench callable that moves to the next input set on every call."""
-    upcoming = itertools.cycle(sets)
-
-    def call() -> None:
-        step(*next(upcoming))
-
-    return call
 
 
 def _median_ms(call: Callable[[], None], settings: Settings, estimate_ms: float, grads: list[Tensor] | None = None) -> float:
@@ -256,10 +239,10 @@ def _measure_impl(impl: Impl, grad_sets: list[InputSet], plain_sets: list[InputS
         estimate_ms = (time.perf_counter() - started) * 1e3
         result.peak_mib = peak / MIB
         result.memory_x_grads = result.peak_mib / run.grad_mib
-        result.fwd_bwd_ms = _median_ms(_cycling(lambda e, c, t: fn(e, c, t).backward(), grad_sets), settings, estimate_ms, grads)
+        result.fwd_bwd_ms = _median_ms(cycling(lambda e, c, t: fn(e, c, t).backward(), grad_sets), settings, estimate_ms, grads)
         result.fwd_bwd_x_gemm = result.fwd_bwd_ms / run.gemm_ms
         with torch.no_grad():
-            result.fwd_ms = _median_ms(_cycling(fn, plain_sets), settings, estimate_ms)
+            result.fwd_ms = _median_ms(cycling(fn, plain_sets), settings, estimate_ms)
         result.fwd_x_gemm = result.fwd_ms / run.gemm_ms
     except Exception as err:  # noqa: BLE001 - OOMs and kernel errors are results too
         result.status, result.reason = "failed", f"{type(err).__name__}: {err}"[:_REASON_CHARS]
@@ -285,7 +268,7 @@ def _run_shape_kind(shape: Shape, kind: str, impls: list[Impl], settings: Settin
     grad_sets = [(e.detach().requires_grad_(), c.detach().requires_grad_(), t) for e, c, t in sets]
     ref = reference_loss_and_grads(*sets[0])
     logits_out = torch.empty(shape.n, shape.v, dtype=DTYPE, device=DEVICE)
-    gemm_ms = _median_ms(_cycling(lambda e, c, _: torch.mm(e, c.T, out=logits_out), sets), settings, 0.0)
+    gemm_ms = _median_ms(cycling(lambda e, c, _: torch.mm(e, c.T, out=logits_out), sets), settings, 0.0)
     del logits_out
     _release_memory()
     grad_bytes = sum(t.numel() * t.element_size() for t in (sets[0][0], sets[0][1]))

@@ -24,8 +24,9 @@ same inputs on the same device; no value is zero.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import TypedDict
+from typing import Callable, TypedDict
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ FILTER_EPS = 2.0**-12
 """The softmax threshold below which filtered backwards skip work (bf16 eps / 32)."""
 TILE = 128
 """Side of the square tiles that `softmax_stats` counts."""
+
+InputSet = tuple[Tensor, Tensor, Tensor]
+"""(e, c, targets), as the op takes them."""
 
 _ZIPF_EXPONENT = 1.05
 _ZIPF_OFFSET = 2.7  # Zipf-Mandelbrot offset: the most frequent token has p ~ 0.1 at V ~ 1e5.
@@ -168,3 +172,14 @@ def softmax_stats(e: Tensor, c: Tensor, targets: Tensor, rows: int = _CALIBRATIO
         tile_frac_above_eps=_tile_fraction(above),
         tile_frac_above_eps_sorted=_tile_fraction(above[:, order]),
     )
+
+
+def cycling(step: Callable[[Tensor, Tensor, Tensor], object], sets: list[InputSet]) -> Callable[[], None]:
+    """A callable to time that runs `step` on the next input set at every call, so no
+    timing rides on a warm L2 or on one draw of the data."""
+    upcoming = itertools.cycle(sets)
+
+    def call() -> None:
+        step(*next(upcoming))
+
+    return call

@@ -15,6 +15,16 @@ if TYPE_CHECKING:  # the package imports torch: only inside the command
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def checked_problem_options(dtype: str, mode: str) -> str:
+    """`--dtype` as a torch dtype name, after checking it and `--mode`."""
+    dtype_name = DTYPES.get(dtype, dtype)
+    if dtype_name not in DTYPES.values():
+        raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
+    if mode not in ("exact", "filtered"):
+        raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
+    return dtype_name
+
+
 def lookup(
     vocab: Annotated[int, typer.Option("--vocab", min=1, help="V, the vocabulary size")],
     hidden: Annotated[int, typer.Option("--hidden", min=1, help="D, the hidden size")],
@@ -32,11 +42,7 @@ def lookup(
     from cce_compile.config.plan import n_bucket
     from cce_compile.config.resolve import ProblemKey, look_up
 
-    dtype_name = DTYPES.get(dtype, dtype)
-    if dtype_name not in DTYPES.values():
-        raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
-    if mode not in ("exact", "filtered"):
-        raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
+    dtype_name = checked_problem_options(dtype, mode)
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
     key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)

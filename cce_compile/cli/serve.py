@@ -10,8 +10,6 @@ import typer
 
 from cce_compile.cli.db import DbUrlOption
 
-DB_URL_ENV = "CCE_TUNING_DB_URL"
-
 
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on (keep loopback unless behind a proxy)")] = "127.0.0.1",
@@ -27,7 +25,7 @@ def serve(
     """
     import uvicorn
 
-    from tuning_db.engine import resolve_db_url
+    from tuning_db.engine import DB_URL_ENV, resolve_db_url
 
     # Every worker builds its app from the environment, so the URL travels there.
     os.environ[DB_URL_ENV] = resolve_db_url(db_url)
@@ -35,7 +33,7 @@ def serve(
         if workers > 1:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         uvicorn.run(
-            "service.app:create_app_from_env",
+            "service.app:create_app",
             factory=True,
             host=host,
             port=port,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from cce_compile.cli.lookup import DTYPES
+from cce_compile.cli.lookup import checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
     from cce_compile.config.kernel_config import KernelConfig
@@ -57,11 +57,7 @@ def tune(
     from cce_compile.tuning import candidates, publish as results
     from cce_compile.tuning.tuner import Tuner, default_timer
 
-    dtype_name = DTYPES.get(dtype, dtype)
-    if dtype_name not in DTYPES.values():
-        raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
-    if mode not in ("exact", "filtered"):
-        raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
+    dtype_name = checked_problem_options(dtype, mode)
     if publish and db_url:
         raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
     import torch

@@ -63,7 +63,7 @@ def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: Kerne
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
     best_work = 0
-    smallest = BackwardPlan(1, widest, fp32_acc)
+    smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
     while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
         rows = -(-bucket // n_chunks)

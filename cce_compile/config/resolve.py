@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
+import torch
+
 from . import sources
 from .kernel_config import ConfigError, KernelConfig, TileConfig
 
 log = logging.getLogger("cce_compile.config")
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
 WAIT_ENV = "CCE_CONFIG_WAIT_S"
 DEFAULT_WAIT_S = 600.0
@@ -69,7 +70,7 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
     # Measured on an H200 (bf16; docs/performance.md): 128 x 256 logits tiles, 4 stages.
     wide = key.dtype != "float32"
     gemm = TileConfig(128, 128, 64 if wide else 32, 8, 8, 3)
-    logits = TileConfig(128, 256, 64, 8, 8, 4) if wide else TileConfig(128, 128, 32, 8, 8, 3)
+    logits = TileConfig(128, 256, 64, 8, 8, 4) if wide else gemm
     return KernelConfig(
         forward=logits,
         grad_logits=logits,
@@ -177,7 +178,7 @@ def _accept(source: str, found: sources.Found | None, platform: sources.Platform
     try:
         config = KernelConfig.from_dict(found.config)
         if platform.shared_memory_bytes is not None:
-            config.check_limits(platform.shared_memory_bytes, ELEMENT_BYTES[key.dtype])
+            config.check_limits(platform.shared_memory_bytes, getattr(torch, key.dtype).itemsize)
     except ConfigError as error:
         log.warning("rejected the %s config for %s: %s", source, key, error)
         return None
@@ -222,10 +223,11 @@ def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose
             raise
         store.set(name, json.dumps(_message(key, mine)))
         return mine
+    wait_s = _wait_s()
     try:
-        store.wait([name], timedelta(seconds=_wait_s()))
+        store.wait([name], timedelta(seconds=wait_s))
     except Exception:  # the store's timeout: rank 0 has not resolved this key
-        log.warning("rank 0 did not resolve %s within %s s; resolving it on this rank", key, _wait_s())
+        log.warning("rank 0 did not resolve %s within %s s; resolving it on this rank", key, wait_s)
         return resolve_here()
     message = json.loads(store.get(name))
     if "error" in message:

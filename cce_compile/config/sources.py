@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping, get_args
 
 from .plan import n_bucket
 
@@ -111,8 +111,10 @@ def _ttl_from_env() -> float:
 # --- identity ---------------------------------------------------------------------------
 
 
-MATCH_LEVELS = ("exact", "nearest_bucket", "stale_triton", "same_arch", "none")
-"""How closely a stored config matches a query, best first (the tuning database's answer)."""
+MatchLevel = Literal["exact", "nearest_bucket", "stale_triton", "same_arch", "none"]
+"""How closely a stored config matches a query (the tuning database's answer)."""
+MATCH_LEVELS: tuple[MatchLevel, ...] = get_args(MatchLevel)
+"""The match levels, best first."""
 
 
 def normalize_gpu_name(name: str) -> str:
@@ -348,5 +350,10 @@ def _add_bundled(index: dict[tuple[Any, ...], Any], entry: Mapping[str, Any], wh
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         log.warning("bundled %s has tokens %r; skipping it", where, tokens)
         return
-    key = (normalize_gpu_name(str(entry["gpu"])), entry["V"], entry["D"], entry["dtype"], n_bucket(tokens), entry["mode"])
-    index[key] = entry["config"]
+    index[bundled_key(entry)] = entry["config"]
+
+
+def bundled_key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A bundled entry's key: (normalized GPU name, V, D, dtype, token bucket, mode)."""
+    gpu = normalize_gpu_name(str(entry["gpu"]))
+    return (gpu, entry["V"], entry["D"], entry["dtype"], n_bucket(entry["tokens"]), entry["mode"])

@@ -28,7 +28,7 @@ from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
-from ..api import linear_cross_entropy
+from ..api import shift_targets, linear_cross_entropy
 
 # family (the transformers.models subpackage) -> its causal-LM class
 FAMILIES = {
@@ -100,7 +100,7 @@ def causal_lm_loss(
     HF does for gradient accumulation; otherwise it is the mean over non-ignored tokens.
     """
     if shift_labels is None:
-        shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=options.ignore_index)
+        shift_labels = shift_targets(labels, options.ignore_index)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
     weight = lm_head.weight

@@ -75,7 +75,11 @@ def linear_cross_entropy_backward(
     # Eager CUDA calls use cuBLAS; a traced call (torch.compile) keeps the Triton GEMMs,
     # whose whole-buffer mutations Inductor handles without copies.
     cublas = e.is_cuda and not scaled and not filtered and not is_fake(e) and GEMM_BACKEND == "cublas"
-    scale = torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
+    # The d-logits scale (fp16 only); otherwise `lse` stands in for the unread pointer.
+    scale = (
+        torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
+        if scaled else lse
+    )
     # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
     sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
     bias_chunks: list[Tensor] = []

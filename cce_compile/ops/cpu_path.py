@@ -73,8 +73,11 @@ def backward_cpu(
     grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
-        ids = slice(start, stop) if vocab_order is None else vocab_order[start:stop]
-        vocab = torch.arange(start, stop, device=e.device) if vocab_order is None else vocab_order[start:stop]
+        if vocab_order is None:
+            ids: slice | Tensor = slice(start, stop)
+            vocab = torch.arange(start, stop, device=e.device)
+        else:
+            ids = vocab = vocab_order[start:stop]
         logits = _logits(e32, c, bias, ids, softcap)
         softmax = torch.exp(logits - lse[:, None])
         is_target = targets[:, None] == vocab[None, :]

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from cce_compile.config import sources
 from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
 from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
 from cce_compile.config.resolve import ProblemKey
@@ -180,5 +181,5 @@ def device_limits(problem: Problem) -> Limits:
     """This GPU's opt-in shared memory per block; the H100/H200 value off the GPU."""
     shared = PLANNING_SHARED_MEMORY
     if torch.cuda.is_available():
-        shared = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+        shared = sources.local_platform("cuda").shared_memory_bytes
     return Limits(shared, problem.element_bytes)

@@ -26,7 +26,6 @@ import torch
 
 from cce_compile.config import sources
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.plan import n_bucket
 
 from .tuner import Timing, TuneResult
 
@@ -38,9 +37,9 @@ class Identity:
     """What a measurement is valid for besides the problem: the GPU and the code versions.
 
     The GPU name is torch's, unnormalized: the service and the bundled-config reader
-    normalize it as the op's resolution does (config.sources.normalize_gpu_name), and that
-    normalization lives with pydantic, which a GPU node may lack. Off the GPU the name is
-    the op's device ("interpreter"), as config.sources.local_platform names it."""
+    normalize it as the op's resolution does (config.sources.normalize_gpu_name). Off the
+    GPU the name is the op's device ("interpreter"), as config.sources.local_platform
+    names it."""
 
     gpu: dict[str, Any]
     kernel_version: str
@@ -51,12 +50,12 @@ class Identity:
 def local_identity(device: str) -> Identity:
     if device == "cuda":
         index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
+        platform = sources.local_platform("cuda")  # the same device, cached
         gpu = {
             "name": torch.cuda.get_device_name(index),
-            "compute_capability": f"{props.major}.{props.minor}",
-            "sm_count": props.multi_processor_count,
-            "memory_bytes": props.total_memory,
+            "compute_capability": platform.compute_capability,
+            "sm_count": platform.sm_count,
+            "memory_bytes": torch.cuda.get_device_properties(index).total_memory,
         }
     else:
         gpu = {"name": device, "compute_capability": "0.0", "sm_count": 1, "memory_bytes": 0}
@@ -102,21 +101,22 @@ def measurements(result: TuneResult, identity: Identity, submitter: str) -> list
         "host": _name(socket.gethostname()),
     }
 
-    def body(kernel: str, config: KernelConfig, timing: Timing, default: Timing) -> dict[str, Any]:
-        return {**common, "kernel": kernel, "config": config.to_dict(), **asdict(timing), "default_ms": default.median_ms}
-
-    bodies = [body(sources.KERNEL_NAME, result.best_config, result.best_whole, result.default_whole)]
+    # (kernel, config, its time, the default config's time), the whole op first
+    rows: list[tuple[str, KernelConfig, Timing, Timing]] = [
+        (sources.KERNEL_NAME, result.best_config, result.best_whole, result.default_whole)
+    ]
     for kernel, outcome in result.kernels.items():
         name = f"{sources.KERNEL_NAME}.{kernel}"
-        bodies.append(body(name, result.default_config, outcome.default, outcome.default))
-        bodies += [
-            body(name, trial.config, trial.time, outcome.default)
+        rows.append((name, result.default_config, outcome.default, outcome.default))
+        rows += [
+            (name, trial.config, trial.time, outcome.default)
             for trial in result.trials
             if trial.kernel == kernel and trial.time is not None
         ]
     return [
-        item for item in bodies
-        if is_publishable(Timing(item["median_ms"], item["p20_ms"], item["p80_ms"])) and item["default_ms"] > 0
+        {**common, "kernel": kernel, "config": config.to_dict(), **asdict(timing), "default_ms": default.median_ms}
+        for kernel, config, timing, default in rows
+        if is_publishable(timing) and default.median_ms > 0
     ]
 
 
@@ -221,7 +221,7 @@ class DatabasePublisher:
 
 def write_bundled(path: Path, result: TuneResult, identity: Identity) -> None:
     """Put `result`'s best config into a bundled-configs file (config/bundled/README.md),
-    replacing an entry for the same GPU name and key; written atomically."""
+    replacing an entry for the same GPU and key (as the reader keys them); written atomically."""
     problem = result.problem
     entry = {
         "gpu": identity.gpu["name"],
@@ -237,11 +237,9 @@ def write_bundled(path: Path, result: TuneResult, identity: Identity) -> None:
         "default_ms": result.default_whole.median_ms,
     }
 
-    def key(item: dict[str, Any]) -> tuple[Any, ...]:
-        return (item["gpu"], item["V"], item["D"], item["dtype"], n_bucket(item["tokens"]), item["mode"])
-
+    replaced = sources.bundled_key(entry)
     entries = json.loads(path.read_text(encoding="utf-8"))["entries"] if path.exists() else []
-    entries = sorted([item for item in entries if key(item) != key(entry)] + [entry], key=key)
+    entries = sorted([item for item in entries if sources.bundled_key(item) != replaced] + [entry], key=sources.bundled_key)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".tmp")
     with os.fdopen(descriptor, "w", encoding="utf-8") as file:
         file.write('{"entries": [\n' + ",\n".join(json.dumps(item) for item in entries) + "\n]}\n")  # a line per entry

@@ -12,7 +12,6 @@ rotate over a few copies, so no timing rides on a warm L2 or on one draw of the 
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
@@ -21,13 +20,14 @@ import torch
 from torch import Tensor
 
 from cce_compile.api import linear_cross_entropy
-from cce_compile.bench.inputs import lm_like_inputs
+from cce_compile.bench.inputs import InputSet, cycling, lm_like_inputs
+from cce_compile.bench.metrics import relative_error
+from cce_compile.bench.peers import LossFn
 from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.resolve import heuristic_config, override_config
 
 from .candidates import KernelSpace, Problem
 
-LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-5}
 """Largest relative error of loss, dE and dC against the default config's."""
 MIN_GAIN = 0.005
@@ -188,16 +188,11 @@ class Outputs:
 
 def relative_errors(outputs: Outputs, reference: Outputs) -> dict[str, float]:
     """Relative error of the loss and the norm-wise relative errors of dE and dC."""
-
-    def norm_error(value: Tensor, ref: Tensor) -> float:
-        ref32 = ref.float()
-        return ((value.float() - ref32).norm() / ref32.norm().clamp_min(1e-30)).item()
-
     loss_error = abs(outputs.loss.item() - reference.loss.item()) / max(abs(reference.loss.item()), 1e-30)
     return {
         "loss": loss_error,
-        "dE": norm_error(outputs.grad_e, reference.grad_e),
-        "dC": norm_error(outputs.grad_c, reference.grad_c),
+        "dE": relative_error(outputs.grad_e, reference.grad_e, floor=1e-30),
+        "dC": relative_error(outputs.grad_c, reference.grad_c, floor=1e-30),
     }
 
 
@@ -217,7 +212,7 @@ class Tuner:
     seed: int = 0
     loss_fn: LossFn | None = None
     on_trial: Callable[[Trial], None] | None = None
-    _inputs: list[tuple[Tensor, Tensor, Tensor]] = field(init=False, default_factory=list)
+    _inputs: list[InputSet] = field(init=False, default_factory=list)
     _forward: dict[tuple[object, ...], Timing] = field(init=False, default_factory=dict)
     _whole: dict[KernelConfig, Timing] = field(init=False, default_factory=dict)
     _trials: dict[tuple[object, ...], Trial] = field(init=False, default_factory=dict)
@@ -336,27 +331,21 @@ class Tuner:
     def _forward_time(self, config: KernelConfig) -> Timing:
         key = (config.forward, config.vocab_splits)  # all the forward launch depends on
         if key not in self._forward:
-            inputs = itertools.cycle(self._inputs)
-
-            def forward() -> None:
-                e, c, targets = next(inputs)
+            def forward(e: Tensor, c: Tensor, targets: Tensor) -> None:
                 with torch.no_grad():
                     self.loss_fn(e, c, targets)
 
             with override_config(config):
-                self._forward[key] = self.timer(forward)
+                self._forward[key] = self.timer(cycling(forward, self._inputs))
         return self._forward[key]
 
     def _whole_time(self, config: KernelConfig) -> Timing:
         if config not in self._whole:
-            inputs = itertools.cycle(self._inputs)
-
-            def forward_backward() -> None:
-                e, c, targets = next(inputs)
+            def forward_backward(e: Tensor, c: Tensor, targets: Tensor) -> None:
                 e.grad = c.grad = None
                 self.loss_fn(e, c, targets).backward()
 
             with override_config(config):
-                self._whole[config] = self.timer(forward_backward)
+                self._whole[config] = self.timer(cycling(forward_backward, self._inputs))
         return self._whole[config]
 
