@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
-from cce_compile.config.plan import SCRATCH_FRACTION, n_bucket, plan_backward
+from cce_compile.config.plan import SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward
 
 
 def test_round_trip_through_json() -> None:
@@ -47,6 +47,16 @@ def test_backward_scratch_fits_ten_percent_of_the_gradients(n: int, d: int, v: i
     grads = (n * d + v * d) * 2
     assert plan.scratch_bytes(n_bucket(n), d, 2) <= SCRATCH_FRACTION * grads
     assert plan.slab_v >= 1024, "slabs this narrow would starve the GEMMs"
+
+
+def test_small_problems_take_a_few_large_slab_steps() -> None:
+    """A 32k x 512 head over 4096 tokens: 10% of its gradients would mean ~100 slab steps;
+    the floor lets it take a handful, still within the floor."""
+    n, d, v = 4096, 512, 32000
+    plan = plan_backward(n_bucket(n), v, d, 2, KernelConfig())
+    steps = plan.n_chunks * -(-v // plan.slab_v)
+    assert steps <= 16
+    assert SCRATCH_FRACTION * (n * d + v * d) * 2 < plan.scratch_bytes(n, d, 2) <= SCRATCH_FLOOR_BYTES
 
 
 def test_n_bucket() -> None:
