@@ -14,6 +14,7 @@ TRITON_INTERPRET=1 (a small shape; CPU times, no ratios).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cce_compile  # noqa: E402
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+from cce_compile.ops.dispatch import config_for  # noqa: E402
+from cce_compile.ops import backward as op_backward  # noqa: E402
 
 
 def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
@@ -54,7 +57,10 @@ def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default=None, help="NxDxV [default: 8192x2304x256000 on CUDA, 256x64x1031 on CPU]")
-    parser.add_argument("--modes", default="exact,filtered", help="exact, filtered, or both")
+    parser.add_argument("--modes", default="exact,filtered",
+                        help="comma-separated: exact, filtered, triton-gemms (exact mode with the Triton gradient "
+                             "GEMMs that torch.compile runs instead of cuBLAS)")
+    parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -77,12 +83,17 @@ def main() -> None:
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):
         filter_eps = FILTER_EPS if mode == "filtered" else None
+        op_backward.GEMM_BACKEND = "triton" if mode == "triton-gemms" else "cublas"
+        config = config_for(e, c, filter_eps or 0.0)
+        if args.slab_v is not None:
+            config = dataclasses.replace(config, slab_v=args.slab_v)
 
         def step() -> None:
             e.grad = c.grad = None
             cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
 
-        times = kernel_times(step, args.iters, cuda)
+        with cce_compile.override_config(config):
+            times = kernel_times(step, args.iters, cuda)
         total = sum(entry["ms"] for entry in times.values())
         report["modes"][mode] = {"total_ms": total, "kernels": times}
         print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import dot_rows_cols, grouped_tile, logits_tile, mma
+from .tiles import grouped_tile, load_tile, logits_tile, mma
 
 
 @triton.jit
@@ -106,10 +106,13 @@ def matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = dot_rows_cols(
-        a_ptr + a_offset, b_ptr + b_offset, offs_m, offs_n, m_mask, n_mask, K,
-        stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST, IEEE,
-    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = load_tile(a_ptr + a_offset, offs_m, offs_k, m_mask, k_mask, stride_am, stride_ak)
+        b = load_tile(b_ptr + b_offset, offs_k, offs_n, k_mask, n_mask, stride_bk, stride_bn)
+        acc = mma(acc, a, b, UPCAST, IEEE)
     if SCALED:
         acc = acc * tl.load(scale_ptr)
     mask = m_mask[:, None] & n_mask[None, :]
@@ -179,8 +182,6 @@ def sparse_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    safe_m = tl.where(m_mask, offs_m, 0).to(tl.int64)
-    safe_n = tl.where(n_mask, offs_n, 0).to(tl.int64)
     kept = tl.load(kept_counts_ptr + pid_m)
     tiles_ptr = kept_lists_ptr + pid_m * stride_list
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
@@ -189,12 +190,12 @@ def sparse_matmul_kernel(
         tile = tl.load(tiles_ptr + step // PARTS)
         offs_k = tile * TILE_K + (step % PARTS) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        safe_k = tl.where(k_mask, offs_k, 0).to(tl.int64)
-        a = tl.load(a_ptr + safe_m[:, None] * stride_am + safe_k[None, :] * stride_ak, mask=k_mask[None, :], other=0.0)
-        b_rows = safe_k
+        a = load_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, stride_ak)
         if GATHER_B:
-            b_rows = tl.load(b_index_ptr + safe_k).to(tl.int64)
-        b = tl.load(b_ptr + b_offset + b_rows[:, None] * stride_bk + safe_n[None, :] * stride_bn)
+            b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0)
+            b = load_tile(b_ptr + b_offset, b_rows, offs_n, k_mask, n_mask, stride_bk, stride_bn)
+        else:
+            b = load_tile(b_ptr + b_offset, offs_k, offs_n, k_mask, n_mask, stride_bk, stride_bn)
         acc = mma(acc, a, b, UPCAST, IEEE)
     if SCALED:
         acc = acc * tl.load(scale_ptr)

@@ -45,7 +45,7 @@ def dot_rows_cols(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """fp32 a[rows, :K] @ b[:K, cols], the K loop every GEMM-shaped kernel here shares.
+    """fp32 a[rows, :K] @ b[:K, cols], the logits tile's K loop (both operands K-contiguous).
 
     Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
     the loads carry no row/column predicates (callers mask what they store); with EVEN_K
@@ -70,6 +70,19 @@ def dot_rows_cols(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, row_mask, col_mask, stride_r, stride_c):
+    """A [rows x cols] tile, zero outside the masks: a gradient GEMM's operand.
+
+    Masked, not clamped like dot_rows_cols' indices: a clamp (`tl.where(mask, offs, 0)`)
+    hides that offsets run contiguously, and on the operand's contiguous dimension that
+    turns 16-byte vector loads into 2-byte ones that do not pipeline (the d-logits operand
+    of dC is contiguous along M, both B operands along N). With extents that are multiples
+    of 16 the masks are uniform over each vector and the loads vectorize."""
+    offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    return tl.load(ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
 @triton.jit
