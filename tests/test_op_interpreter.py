@@ -57,8 +57,17 @@ def test_several_token_chunks_and_slabs() -> None:
 FILTER_CASES = {
     "one chunk": dict(lead=(96,), v=512, d=32, options={}, config=None),
     "chunks, slabs, bias, weights, smoothing": dict(
-        lead=(520,), v=300, d=16, options={"label_smoothing": 0.1, "reduction": "sum"},
+        lead=(520,), v=300, d=16, options={"label_smoothing": 0.1, "reduction": "sum"}, chunked=True,
         config=KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2),
+    ),
+    # The forward's tile maxima come per forward tile; the backward's tiles may be narrower or wider.
+    "forward tiles wider": dict(
+        lead=(96,), v=512, d=32, options={},
+        config=KernelConfig(TileConfig(32, 64, 16, 4, 4, 1), *(TileConfig(32, 32, 16, 4, 4, 1),) * 3, slab_v=128),
+    ),
+    "forward tiles narrower": dict(
+        lead=(96,), v=500, d=32, options={},
+        config=KernelConfig(TileConfig(32, 16, 16, 4, 4, 1), *(TileConfig(32, 32, 16, 4, 4, 1),) * 3, slab_v=128),
     ),
 }
 
@@ -76,7 +85,7 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pyte
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(spec["v"], generator=g) * 0.1
     weight = torch.rand(spec["v"], generator=g) + 0.5 if spec["options"] else None
-    if spec["config"] is not None:
+    if spec.get("chunked"):
         assert plan_backward(1024, spec["v"], spec["d"], 4, spec["config"]).n_chunks > 1
 
     def grads(interpret: bool, filter_eps: float | None):
@@ -97,12 +106,14 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pyte
 
 def test_kept_tiles_lists_match_the_mask() -> None:
     """The block-sparse GEMMs' work lists: per tile row the kept tile columns and per tile
-    column the kept tile rows, in order, with their counts; tiles past the launched grid
-    (stale entries of a larger buffer) never listed."""
+    column the kept tile rows of one slab (a window of the whole mask), in order, with
+    their counts; tiles past the launched grid never listed."""
     from cce_compile.kernels.backward import kept_tiles_kernel
 
     g = torch.Generator().manual_seed(0)
-    mask = (torch.rand(7, 11, generator=g) < 0.3).to(torch.int8)
+    whole = (torch.rand(9, 20, generator=g) < 0.3).to(torch.int8)
+    row0, col0 = 2, 9  # the slab's window: a later token chunk and vocab slab
+    mask = whole[row0:, col0:]
     mask[2] = 0  # a tile row with no kept tile
     tile_rows, tile_cols = 6, 9  # the last slab: a smaller grid than the buffer
     row_lists = torch.full((7, 11), -1, dtype=torch.int32)
@@ -110,7 +121,7 @@ def test_kept_tiles_lists_match_the_mask() -> None:
     row_counts = torch.full((7,), -1, dtype=torch.int32)
     col_counts = torch.full((11,), -1, dtype=torch.int32)
     kept_tiles_kernel[(tile_rows + tile_cols,)](
-        mask, tile_rows, tile_cols, mask.stride(0), row_lists, row_counts, col_lists, col_counts,
+        whole, row0 * whole.stride(0) + col0, tile_rows, tile_cols, whole.stride(0), row_lists, row_counts, col_lists, col_counts,
         row_lists.stride(0), col_lists.stride(0), BLOCK=16,
     )
     live = mask[:tile_rows, :tile_cols] != 0
@@ -128,7 +139,7 @@ def test_out_of_range_target_gives_nan_without_reading_it() -> None:
     e, c, targets = make_inputs("signed", (40,), 64, 16, torch.float32, seed=0)
     targets[5] = 10**9
     targets[6] = -7
-    loss, lse = torch.ops.cce.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    loss, lse, _, _ = torch.ops.cce.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
     assert torch.isnan(loss[5]) and torch.isnan(loss[6])
     assert torch.isfinite(loss[:5]).all() and torch.isfinite(loss[7:]).all() and torch.isfinite(lse).all()
 

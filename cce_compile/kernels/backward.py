@@ -10,10 +10,10 @@ from .tiles import grouped_tile, load_tile, logits_tile, mma
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, vocab_order_ptr,
-    grad_logits_ptr, tile_mask_ptr,
+    grad_logits_ptr, tile_mask_ptr, mask_offset,
     row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, stride_mask,
-    softcap, filter_eps,
+    softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -27,15 +27,18 @@ def grad_logits_kernel(
     (i - row_start, j - col_start) of the slab buffer; rows or columns outside the
     ranges are left alone (the GEMMs that follow mask them).
     With FILTER, columns are positions in `vocab_order` (likely tokens first, so the few
-    tiles that matter cluster), a tile whose |softmax - onehot| stays below filter_eps is
-    written as 0, and tile_mask[tile row, tile col] records whether it was kept, for the
-    block-sparse GEMMs.
+    tiles that matter cluster), and a program whose tile the forward's statistics dropped
+    (tile_mask[mask_offset + tile row * stride_mask + tile col] == 0) returns at once: no
+    recompute, nothing written (the block-sparse GEMMs never read the tile).
     With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so
     small gradients stay in fp16's normal range; the GEMMs multiply it back.
     """
     num_m = tl.cdiv(row_end - row_start, BLOCK_M)
     num_n = tl.cdiv(col_end - col_start, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    if FILTER:
+        if tl.load(tile_mask_ptr + mask_offset + pid_m * stride_mask + pid_n) == 0:
+            return
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row_start + local_rows
@@ -71,12 +74,6 @@ def grad_logits_kernel(
         grad = grad * (1.0 - capped * capped)
     inside = row_mask[:, None] & col_mask[None, :]
     grad = tl.where(inside, grad, 0.0)
-    if FILTER:
-        distance = tl.where(is_target, 1.0, softmax)
-        keep = tl.max(tl.max(tl.where(inside, distance, 0.0), axis=1), axis=0) >= filter_eps
-        grad = grad * keep.to(tl.float32)
-        tl.store(tile_mask_ptr + pid_m * stride_mask + pid_n, keep.to(tl.int8))
-
     if SCALED:
         grad = grad / tl.load(scale_ptr)
     out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
@@ -129,7 +126,7 @@ def matmul_kernel(
 
 @triton.jit
 def kept_tiles_kernel(
-    tile_mask_ptr, num_tile_rows, num_tile_cols, stride_mask,
+    tile_mask_ptr, mask_offset, num_tile_rows, num_tile_cols, stride_mask,
     row_lists_ptr, row_counts_ptr, col_lists_ptr, col_counts_ptr, stride_row_list, stride_col_list,
     BLOCK: tl.constexpr,
 ):
@@ -139,6 +136,7 @@ def kept_tiles_kernel(
     columns, in order; the rest list each tile column's kept tile rows."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
+    tile_mask_ptr += mask_offset
     if pid < num_tile_rows:
         in_range = offs < num_tile_cols
         keep = (tl.load(tile_mask_ptr + pid * stride_mask + offs, mask=in_range, other=0) != 0) & in_range

@@ -8,12 +8,12 @@ from .tiles import grouped_tile, logits_tile
 
 @triton.jit
 def lse_forward_kernel(
-    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr,
-    partial_ptr,
-    N, V, D, tiles_per_split, num_splits, stat_stride,
+    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, vocab_order_ptr,
+    partial_ptr, tile_max_ptr,
+    N, V, D, tiles_per_split, num_splits, stat_stride, stride_tile_max,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    NEED_WEIGHTED_SUM: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -23,6 +23,9 @@ def lse_forward_kernel(
     softmax, merged across splits by the op), the target's logit if the target falls in
     this split, and (NEED_WEIGHTED_SUM) sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
     column, so nothing is ever read at a target index.
+    With FILTER (filtered mode), columns are positions in `vocab_order`, and each row's
+    largest logit per vocab tile goes to tile_max[row, tile]: the backward skips the tiles
+    where it is far below the row's lse.
     """
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,23 +37,31 @@ def lse_forward_kernel(
     target_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
     weighted_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
-        cols = (pid_s * tiles_per_split + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = pid_s * tiles_per_split + t
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < V
+        vocab = cols
+        if FILTER:
+            vocab = tl.load(vocab_order_ptr + cols, mask=col_mask, other=0)
         logits = logits_tile(
-            e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
+            e_ptr, c_ptr, bias_ptr, rows, vocab, row_mask, col_mask, D,
             stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
         )
-        is_target = cols[None, :] == targets[:, None]
+        is_target = vocab[None, :] == targets[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
         if NEED_WEIGHTED_SUM:
             if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + vocab, mask=col_mask, other=0.0).to(tl.float32)
                 weighted_sum += tl.sum(tl.where(col_mask[None, :], logits * w[None, :], 0.0), axis=1)
             else:
                 weighted_sum += tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
         logits = tl.where(col_mask[None, :], logits, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        tile_row_max = tl.max(logits, axis=1)
+        if FILTER:
+            live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
+            tl.store(tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile, tile_row_max, mask=live)
+        new_max = tl.maximum(row_max, tile_row_max)
         # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)

@@ -11,19 +11,20 @@ from .forward import linear_cross_entropy_forward
 
 def _setup_context(ctx, inputs, output) -> None:
     e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps = inputs
-    _, lse = output
-    ctx.save_for_backward(e, c, targets, bias, weight, lse)
+    _, lse, tile_max, order = output
+    ctx.save_for_backward(e, c, targets, bias, weight, lse, tile_max, order)
+    ctx.mark_non_differentiable(tile_max, order)
     ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    e, c, targets, bias, weight, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, _grad_tile_max, _grad_order):
+    e, c, targets, bias, weight, lse, tile_max, order = ctx.saved_tensors
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     # backward() may be called inside an autocast region: keep the op's fp32 math its own.
     with torch.autocast(e.device.type, enabled=False):
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            grad_loss, grad_lse, e, c, targets, bias, weight, lse, *ctx.options
+            grad_loss, grad_lse, e, c, targets, bias, weight, lse, tile_max, order, *ctx.options
         )
     return grad_e, grad_c, None, grad_bias if bias is not None else None, None, None, None, None, None
 

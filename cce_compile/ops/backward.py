@@ -4,9 +4,10 @@ Triton path, per token chunk and vocab slab (sizes from config.plan, within the 
 budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype),
 then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
-never more than the slab's logits in memory. Filtered mode walks the vocabulary in
-vocab_order, lists each slab's kept d-logits tiles (kept_tiles_kernel) and runs the two
-GEMMs block-sparse over them (sparse_matmul_kernel).
+never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
+forward's vocab_order, recomputes only the d-logits tiles that ops/filtering.py keeps from
+the forward's tile maxima, lists each slab's kept tiles (kept_tiles_kernel) and runs the
+two GEMMs block-sparse over them (sparse_matmul_kernel).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..config.plan import n_bucket, next_pow2, plan_backward
 from ..kernels.backward import grad_logits_kernel, kept_tiles_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .filtering import kept_tile_mask
 from .loss_terms import grad_coefficients
 
 GEMM_BACKEND = "cublas"
@@ -30,10 +32,12 @@ GEMM_BACKEND = "cublas"
 @triton_op("cce::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
-    bias: Tensor | None, weight: Tensor | None, lse: Tensor,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, tile_max: Tensor, vocab_order: Tensor,
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias."""
+    """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias.
+
+    tile_max and vocab_order are the forward's (empty in exact mode)."""
     n, d = e.shape
     v = c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -42,7 +46,9 @@ def linear_cross_entropy_backward(
     )
     has_smoothing = label_smoothing > 0.0
     filtered = filter_eps > 0.0
-    order = vocab_order(e, c, bias) if filtered else None
+    order = vocab_order if filtered else None
+    if filtered and vocab_order.shape[0] != v:
+        raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
     if not use_triton(e):
         tile = config.grad_logits
         grad_e, grad_c, grad_bias = backward_cpu(
@@ -61,10 +67,18 @@ def linear_cross_entropy_backward(
     grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
-    # Filtered mode: which d-logits tiles survived, and per tile row / tile column the list
-    # of kept tiles the block-sparse GEMMs loop over.
+    # Filtered mode: which d-logits tiles to compute (all rows, all slabs), and per tile row /
+    # tile column of a slab the list of kept tiles the block-sparse GEMMs loop over.
+    if filtered:
+        if tile_max.shape != (n, cdiv(v, config.forward.block_n)):
+            raise ValueError("tile_max: filtered mode needs the forward's (N, vocab tiles) tile maxima")
+        tile_mask = kept_tile_mask(
+            tile_max, lse, targets, vocab_order, filter_eps,
+            config.forward.block_n, logits_tile.block_m, logits_tile.block_n,
+        )
+    else:
+        tile_mask = torch.empty((1, 1), dtype=torch.int8, device=e.device)
     tile_grid = (cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)) if filtered else (1, 1)
-    tile_mask = torch.empty(tile_grid, dtype=torch.int8, device=e.device)
     row_lists = torch.empty(tile_grid, dtype=torch.int32, device=e.device)
     col_lists = torch.empty(tile_grid[::-1], dtype=torch.int32, device=e.device)
     row_counts = torch.empty(tile_grid[0], dtype=torch.int32, device=e.device)
@@ -94,11 +108,14 @@ def linear_cross_entropy_backward(
         for col_start in range(0, v, plan.slab_v):
             col_end = min(col_start + plan.slab_v, v)
             cols = col_end - col_start
+            mask_offset = (row_start // logits_tile.block_m) * tile_mask.stride(0) + col_start // logits_tile.block_n
+            if filtered and bias is not None:
+                grad_logits.zero_()  # the bias sums the whole slab; skipped tiles are not written
             wrap_triton(grad_logits_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),)](
                 e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale, order_arg,
-                grad_logits, tile_mask, row_start, row_end, col_start, col_end, d,
+                grad_logits, tile_mask, mask_offset, row_start, row_end, col_start, col_end, d,
                 e.stride(0), e.stride(1), c.stride(0), c.stride(1),
-                grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), softcap, filter_eps,
+                grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), softcap,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
                 HAS_SMOOTHING=has_smoothing, FILTER=filtered, SCALED=scaled,
                 BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
@@ -110,7 +127,7 @@ def linear_cross_entropy_backward(
             if filtered:
                 tile_rows, tile_cols = cdiv(rows, logits_tile.block_m), cdiv(cols, logits_tile.block_n)
                 wrap_triton(kept_tiles_kernel)[(tile_rows + tile_cols,)](
-                    tile_mask, tile_rows, tile_cols, tile_mask.stride(0),
+                    tile_mask, mask_offset, tile_rows, tile_cols, tile_mask.stride(0),
                     row_lists, row_counts, col_lists, col_counts, row_lists.stride(0), col_lists.stride(0),
                     BLOCK=next_pow2(max(tile_grid)),
                 )
@@ -183,13 +200,3 @@ def linear_cross_entropy_backward(
         grad_bias = torch.empty_like(grad_bias).index_copy_(0, order, grad_bias)
     return grad_e, grad_c, grad_bias.to(bias.dtype)
 
-
-def vocab_order(e: Tensor, c: Tensor, bias: Tensor | None) -> Tensor:
-    """The vocabulary sorted by mean logit over the batch (likely tokens first), so that
-    filtered mode's surviving tiles cluster in a few tile columns. The mean logit of token j
-    is mean(e) . c_j + b_j: one matrix-vector product, no logits."""
-    mean_e = e.mean(dim=0, dtype=torch.float32).to(c.dtype)
-    mean_logit = (c @ mean_e).float()  # never a float copy of c: it may be gigabytes
-    if bias is not None:
-        mean_logit = mean_logit + bias.float()
-    return torch.argsort(mean_logit, descending=True, stable=True)

@@ -9,6 +9,7 @@ from torch.library import triton_op, wrap_triton
 from ..kernels.forward import lse_forward_kernel
 from .cpu_path import forward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .filtering import vocab_order
 from .loss_terms import token_loss
 
 
@@ -16,29 +17,36 @@ from .loss_terms import token_loss
 def linear_cross_entropy_forward(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
-) -> tuple[Tensor, Tensor]:
-    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,)), both fp32.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_max, vocab_order).
 
-    `softcap` 0 means none. `filter_eps` only matters to the backward; it is an input here
-    so the autograd context sees it.
+    loss and lse are fp32. `softcap` 0 means none. With filter_eps > 0 (filtered mode) the
+    forward also returns what the backward filters with (ops/filtering.py): the vocabulary
+    order and, on the Triton path, each row's largest logit per vocab tile of that order;
+    otherwise both are empty.
     """
     n, v = e.shape[0], c.shape[0]
     config = config_for(e, c, filter_eps)
     need_weighted_sum = label_smoothing > 0.0
+    filtered = filter_eps > 0.0
+    order = vocab_order(e, c, bias) if filtered else targets.new_empty((0,))
+    tile_max = e.new_empty((0, 0), dtype=torch.float32)
     if use_triton(e):
         tile = config.forward
         vocab_tiles = cdiv(v, tile.block_n)
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
         partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)
+        if filtered:
+            tile_max = torch.empty((n, vocab_tiles), dtype=torch.float32, device=e.device)
         grid = (cdiv(n, tile.block_m) * num_splits,)
         wrap_triton(lse_forward_kernel)[grid](
-            e, c, bias, targets, weight,
-            partial,
-            n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n,
+            e, c, bias, targets, weight, order if filtered else targets,
+            partial, tile_max if filtered else partial,
+            n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n, vocab_tiles,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum,
+            NEED_WEIGHTED_SUM=need_weighted_sum, FILTER=filtered,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             EVEN_K=e.shape[1] % tile.block_k == 0,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
@@ -53,5 +61,5 @@ def linear_cross_entropy_forward(
             e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v
         )
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
-    return loss, lse
+    return loss, lse, tile_max, order
 
