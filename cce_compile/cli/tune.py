@@ -65,7 +65,7 @@ def tune(
     device = "cuda" if torch.cuda.is_available() or not dispatch.INTERPRET else "interpreter"
     problem = candidates.Problem(tokens, vocab, hidden, dtype_name, mode)
     limits = candidates.device_limits(problem)
-    untuned = candidates.untuned_kernels(device, dtype_name)
+    untuned = candidates.untuned_kernels(device, dtype_name, mode)
     spaces = candidates.kernel_spaces(problem, device, limits)
     tuner = Tuner(problem, device, spaces, default_timer(device), budget_s, input_sets=input_sets, seed=seed)
     _print_plan(tuner, limits, untuned)

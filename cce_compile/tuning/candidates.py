@@ -86,15 +86,16 @@ class Limits:
         )
 
 
-def gemm_kernels_run_in_triton(device: str, dtype: str) -> bool:
+def gemm_kernels_run_in_triton(device: str, dtype: str, mode: str) -> bool:
     """Whether grad_classifier/grad_hidden tiles matter to an eager call: eager CUDA runs
-    these GEMMs in cuBLAS for bf16 and fp32 (their tiles then only matter under compile)."""
-    return device != "cuda" or dtype == "float16" or backward.GEMM_BACKEND != "cublas"
+    exact mode's gradient GEMMs in cuBLAS for bf16 and fp32 (their tiles then only matter
+    under compile); filtered mode's block-sparse GEMMs are always Triton's."""
+    return device != "cuda" or dtype == "float16" or mode == "filtered" or backward.GEMM_BACKEND != "cublas"
 
 
-def untuned_kernels(device: str, dtype: str) -> dict[str, str]:
+def untuned_kernels(device: str, dtype: str, mode: str) -> dict[str, str]:
     """Kernels the tuner leaves at the default, with why."""
-    if gemm_kernels_run_in_triton(device, dtype):
+    if gemm_kernels_run_in_triton(device, dtype, mode):
         return {}
     why = "cuBLAS in eager bf16/fp32: not timed"
     return {"grad_classifier": why, "grad_hidden": why}
@@ -169,7 +170,7 @@ class KernelSpace:
 
 def kernel_spaces(problem: Problem, device: str, limits: Limits) -> list[KernelSpace]:
     """The search spaces of the kernels an eager call on `device` launches with Triton."""
-    skipped = untuned_kernels(device, problem.dtype)
+    skipped = untuned_kernels(device, problem.dtype, problem.mode)
     return [
         KernelSpace(kernel, {**PIPELINE_AXES, **CONFIG_AXES.get(kernel, {}), **SHAPE_AXES}, problem, limits)
         for kernel in KERNELS
