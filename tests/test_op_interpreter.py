@@ -134,6 +134,19 @@ def test_kept_tiles_lists_match_the_mask() -> None:
     assert row_counts[2] == 0 and row_counts[tile_rows] == -1 and col_counts[tile_cols] == -1
 
 
+def test_filtered_forward_when_the_last_split_runs_past_v() -> None:
+    """10 vocab tiles in 4 splits of 3: the last split's final tiles lie wholly past V, where
+    filtered mode reads vocab id 0 for the order. Rows whose target is token 0 must still get
+    exactly their own logit (the H200 benchmark caught a 4e-2 loss error here)."""
+    e, c, targets = make_inputs("signed", (64,), 300, 16, torch.float32, seed=2)
+    targets[::3] = 0
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=4)):
+        exact = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
+        filtered = cce_compile.linear_cross_entropy(e, c, targets, reduction="none", filter_eps=2.0**-12)
+    torch.testing.assert_close(filtered, exact)
+
+
 def test_out_of_range_target_gives_nan_without_reading_it() -> None:
     """Past the API's CPU check (as on the GPU), a bad target poisons only its own token."""
     e, c, targets = make_inputs("signed", (40,), 64, 16, torch.float32, seed=0)

@@ -60,7 +60,7 @@ def grad_logits_kernel(
     coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
 
     softmax = tl.exp(logits - lse[:, None])
-    is_target = vocab[None, :] == targets[:, None]
+    is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
     grad = coef_softmax[:, None] * softmax - tl.where(is_target, coef_target[:, None], 0.0)
     if HAS_SMOOTHING:
         coef_smooth = tl.load(coef_smooth_ptr + rows, mask=row_mask, other=0.0)

@@ -48,7 +48,8 @@ def lse_forward_kernel(
             stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
         )
-        is_target = vocab[None, :] == targets[:, None]
+        # Columns past V (with FILTER their vocab id reads as 0) are never a target.
+        is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
         if NEED_WEIGHTED_SUM:
             if HAS_WEIGHT:
