@@ -104,34 +104,32 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pyte
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
 
 
-def test_kept_tiles_lists_match_the_mask() -> None:
-    """The block-sparse GEMMs' work lists: per tile row the kept tile columns and per tile
-    column the kept tile rows of one slab (a window of the whole mask), in order, with
-    their counts; tiles past the launched grid never listed."""
-    from cce_compile.kernels.backward import kept_tiles_kernel
+def test_kept_tile_lists_match_the_mask() -> None:
+    """The block-sparse GEMMs' work lists: per (chunk, slab), each tile row's kept tile
+    columns and each tile column's kept tile rows, in order, with their counts; a ragged
+    last chunk and slab (tiles past the mask) list nothing."""
+    from cce_compile.ops.filtering import kept_tile_lists
 
     g = torch.Generator().manual_seed(0)
-    whole = (torch.rand(9, 20, generator=g) < 0.3).to(torch.int8)
-    row0, col0 = 2, 9  # the slab's window: a later token chunk and vocab slab
-    mask = whole[row0:, col0:]
+    mask = (torch.rand(11, 19, generator=g) < 0.3).to(torch.int8)
     mask[2] = 0  # a tile row with no kept tile
-    tile_rows, tile_cols = 6, 9  # the last slab: a smaller grid than the buffer
-    row_lists = torch.full((7, 11), -1, dtype=torch.int32)
-    col_lists = torch.full((11, 7), -1, dtype=torch.int32)
-    row_counts = torch.full((7,), -1, dtype=torch.int32)
-    col_counts = torch.full((11,), -1, dtype=torch.int32)
-    kept_tiles_kernel[(tile_rows + tile_cols,)](
-        whole, row0 * whole.stride(0) + col0, tile_rows, tile_cols, whole.stride(0), row_lists, row_counts, col_lists, col_counts,
-        row_lists.stride(0), col_lists.stride(0), BLOCK=16,
-    )
-    live = mask[:tile_rows, :tile_cols] != 0
-    for row in range(tile_rows):
-        expected = live[row].nonzero().flatten().int()
-        assert row_counts[row] == len(expected) and torch.equal(row_lists[row, : len(expected)], expected)
-    for col in range(tile_cols):
-        expected = live[:, col].nonzero().flatten().int()
-        assert col_counts[col] == len(expected) and torch.equal(col_lists[col, : len(expected)], expected)
-    assert row_counts[2] == 0 and row_counts[tile_rows] == -1 and col_counts[tile_cols] == -1
+    n_chunks, chunk_tile_rows, n_slabs, slab_tiles = 2, 6, 3, 8
+    row_lists, row_counts, col_lists, col_counts = kept_tile_lists(mask, n_chunks, chunk_tile_rows, n_slabs, slab_tiles)
+    padded = torch.zeros(n_chunks * chunk_tile_rows, n_slabs * slab_tiles, dtype=torch.int8)
+    padded[:11, :19] = mask
+    for chunk in range(n_chunks):
+        for slab in range(n_slabs):
+            window = padded[chunk * chunk_tile_rows:(chunk + 1) * chunk_tile_rows, slab * slab_tiles:(slab + 1) * slab_tiles]
+            for row in range(chunk_tile_rows):
+                expected = window[row].nonzero().flatten().int()
+                global_row = chunk * chunk_tile_rows + row
+                assert row_counts[global_row, slab] == len(expected)
+                assert torch.equal(row_lists[global_row, slab, : len(expected)], expected)
+            for col in range(slab_tiles):
+                expected = window[:, col].nonzero().flatten().int()
+                assert col_counts[chunk, slab, col] == len(expected)
+                assert torch.equal(col_lists[chunk, slab, col, : len(expected)], expected)
+    assert row_counts[2].sum() == 0 and row_counts[11:].sum() == 0 and col_counts[:, 2, 3:].sum() == 0
 
 
 def test_filtered_forward_when_the_last_split_runs_past_v() -> None:

@@ -125,39 +125,9 @@ def matmul_kernel(
 
 
 @triton.jit
-def kept_tiles_kernel(
-    tile_mask_ptr, mask_offset, num_tile_rows, num_tile_cols, stride_mask,
-    row_lists_ptr, row_counts_ptr, col_lists_ptr, col_counts_ptr, stride_row_list, stride_col_list,
-    BLOCK: tl.constexpr,
-):
-    """Compact filtered mode's tile mask into lists of kept tiles, so the block-sparse GEMMs
-    loop over work only (a branch on the mask inside their K loop would stop Triton's
-    software pipelining). Programs [0, num_tile_rows) list each tile row's kept tile
-    columns, in order; the rest list each tile column's kept tile rows."""
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    tile_mask_ptr += mask_offset
-    if pid < num_tile_rows:
-        in_range = offs < num_tile_cols
-        keep = (tl.load(tile_mask_ptr + pid * stride_mask + offs, mask=in_range, other=0) != 0) & in_range
-        lists_ptr = row_lists_ptr + pid * stride_row_list
-        counts_ptr = row_counts_ptr + pid
-    else:
-        col = pid - num_tile_rows
-        in_range = offs < num_tile_rows
-        keep = (tl.load(tile_mask_ptr + offs * stride_mask + col, mask=in_range, other=0) != 0) & in_range
-        lists_ptr = col_lists_ptr + col * stride_col_list
-        counts_ptr = col_counts_ptr + col
-    kept = keep.to(tl.int32)
-    position = tl.cumsum(kept, axis=0) - 1
-    tl.store(lists_ptr + position, offs, mask=keep)
-    tl.store(counts_ptr, tl.sum(kept, axis=0))
-
-
-@triton.jit
 def sparse_matmul_kernel(
     a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
-    kept_lists_ptr, kept_counts_ptr, stride_list, scale_ptr, M, N, K,
+    kept_lists_ptr, lists_offset, stride_list, kept_counts_ptr, counts_offset, stride_count, scale_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn,
     GATHER_B: tl.constexpr, SCATTER_OUT: tl.constexpr,
     ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
@@ -165,7 +135,8 @@ def sparse_matmul_kernel(
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[M, N] (+)= a[M, K] @ b[K, N] over the (TILE_M x TILE_K) tiles of `a` that the
-    filter kept (kept_lists[m tile, :kept_counts[m tile]], from kept_tiles_kernel):
+    filter kept (the first kept_counts[m tile] of kept_lists[m tile], from ops/filtering.py's
+    kept_tile_lists; both at an element offset, rows `stride_list` / `stride_count` apart):
     filtered mode's two gradient GEMMs on the d-logits slab.
 
     dE chunk += d_logits @ c[vocab_order[slab]]: B's rows gathered (GATHER_B: row k of b is
@@ -180,8 +151,8 @@ def sparse_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    kept = tl.load(kept_counts_ptr + pid_m)
-    tiles_ptr = kept_lists_ptr + pid_m * stride_list
+    kept = tl.load(kept_counts_ptr + counts_offset + pid_m * stride_count)
+    tiles_ptr = kept_lists_ptr + lists_offset + pid_m * stride_list
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over (kept tile, part of it): no branch, so the loads pipeline.
     for step in range(0, kept * PARTS):

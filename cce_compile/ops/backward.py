@@ -6,7 +6,7 @@ then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
 forward's vocab_order, recomputes only the d-logits tiles that ops/filtering.py keeps from
-the forward's tile maxima, lists each slab's kept tiles (kept_tiles_kernel) and runs the
+the forward's tile maxima, lists every slab's kept tiles at once (in torch) and runs the
 two GEMMs block-sparse over them (sparse_matmul_kernel).
 """
 
@@ -17,11 +17,11 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-from ..config.plan import n_bucket, next_pow2, plan_backward
-from ..kernels.backward import grad_logits_kernel, kept_tiles_kernel, matmul_kernel, sparse_matmul_kernel
+from ..config.plan import n_bucket, plan_backward
+from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
-from .filtering import kept_tile_mask
+from .filtering import kept_tile_lists, kept_tile_mask
 from .loss_terms import grad_coefficients
 
 GEMM_BACKEND = "cublas"
@@ -68,7 +68,9 @@ def linear_cross_entropy_backward(
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
     # Filtered mode: which d-logits tiles to compute (all rows, all slabs), and per tile row /
-    # tile column of a slab the list of kept tiles the block-sparse GEMMs loop over.
+    # tile column of each slab the list of kept tiles the block-sparse GEMMs loop over.
+    chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)
+    n_slabs = cdiv(v, plan.slab_v)
     if filtered:
         if tile_max.shape != (n, cdiv(v, config.forward.block_n)):
             raise ValueError("tile_max: filtered mode needs the forward's (N, vocab tiles) tile maxima")
@@ -76,13 +78,11 @@ def linear_cross_entropy_backward(
             tile_max, lse, targets, vocab_order, filter_eps,
             config.forward.block_n, logits_tile.block_m, logits_tile.block_n,
         )
+        row_lists, row_counts, col_lists, col_counts = kept_tile_lists(
+            tile_mask, plan.n_chunks, chunk_tile_rows, n_slabs, slab_tiles
+        )
     else:
         tile_mask = torch.empty((1, 1), dtype=torch.int8, device=e.device)
-    tile_grid = (cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)) if filtered else (1, 1)
-    row_lists = torch.empty(tile_grid, dtype=torch.int32, device=e.device)
-    col_lists = torch.empty(tile_grid[::-1], dtype=torch.int32, device=e.device)
-    row_counts = torch.empty(tile_grid[0], dtype=torch.int32, device=e.device)
-    col_counts = torch.empty(tile_grid[1], dtype=torch.int32, device=e.device)
     order_arg = order if order is not None else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
@@ -126,16 +126,14 @@ def linear_cross_entropy_backward(
             final = plan.fp32_accumulator and col_start == last_slab
             if filtered:
                 tile_rows, tile_cols = cdiv(rows, logits_tile.block_m), cdiv(cols, logits_tile.block_n)
-                wrap_triton(kept_tiles_kernel)[(tile_rows + tile_cols,)](
-                    tile_mask, mask_offset, tile_rows, tile_cols, tile_mask.stride(0),
-                    row_lists, row_counts, col_lists, col_counts, row_lists.stride(0), col_lists.stride(0),
-                    BLOCK=next_pow2(max(tile_grid)),
-                )
+                slab = col_start // plan.slab_v
                 # dC[order[slab]] (+)= d_logits.T @ e[chunk] over kept tiles: M = cols, K = rows.
                 slab_order = order_arg[col_start:]
                 wrap_triton(sparse_matmul_kernel)[(tile_cols * cdiv(d, dc_tile.block_n),)](
                     grad_logits, e, row_start * e.stride(0), slab_order, grad_c, 0, slab_order, grad_c, 0,
-                    col_lists, col_counts, col_lists.stride(0), scale, cols, d, rows,
+                    col_lists, col_lists.stride(1) * slab + col_lists.stride(0) * chunk, col_lists.stride(2),
+                    col_counts, col_counts.stride(1) * slab + col_counts.stride(0) * chunk, col_counts.stride(2),
+                    scale, cols, d, rows,
                     grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1),
                     GATHER_B=False, SCATTER_OUT=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
                     TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
@@ -145,7 +143,11 @@ def linear_cross_entropy_backward(
                 # dE[chunk] += d_logits @ c[order[slab]] over kept tiles: M = rows, K = cols.
                 wrap_triton(sparse_matmul_kernel)[(tile_rows * cdiv(d, de_tile.block_n),)](
                     grad_logits, c, 0, slab_order, acc, acc_offset, slab_order, grad_e, row_start * d,
-                    row_lists, row_counts, row_lists.stride(0), scale, rows, d, cols,
+                    row_lists, row_lists.stride(0) * chunk_tile_rows * chunk + row_lists.stride(1) * slab,
+                    row_lists.stride(0),
+                    row_counts, row_counts.stride(0) * chunk_tile_rows * chunk + row_counts.stride(1) * slab,
+                    row_counts.stride(0),
+                    scale, rows, d, cols,
                     grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1),
                     GATHER_B=True, SCATTER_OUT=False, ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
                     TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,

@@ -53,3 +53,26 @@ def kept_tile_mask(
     keep.scatter_(1, target_tile, torch.maximum(keep.gather(1, target_tile), valid[:, None].to(torch.int8)))
     keep = F.pad(keep, (0, 0, 0, (-n) % block_m))
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
+
+
+def kept_tile_lists(
+    tile_mask: Tensor, n_chunks: int, chunk_tile_rows, n_slabs: int, slab_tiles: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The block-sparse GEMMs' work lists for every (token chunk, vocab slab), built at once
+    (a kernel launch per slab cost more host time than the GPU work in narrow-D models).
+
+    -> row_lists (n_chunks * chunk_tile_rows, n_slabs, slab_tiles): a tile row's kept tile
+    columns within the slab, in order, the first row_counts[row, slab] of them valid;
+    col_lists (n_chunks, n_slabs, slab_tiles, chunk_tile_rows): a tile column's kept tile
+    rows within the chunk, in order, the first col_counts[chunk, slab, column] valid.
+    All int32; tiles past the mask count as dropped."""
+    rows, cols = tile_mask.shape
+    mask = F.pad(tile_mask, (0, n_slabs * slab_tiles - cols, 0, n_chunks * chunk_tile_rows - rows))
+    # A stable descending sort of 0/1 puts the kept positions first, in order.
+    by_row = mask.reshape(n_chunks * chunk_tile_rows, n_slabs, slab_tiles)
+    row_lists = torch.argsort(by_row, dim=2, descending=True, stable=True).to(torch.int32)
+    row_counts = by_row.sum(dim=2, dtype=torch.int32)
+    by_col = mask.reshape(n_chunks, chunk_tile_rows, n_slabs, slab_tiles).permute(0, 2, 3, 1)
+    col_lists = torch.argsort(by_col, dim=3, descending=True, stable=True).to(torch.int32)
+    col_counts = by_col.sum(dim=3, dtype=torch.int32)
+    return row_lists, row_counts, col_lists.contiguous(), col_counts
