@@ -62,13 +62,9 @@ def linear_cross_entropy_backward(
     logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
     chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
     flags = kernel_flags(e)
-    grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
-    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
-    grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
-    # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
-    acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
     # Filtered mode: which d-logits tiles to compute (all rows, all slabs), and per tile row /
-    # tile column of each slab the list of kept tiles the block-sparse GEMMs loop over.
+    # tile column of each slab the list of kept tiles the block-sparse GEMMs loop over; built
+    # before the gradients and scratch exist, so its temporaries never add to their peak.
     chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)
     n_slabs = cdiv(v, plan.slab_v)
     if filtered:
@@ -83,6 +79,11 @@ def linear_cross_entropy_backward(
         )
     else:
         tile_mask = torch.empty((1, 1), dtype=torch.int8, device=e.device)
+    grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
+    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+    grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
+    # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
+    acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
     order_arg = order if order is not None else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
