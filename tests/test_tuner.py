@@ -215,3 +215,15 @@ def test_candidates_fit_the_gpu_and_launch_differently() -> None:
     assert [config.slab_v for config in space.along(start, "slab_v")] == [2048, 16384]
     tiny = KernelSpace("forward", {"block_k": (32, 64, 128)}, TINY, bf16)
     assert [config.forward.block_k for config in tiny.along(KernelConfig(), "block_k")] == []  # D = 32
+
+
+def test_filtered_mode_tunes_its_sparse_gemm_tiles_in_eager_cuda() -> None:
+    """Exact mode's eager bf16 gradient GEMMs are cuBLAS (their tiles untuned); filtered
+    mode's block-sparse GEMMs are Triton kernels, so the tuner searches their tiles too."""
+    from cce_compile.tuning.candidates import kernel_spaces, untuned_kernels
+
+    assert set(untuned_kernels("cuda", "bfloat16", "exact")) == {"grad_classifier", "grad_hidden"}
+    assert untuned_kernels("cuda", "bfloat16", "filtered") == {}
+    problem = Problem(n=8192, v=128256, d=4096, dtype="bfloat16", mode="filtered")
+    spaces = kernel_spaces(problem, "cuda", Limits(232448, 2))
+    assert {space.kernel for space in spaces} == {"forward", "grad_logits", "grad_classifier", "grad_hidden"}
