@@ -37,7 +37,8 @@ def kept_tile_mask(
     (rows, positions in `order`) holds a softmax >= filter_eps or a target.
 
     tile_max is (N, ceil(V / forward_block_n)) in the same positions; tile widths are powers
-    of two, so a backward tile lies inside one forward tile or spans whole ones."""
+    of two, so a backward tile spans whole forward tiles or lies inside one, which then
+    decides for it (conservative: a kept forward tile keeps every backward tile inside it)."""
     n, v = tile_max.shape[0], order.shape[0]
     keep = (tile_max >= (lse[:, None] + math.log(filter_eps))).to(torch.int8)
     if forward_block_n > block_n:
