@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import grouped_tile, load_tile, logits_tile, mma
+from .tiles import finish_gemm, grouped_tile, load_tile, logits_tile, mma
 
 
 @triton.jit
@@ -93,10 +93,8 @@ def matmul_kernel(
 
     The backward's two gradient GEMMs are this kernel: dC slab (+)= d_logits.T @ e chunk
     (stored, or accumulated over token chunks) and dE chunk += d_logits @ c slab (into an
-    fp32 accumulator). ACCUMULATE reads `out` first; FINAL writes the sum to `final`
-    instead (dE in its own dtype, after the last slab). SCALED multiplies the product by
-    scale_ptr[0], undoing grad_logits_kernel's scaling. Operands come as base tensors plus
-    element offsets, never as views, so torch.compile sees whole buffers mutated.
+    fp32 accumulator). ACCUMULATE, FINAL and SCALED: see finish_gemm. Operands come as base
+    tensors plus element offsets, never as views, so torch.compile sees whole buffers mutated.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,18 +108,12 @@ def matmul_kernel(
         a = load_tile(a_ptr + a_offset, offs_m, offs_k, m_mask, k_mask, stride_am, stride_ak)
         b = load_tile(b_ptr + b_offset, offs_k, offs_n, k_mask, n_mask, stride_bk, stride_bn)
         acc = mma(acc, a, b, UPCAST, IEEE)
-    if SCALED:
-        acc = acc * tl.load(scale_ptr)
-    mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + out_offset + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if FINAL:
-        final_ptrs = (final_ptr + final_offset + offs_m.to(tl.int64)[:, None] * stride_fm
-                      + offs_n.to(tl.int64)[None, :] * stride_fn)
-        tl.store(final_ptrs, acc.to(final_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    rows, cols = offs_m.to(tl.int64)[:, None], offs_n.to(tl.int64)[None, :]
+    finish_gemm(
+        acc, out_ptr + out_offset + rows * stride_om + cols * stride_on,
+        final_ptr + final_offset + rows * stride_fm + cols * stride_fn,
+        m_mask[:, None] & n_mask[None, :], scale_ptr, ACCUMULATE, FINAL, SCALED,
+    )
 
 
 @triton.jit
@@ -142,7 +134,7 @@ def sparse_matmul_kernel(
     dE chunk += d_logits @ c[vocab_order[slab]]: B's rows gathered (GATHER_B: row k of b is
     b_index[k]); dC[vocab_order[slab]] (+)= d_logits.T @ e chunk: out's rows scattered
     (SCATTER_OUT: row m of out is out_index[m]). Out, final: row-major with N columns.
-    ACCUMULATE, FINAL and SCALED as in matmul_kernel; an accumulating program with no kept
+    ACCUMULATE, FINAL and SCALED as in finish_gemm; an accumulating program with no kept
     tile leaves `out` untouched.
     """
     PARTS: tl.constexpr = TILE_K // BLOCK_K
@@ -166,19 +158,14 @@ def sparse_matmul_kernel(
         else:
             b = load_tile(b_ptr + b_offset, offs_k, offs_n, k_mask, n_mask, stride_bk, stride_bn)
         acc = mma(acc, a, b, UPCAST, IEEE)
-    if SCALED:
-        acc = acc * tl.load(scale_ptr)
     out_rows = offs_m.to(tl.int64)
     if SCATTER_OUT:
         out_rows = tl.load(out_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     live_m = M
     if ACCUMULATE and not FINAL:
         live_m = tl.where(kept > 0, M, 0)
-    mask = (offs_m < live_m)[:, None] & n_mask[None, :]
     out = out_rows[:, None] * N + offs_n.to(tl.int64)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptr + out_offset + out, mask=mask, other=0.0).to(tl.float32)
-    if FINAL:
-        tl.store(final_ptr + final_offset + out, acc.to(final_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + out_offset + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    finish_gemm(
+        acc, out_ptr + out_offset + out, final_ptr + final_offset + out,
+        (offs_m < live_m)[:, None] & n_mask[None, :], scale_ptr, ACCUMULATE, FINAL, SCALED,
+    )

@@ -39,50 +39,32 @@ def tanh(x):
 
 
 @triton.jit
-def dot_rows_cols(
-    a_ptr, b_ptr, rows, cols, row_mask, col_mask, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    """fp32 a[rows, :K] @ b[:K, cols], the logits tile's K loop (both operands K-contiguous).
-
-    Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
-    the loads carry no row/column predicates (callers mask what they store); with EVEN_K
-    (K a multiple of BLOCK_K) they carry none at all. Offsets are 64-bit, so operands past
-    2**31 elements address correctly.
-    """
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
-    a_ptrs = a_ptr + safe_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + safe_cols[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a_tile = tl.load(a_ptrs)
-            b_tile = tl.load(b_ptrs)
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            a_tile = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            b_tile = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = mma(acc, a_tile, b_tile, UPCAST, IEEE)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
-
-
-@triton.jit
 def load_tile(ptr, rows, cols, row_mask, col_mask, stride_r, stride_c):
     """A [rows x cols] tile, zero outside the masks: a gradient GEMM's operand.
 
-    Masked, not clamped like dot_rows_cols' indices: a clamp (`tl.where(mask, offs, 0)`)
+    Masked, not clamped like logits_tile's indices: a clamp (`tl.where(mask, offs, 0)`)
     hides that offsets run contiguously, and on the operand's contiguous dimension that
     turns 16-byte vector loads into 2-byte ones that do not pipeline (the d-logits operand
     of dC is contiguous along M, both B operands along N). With extents that are multiples
     of 16 the masks are uniform over each vector and the loads vectorize."""
     offsets = rows.to(tl.int64)[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
     return tl.load(ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def finish_gemm(acc, out_ptrs, final_ptrs, mask, scale_ptr,
+                ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr):
+    """The gradient GEMMs' epilogue: undo grad_logits_kernel's fp16 scale (SCALED), add what
+    `out` holds (ACCUMULATE), and store to `out`, or in `final`'s dtype to `final` (FINAL:
+    dE after its last slab)."""
+    if SCALED:
+        acc = acc * tl.load(scale_ptr)
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if FINAL:
+        tl.store(final_ptrs, acc.to(final_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,11 +75,31 @@ def logits_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked."""
-    acc = dot_rows_cols(
-        e_ptr, c_ptr, rows, cols, row_mask, col_mask, D, stride_en, stride_ed, stride_cd, stride_cv,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
-    )
+    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked.
+
+    Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
+    the loads carry no row/column predicates (callers mask what they store); with EVEN_K
+    (D a multiple of BLOCK_K) they carry none at all. Both operands are contiguous along D,
+    which the clamps leave alone (see load_tile). Offsets are 64-bit, so operands past
+    2**31 elements address correctly.
+    """
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    safe_cols = tl.where(col_mask, cols, 0).to(tl.int64)
+    e_ptrs = e_ptr + safe_rows[:, None] * stride_en + offs_k[None, :] * stride_ed
+    c_ptrs = c_ptr + offs_k[:, None] * stride_cd + safe_cols[None, :] * stride_cv
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            e_tile = tl.load(e_ptrs)
+            c_tile = tl.load(c_ptrs)
+        else:
+            k_mask = offs_k < D - k * BLOCK_K
+            e_tile = tl.load(e_ptrs, mask=k_mask[None, :], other=0.0)
+            c_tile = tl.load(c_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
+        e_ptrs += BLOCK_K * stride_ed
+        c_ptrs += BLOCK_K * stride_cd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:

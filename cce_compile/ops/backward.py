@@ -46,7 +46,6 @@ def linear_cross_entropy_backward(
     )
     has_smoothing = label_smoothing > 0.0
     filtered = filter_eps > 0.0
-    order = vocab_order if filtered else None
     if filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
     if not use_triton(e):
@@ -54,7 +53,8 @@ def linear_cross_entropy_backward(
         grad_e, grad_c, grad_bias = backward_cpu(
             e, c, targets, bias, weight, lse, coef_softmax, coef_target,
             coef_smooth if has_smoothing else None, softcap, filter_eps,
-            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n), vocab_order=order,
+            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n),
+            vocab_order=vocab_order if filtered else None,
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
@@ -84,12 +84,12 @@ def linear_cross_entropy_backward(
     grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
-    order_arg = order if order is not None else targets  # unread unless filtered
+    order_arg = vocab_order if filtered else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
-    # Eager CUDA calls use cuBLAS; a traced call (torch.compile) keeps the Triton GEMMs,
-    # whose whole-buffer mutations Inductor handles without copies.
-    cublas = e.is_cuda and not scaled and not filtered and not is_fake(e) and GEMM_BACKEND == "cublas"
+    # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
+    # Inductor handles without copies.
+    cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered)
     # The d-logits scale (fp16 only); otherwise `lse` stands in for the unread pointer.
     scale = (
         torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
@@ -199,7 +199,13 @@ def linear_cross_entropy_backward(
     if bias is None:
         return grad_e, grad_c, c.new_empty((0,))
     grad_bias = torch.stack(bias_chunks).sum(dim=0)
-    if order is not None:  # slab columns were positions in the vocab order
-        grad_bias = torch.empty_like(grad_bias).index_copy_(0, order, grad_bias)
+    if filtered:  # slab columns were positions in the vocab order
+        grad_bias = torch.empty_like(grad_bias).index_copy_(0, vocab_order, grad_bias)
     return grad_e, grad_c, grad_bias.to(bias.dtype)
 
+
+def gradient_gemms_in_cublas(on_cuda: bool, dtype: torch.dtype, filtered: bool) -> bool:
+    """Whether an eager call runs the two gradient GEMMs in cuBLAS: on CUDA for bf16 and fp32
+    in exact mode. fp16's d-logits are scaled (which the Triton GEMMs undo) and filtered
+    mode's GEMMs are block-sparse, so those stay Triton; the tuner asks the same question."""
+    return on_cuda and dtype != torch.float16 and not filtered and GEMM_BACKEND == "cublas"

@@ -87,10 +87,9 @@ class Limits:
 
 
 def gemm_kernels_run_in_triton(device: str, dtype: str, mode: str) -> bool:
-    """Whether grad_classifier/grad_hidden tiles matter to an eager call: eager CUDA runs
-    exact mode's gradient GEMMs in cuBLAS for bf16 and fp32 (their tiles then only matter
-    under compile); filtered mode's block-sparse GEMMs are always Triton's."""
-    return device != "cuda" or dtype == "float16" or mode == "filtered" or backward.GEMM_BACKEND != "cublas"
+    """Whether grad_classifier/grad_hidden tiles matter to an eager call: not where the op
+    runs those GEMMs in cuBLAS (their tiles then only matter under compile)."""
+    return not backward.gradient_gemms_in_cublas(device == "cuda", getattr(torch, dtype), mode == "filtered")
 
 
 def untuned_kernels(device: str, dtype: str, mode: str) -> dict[str, str]:
