@@ -54,6 +54,23 @@ def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
     return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"]))
 
 
+def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
+    """(host ms to enqueue one pass, wall ms of one pass), medians: where the host takes
+    as long as the wall clock, the pass is launch-bound, whatever its GPU time."""
+    import statistics
+    import time
+
+    host, wall = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default=None, help="NxDxV [default: 8192x2304x256000 on CUDA, 256x64x1031 on CPU]")
@@ -94,10 +111,12 @@ def main() -> None:
 
         with cce_compile.override_config(config):
             times = kernel_times(step, args.iters, cuda)
+            host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
         total = sum(entry["ms"] for entry in times.values())
-        report["modes"][mode] = {"total_ms": total, "kernels": times}
+        report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "kernels": times}
         print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"
-              + (f" = {total / gemm_ms:.2f} x GEMM" if gemm_ms else ""))
+              + (f" = {total / gemm_ms:.2f} x GEMM; wall {wall_ms:.3f} ms = {wall_ms / gemm_ms:.2f} x, "
+                 f"host enqueue {host_ms:.3f} ms" if gemm_ms else ""))
         print(f"  {'kernel':60s} {'launches':>9s} {'ms':>9s} {'share':>6s}" + ("  x GEMM" if gemm_ms else ""))
         for name, entry in list(times.items())[:15]:
             ratio = f"  {entry['ms'] / gemm_ms:6.2f}" if gemm_ms else ""
