@@ -76,8 +76,9 @@ GEMM = {
 SPARSE = {
     "a_ptr": "*bf16", "b_ptr": "*bf16", "b_offset": "i32", "b_index_ptr": "*i64", "out_ptr": "*fp32",
     "out_offset": "i32", "out_index_ptr": "*i64", "final_ptr": "*bf16", "final_offset": "i32",
-    "kept_lists_ptr": "*i32", "lists_offset": "i32", "stride_list": "i32", "kept_counts_ptr": "*i32",
-    "counts_offset": "i32", "stride_count": "i32", "scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+    "begin_ptr": "*i32", "count_ptr": "*i32", "lists_offset": "i32", "m_tile_offset": "i32", "m_tiles": "i32",
+    "entry_slots_ptr": "*i32", "entry_tiles_ptr": "*i32", "entries_offset": "i32",
+    "scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_bk": "i32", "stride_bn": ONE,
     "FINAL": FALSE, "SCALED": FALSE, "BLOCK_N": constexpr(128), "BLOCK_K": constexpr(64),
     "GROUP_M": constexpr(8), **FLAGS,
 }
@@ -89,11 +90,9 @@ GEMMS = {
         **GEMM, "out_ptr": "*bf16", "stride_am": ONE, "stride_ak": "i32", "stride_bk": "i32", "stride_bn": ONE,
         "ACCUMULATE": FALSE}),
     "sparse dE, gathered c rows": (sparse_matmul_kernel, {
-        **SPARSE, "stride_am": "i32", "stride_ak": ONE, "stride_bk": "i32", "stride_bn": ONE, "GATHER_B": TRUE,
-        "SCATTER_OUT": FALSE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128), "TILE_K": constexpr(256)}),
+        **SPARSE, "BY_COLUMN": FALSE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128), "TILE_K": constexpr(256)}),
     "sparse dC, scattered rows": (sparse_matmul_kernel, {
-        **SPARSE, "out_ptr": "*bf16", "stride_am": ONE, "stride_ak": "i32", "stride_bk": "i32", "stride_bn": ONE,
-        "GATHER_B": FALSE, "SCATTER_OUT": TRUE, "ACCUMULATE": FALSE, "TILE_M": constexpr(256),
+        **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "ACCUMULATE": FALSE, "TILE_M": constexpr(256),
         "TILE_K": constexpr(128)}),
 }
 LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": constexpr(64),
@@ -108,9 +107,9 @@ LOGITS = {
         "NEED_WEIGHTED_SUM": FALSE, "FILTER": FALSE}),
     "grad_logits_kernel, filtered": (grad_logits_kernel, {
         **LOGITS_TILE, "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
-        "coef_smooth_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16", "tile_mask_ptr": "*i8",
-        "mask_offset": "i32", "row_start": "i32", "row_end": "i32", "col_start": "i32", "col_end": "i32",
-        "stride_gm": "i32", "stride_gn": ONE, "stride_mask": "i32", "HAS_SMOOTHING": FALSE, "FILTER": TRUE,
+        "coef_smooth_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16", "step_tiles_ptr": "*i32",
+        "step_counts_ptr": "*i32", "step_index": "i32", "capacity": "i32", "chunk_tile_rows": "i32", "row_start": "i32", "row_end": "i32", "col_start": "i32", "col_end": "i32",
+        "stride_gm": "i32", "stride_gn": ONE, "HAS_SMOOTHING": FALSE, "FILTER": TRUE,
         "SCALED": FALSE}),
 }
 

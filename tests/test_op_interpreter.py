@@ -73,11 +73,19 @@ FILTER_CASES = {
 
 
 @pytest.mark.usefixtures("no_scratch_floor")
+@pytest.mark.parametrize("steps", ["packed", "slabs"])
 @pytest.mark.parametrize("case", FILTER_CASES, ids=list(FILTER_CASES))
-def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Filtered mode's sorted vocab, tile masks and block-sparse GEMMs (kernels) against the
-    CPU path's dense arithmetic on the same tiles; and filtering really drops tiles."""
-    from cce_compile.ops import dispatch
+    CPU path's dense arithmetic on the same tiles; and filtering really drops tiles. Eager
+    calls pack the steps; traced ones (torch.compile) take fixed slabs, forced here."""
+    from cce_compile.ops import backward as op_backward
+    from cce_compile.ops import dispatch, filtering
+
+    if steps == "slabs":
+        monkeypatch.setattr(op_backward, "filtered_steps",
+                            lambda mask, capacity, slab_tiles, packed: filtering.filtered_steps(
+                                mask, capacity, slab_tiles, packed=False))
 
     spec = FILTER_CASES[case]
     e, c, targets = make_inputs("zipf", spec["lead"], spec["v"], spec["d"], torch.float32, seed=4)
@@ -104,32 +112,46 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, monkeypatch: pyte
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
 
 
-def test_kept_tile_lists_match_the_mask() -> None:
-    """The block-sparse GEMMs' work lists: per (chunk, slab), each tile row's kept tile
-    columns and each tile column's kept tile rows, in order, with their counts; a ragged
-    last chunk and slab (tiles past the mask) list nothing."""
-    from cce_compile.ops.filtering import kept_tile_lists
+@pytest.mark.parametrize("steps", ["slabs", "packed"])
+def test_step_lists_match_the_mask(steps: str) -> None:
+    """The filtered backward's work lists, per (chunk, step), against the mask they come
+    from: the step's kept tiles in column-major slots (grad_logits), each tile column's
+    contiguous slots and their tile rows (dC), each tile row's slots and tile columns in
+    column order (dE); fixed slabs (traced calls) or packed steps (eager), which never hold
+    more than their capacity and never split a column."""
+    from cce_compile.ops.filtering import chunk_tile_mask, filtered_steps, step_lists
 
     g = torch.Generator().manual_seed(0)
-    mask = (torch.rand(11, 19, generator=g) < 0.3).to(torch.int8)
-    mask[2] = 0  # a tile row with no kept tile
-    n_chunks, chunk_tile_rows, n_slabs, slab_tiles = 2, 6, 3, 8
-    row_lists, row_counts, col_lists, col_counts = kept_tile_lists(mask, n_chunks, chunk_tile_rows, n_slabs, slab_tiles)
-    padded = torch.zeros(n_chunks * chunk_tile_rows, n_slabs * slab_tiles, dtype=torch.int8)
-    padded[:11, :19] = mask
+    tile_mask = (torch.rand(11, 19, generator=g) < 0.3).to(torch.int8)
+    tile_mask[2] = 0  # a tile row with no kept tile
+    tile_mask[:6, 4] = 1  # a full column
+    n_chunks, rows, slab_tiles = 2, 6, 2
+    mask = chunk_tile_mask(tile_mask, n_chunks, rows)
+    capacity = rows * slab_tiles
+    plan = filtered_steps(mask, capacity, slab_tiles, packed=steps == "packed")
+    lists = step_lists(mask, plan.step_of_column, plan.n_steps, capacity)
+    if steps == "packed":
+        assert max(map(len, plan.columns)) < len(range(0, 19, slab_tiles)), "packing saved no step"
     for chunk in range(n_chunks):
-        for slab in range(n_slabs):
-            window = padded[chunk * chunk_tile_rows:(chunk + 1) * chunk_tile_rows, slab * slab_tiles:(slab + 1) * slab_tiles]
-            for row in range(chunk_tile_rows):
-                expected = window[row].nonzero().flatten().int()
-                global_row = chunk * chunk_tile_rows + row
-                assert row_counts[global_row, slab] == len(expected)
-                assert torch.equal(row_lists[global_row, slab, : len(expected)], expected)
-            for col in range(slab_tiles):
-                expected = window[:, col].nonzero().flatten().int()
-                assert col_counts[chunk, slab, col] == len(expected)
-                assert torch.equal(col_lists[chunk, slab, col, : len(expected)], expected)
-    assert row_counts[2].sum() == 0 and row_counts[11:].sum() == 0 and col_counts[:, 2, 3:].sum() == 0
+        assert plan.columns[chunk][0][0] == 0 and plan.columns[chunk][-1][1] == 19
+        for step, (first, end) in enumerate(plan.columns[chunk]):
+            tiles = [(col, row) for col in range(first, end) for row in range(rows) if mask[chunk, row, col]]
+            assert len(tiles) <= capacity and lists.step_counts[chunk, step] == len(tiles)
+            if plan.counts is not None:
+                assert plan.counts[chunk][step] == len(tiles)
+            for slot, (col, row) in enumerate(tiles):
+                assert lists.step_tiles[chunk, step, slot] == col * rows + row
+                assert lists.dc_rows[chunk, step, slot] == row
+            for col in range(first, end):
+                slots = [slot for slot, (c, _) in enumerate(tiles) if c == col]
+                assert lists.dc_count[chunk, col] == len(slots)
+                assert slots == list(range(lists.dc_begin[chunk, col], lists.dc_begin[chunk, col] + len(slots)))
+            for row in range(rows):
+                entries = [(slot, c) for slot, (c, r) in enumerate(tiles) if r == row]
+                begin, count = int(lists.de_begin[chunk, step, row]), int(lists.de_count[chunk, step, row])
+                assert count == len(entries)
+                assert lists.de_slots[chunk, step, begin:begin + count].tolist() == [s for s, _ in entries]
+                assert lists.de_cols[chunk, step, begin:begin + count].tolist() == [c for _, c in entries]
 
 
 def test_filtered_forward_when_the_last_split_runs_past_v() -> None:

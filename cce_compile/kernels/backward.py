@@ -10,9 +10,9 @@ from .tiles import finish_gemm, grouped_tile, load_tile, logits_tile, mma
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, vocab_order_ptr,
-    grad_logits_ptr, tile_mask_ptr, mask_offset,
+    grad_logits_ptr, step_tiles_ptr, step_counts_ptr, step_index, capacity, chunk_tile_rows,
     row_start, row_end, col_start, col_end, D,
-    stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, stride_mask,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
@@ -27,18 +27,23 @@ def grad_logits_kernel(
     (i - row_start, j - col_start) of the slab buffer; rows or columns outside the
     ranges are left alone (the GEMMs that follow mask them).
     With FILTER, columns are positions in `vocab_order` (likely tokens first, so the few
-    tiles that matter cluster), and a program whose tile the forward's statistics dropped
-    (tile_mask[mask_offset + tile row * stride_mask + tile col] == 0) returns at once: no
-    recompute, nothing written (the block-sparse GEMMs never read the tile).
+    tiles that matter cluster) and only the kept tiles are computed: program k computes tile
+    step_tiles[step_index, k] (tile column * chunk_tile_rows + tile row of the chunk) into
+    slot k of the compact buffer (BLOCK_M x BLOCK_N, row-major, zero outside the ranges);
+    programs past step_counts[step_index] return at once (ops/filtering.py's StepLists).
     With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so
     small gradients stay in fp16's normal range; the GEMMs multiply it back.
     """
-    num_m = tl.cdiv(row_end - row_start, BLOCK_M)
-    num_n = tl.cdiv(col_end - col_start, BLOCK_N)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
     if FILTER:
-        if tl.load(tile_mask_ptr + mask_offset + pid_m * stride_mask + pid_n) == 0:
+        slot = tl.program_id(0)
+        if slot >= tl.load(step_counts_ptr + step_index):
             return
+        tile = tl.load(step_tiles_ptr + step_index * capacity + slot)
+        pid_m, pid_n = tile % chunk_tile_rows, tile // chunk_tile_rows
+    else:
+        num_m = tl.cdiv(row_end - row_start, BLOCK_M)
+        num_n = tl.cdiv(col_end - col_start, BLOCK_N)
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row_start + local_rows
@@ -76,9 +81,14 @@ def grad_logits_kernel(
     grad = tl.where(inside, grad, 0.0)
     if SCALED:
         grad = grad / tl.load(scale_ptr)
-    out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
-           + local_cols.to(tl.int64)[None, :] * stride_gn)
-    tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
+    if FILTER:
+        out = (grad_logits_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+               + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+        tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty))
+    else:
+        out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
+               + local_cols.to(tl.int64)[None, :] * stride_gn)
+        tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -119,47 +129,62 @@ def matmul_kernel(
 @triton.jit
 def sparse_matmul_kernel(
     a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
-    kept_lists_ptr, lists_offset, stride_list, kept_counts_ptr, counts_offset, stride_count, scale_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    GATHER_B: tl.constexpr, SCATTER_OUT: tl.constexpr,
-    ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
+    begin_ptr, count_ptr, lists_offset, m_tile_offset, m_tiles, entry_slots_ptr, entry_tiles_ptr, entries_offset,
+    scale_ptr, M, N, K,
+    stride_bk, stride_bn,
+    BY_COLUMN: tl.constexpr, ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
     TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """out[M, N] (+)= a[M, K] @ b[K, N] over the (TILE_M x TILE_K) tiles of `a` that the
-    filter kept (the first kept_counts[m tile] of kept_lists[m tile], from ops/filtering.py's
-    kept_tile_lists; both at an element offset, rows `stride_list` / `stride_count` apart):
-    filtered mode's two gradient GEMMs on the d-logits slab.
+    """out[M, N] (+)= a @ b[K, N] where `a` is the d-logits tiles the filter kept, stored
+    compactly by grad_logits_kernel (one BLOCK_M x BLOCK_N row-major tile per slot): filtered
+    mode's two gradient GEMMs for one backward step (ops/filtering.py's StepLists).
 
-    dE chunk += d_logits @ c[vocab_order[slab]]: B's rows gathered (GATHER_B: row k of b is
-    b_index[k]); dC[vocab_order[slab]] (+)= d_logits.T @ e chunk: out's rows scattered
-    (SCATTER_OUT: row m of out is out_index[m]). Out, final: row-major with N columns.
-    ACCUMULATE, FINAL and SCALED as in finish_gemm; an accumulating program with no kept
-    tile leaves `out` untouched.
+    The launch covers m_tiles m tiles from m_tile_offset; m tile t walks the entries
+    [begin[t], begin[t] + count[t]) (begin and count at lists_offset; the entries at
+    entries_offset, the step's first), one per kept tile: its slot in `a` and its tile on K.
+    - dE (BY_COLUMN false): m tiles are tile rows, an entry's slot and tile column come from
+      entry_slots / entry_tiles; dE chunk += tiles @ c[vocab_order[...]] (b's rows gathered
+      through b_index), M = chunk rows, K = V.
+    - dC (BY_COLUMN): m tiles are tile columns, whose slots are contiguous (the entries are
+      the slots) and entry_tiles gives each slot's tile row; dC[vocab_order[...]] (+)=
+      tiles.T @ e chunk (out's rows scattered through out_index), M = V, K = chunk rows.
+    Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
+    accumulating program with no kept tile leaves `out` untouched.
     """
     PARTS: tl.constexpr = TILE_K // BLOCK_K
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, TILE_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)
+    TILE: tl.constexpr = TILE_M * TILE_K
+    pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    m_tile = m_tile_offset + pid_m
+    in_tile_m = tl.arange(0, TILE_M)
+    offs_m = m_tile * TILE_M + in_tile_m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    kept = tl.load(kept_counts_ptr + counts_offset + pid_m * stride_count)
-    tiles_ptr = kept_lists_ptr + lists_offset + pid_m * stride_list
+    begin = entries_offset + tl.load(begin_ptr + lists_offset + m_tile)
+    kept = tl.load(count_ptr + lists_offset + m_tile)
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over (kept tile, part of it): no branch, so the loads pipeline.
     for step in range(0, kept * PARTS):
-        tile = tl.load(tiles_ptr + step // PARTS)
-        offs_k = tile * TILE_K + (step % PARTS) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = load_tile(a_ptr, offs_m, offs_k, m_mask, k_mask, stride_am, stride_ak)
-        if GATHER_B:
-            b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0)
-            b = load_tile(b_ptr + b_offset, b_rows, offs_n, k_mask, n_mask, stride_bk, stride_bn)
+        entry = begin + step // PARTS
+        in_tile_k = (step % PARTS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_tile = tl.load(entry_tiles_ptr + entry)
+        if BY_COLUMN:
+            slot = entry - entries_offset
+            a_offsets = in_tile_k[None, :] * TILE_M + in_tile_m[:, None]
         else:
-            b = load_tile(b_ptr + b_offset, offs_k, offs_n, k_mask, n_mask, stride_bk, stride_bn)
+            slot = tl.load(entry_slots_ptr + entry)
+            a_offsets = in_tile_m[:, None] * TILE_K + in_tile_k[None, :]
+        a = tl.load(a_ptr + slot.to(tl.int64) * TILE + a_offsets)
+        offs_k = k_tile * TILE_K + in_tile_k
+        k_mask = offs_k < K
+        b_rows = offs_k
+        if not BY_COLUMN:
+            b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0)
+        b = load_tile(b_ptr + b_offset, b_rows, offs_n, k_mask, n_mask, stride_bk, stride_bn)
         acc = mma(acc, a, b, UPCAST, IEEE)
     out_rows = offs_m.to(tl.int64)
-    if SCATTER_OUT:
+    if BY_COLUMN:
         out_rows = tl.load(out_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     live_m = M
     if ACCUMULATE and not FINAL:

@@ -7,7 +7,9 @@ dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bw
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
 forward's vocab_order, recomputes only the d-logits tiles that ops/filtering.py keeps from
 the forward's tile maxima, lists every slab's kept tiles at once (in torch) and runs the
-two GEMMs block-sparse over them (sparse_matmul_kernel).
+two GEMMs block-sparse over them (sparse_matmul_kernel). Its d-logits are stored compactly
+(kept tiles only), so in eager calls a step spans as many vocab tiles as fill the scratch:
+few, full steps where the vocabulary's tail is mostly dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import cdiv, config_for, kernel_flags, use_triton
-from .filtering import kept_tile_lists, kept_tile_mask
+from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
 from .loss_terms import grad_coefficients
 
 GEMM_BACKEND = "cublas"
@@ -61,145 +63,168 @@ def linear_cross_entropy_backward(
     plan = plan_backward(n_bucket(n), v, d, e.element_size(), config)
     logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
     chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
-    flags = kernel_flags(e)
-    # Filtered mode: which d-logits tiles to compute (all rows, all slabs), and per tile row /
-    # tile column of each slab the list of kept tiles the block-sparse GEMMs loop over; built
-    # before the gradients and scratch exist, so its temporaries never add to their peak.
     chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)
-    n_slabs = cdiv(v, plan.slab_v)
+    vocab_tiles = cdiv(v, logits_tile.block_n)
+    # Filtered mode: the steps and their kept-tile lists, built before the gradients and
+    # scratch exist, so their temporaries never add to the peak.
+    capacity = chunk_tile_rows * slab_tiles
     if filtered:
         if tile_max.shape != (n, cdiv(v, config.forward.block_n)):
             raise ValueError("tile_max: filtered mode needs the forward's (N, vocab tiles) tile maxima")
-        tile_mask = kept_tile_mask(
-            tile_max, lse, targets, vocab_order, filter_eps,
-            config.forward.block_n, logits_tile.block_m, logits_tile.block_n,
+        mask = chunk_tile_mask(
+            kept_tile_mask(tile_max, lse, targets, vocab_order, filter_eps,
+                           config.forward.block_n, logits_tile.block_m, logits_tile.block_n),
+            plan.n_chunks, chunk_tile_rows,
         )
-        row_lists, row_counts, col_lists, col_counts = kept_tile_lists(
-            tile_mask, plan.n_chunks, chunk_tile_rows, n_slabs, slab_tiles
-        )
-    else:
-        tile_mask = torch.empty((1, 1), dtype=torch.int8, device=e.device)
+        steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
+        lists = step_lists(mask, steps.step_of_column.to(e.device), steps.n_steps, capacity)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
-    grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
+    grad_logits = torch.empty(
+        (capacity, logits_tile.block_m, logits_tile.block_n) if filtered else (chunk_rows, plan.slab_v),
+        dtype=e.dtype, device=e.device,
+    )
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
-    order_arg = vocab_order if filtered else targets  # unread unless filtered
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
-    # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
-    # Inductor handles without copies.
-    cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered)
     # The d-logits scale (fp16 only); otherwise `lse` stands in for the unread pointer.
     scale = (
         torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
         if scaled else lse
     )
-    # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
-    sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
-    bias_chunks: list[Tensor] = []
-    last_slab = (v - 1) // plan.slab_v * plan.slab_v
+    flags = kernel_flags(e)
 
-    for chunk in range(plan.n_chunks):
-        row_start = chunk * chunk_rows
-        rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
-        row_end = row_start + rows
-        acc_offset = 0 if plan.fp32_accumulator else row_start * d
-        bias_slabs: list[Tensor] = []
-        for col_start in range(0, v, plan.slab_v):
-            col_end = min(col_start + plan.slab_v, v)
-            cols = col_end - col_start
-            mask_offset = (row_start // logits_tile.block_m) * tile_mask.stride(0) + col_start // logits_tile.block_n
-            if filtered and bias is not None:
-                grad_logits.zero_()  # the bias sums the whole slab; skipped tiles are not written
-            wrap_triton(grad_logits_kernel)[(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),)](
-                e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale, order_arg,
-                grad_logits, tile_mask, mask_offset, row_start, row_end, col_start, col_end, d,
-                e.stride(0), e.stride(1), c.stride(0), c.stride(1),
-                grad_logits.stride(0), grad_logits.stride(1), tile_mask.stride(0), softcap,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-                HAS_SMOOTHING=has_smoothing, FILTER=filtered, SCALED=scaled,
-                BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
-                GROUP_M=logits_tile.group_m, EVEN_K=d % logits_tile.block_k == 0,
-                num_warps=logits_tile.num_warps,
-                num_stages=logits_tile.num_stages, **flags,
-            )
-            final = plan.fp32_accumulator and col_start == last_slab
-            if filtered:
-                tile_rows, tile_cols = cdiv(rows, logits_tile.block_m), cdiv(cols, logits_tile.block_n)
-                slab = col_start // plan.slab_v
-                # dC[order[slab]] (+)= d_logits.T @ e[chunk] over kept tiles: M = cols, K = rows.
-                slab_order = order_arg[col_start:]
-                wrap_triton(sparse_matmul_kernel)[(tile_cols * cdiv(d, dc_tile.block_n),)](
-                    grad_logits, e, row_start * e.stride(0), slab_order, grad_c, 0, slab_order, grad_c, 0,
-                    col_lists, col_lists.stride(1) * slab + col_lists.stride(0) * chunk, col_lists.stride(2),
-                    col_counts, col_counts.stride(1) * slab + col_counts.stride(0) * chunk, col_counts.stride(2),
-                    scale, cols, d, rows,
-                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1),
-                    GATHER_B=False, SCATTER_OUT=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+    def recompute(programs, row_start, row_end, col_start, col_end, step_index=0) -> None:
+        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered)."""
+        step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
+        wrap_triton(grad_logits_kernel)[(programs,)](
+            e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
+            vocab_order if filtered else targets, grad_logits, step_tiles, step_counts, step_index, capacity,
+            chunk_tile_rows, row_start, row_end, col_start, col_end, d,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1),
+            grad_logits.stride(0), grad_logits.stride(1), softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+            HAS_SMOOTHING=has_smoothing, FILTER=filtered, SCALED=scaled,
+            BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
+            GROUP_M=logits_tile.group_m, EVEN_K=d % logits_tile.block_k == 0,
+            num_warps=logits_tile.num_warps, num_stages=logits_tile.num_stages, **flags,
+        )
+
+    # The bias gradient is the d-logits' column sums, collected per chunk (in vocab positions
+    # in filtered mode).
+    bias_chunks: list[Tensor] = []
+    if filtered:
+        # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
+        sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
+        for chunk in range(plan.n_chunks):
+            row_start = chunk * chunk_rows
+            rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
+            acc_offset = 0 if plan.fp32_accumulator else row_start * d
+            bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
+            chunk_steps = steps.columns[chunk]
+            for step, (first_column, end_column) in enumerate(chunk_steps):
+                step_index = chunk * steps.n_steps + step
+                programs = capacity if steps.counts is None else steps.counts[chunk][step]
+                recompute(programs, row_start, row_start + rows, 0, v, step_index)
+                # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
+                columns = end_column - first_column
+                wrap_triton(sparse_matmul_kernel)[(columns * cdiv(d, dc_tile.block_n),)](
+                    grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
+                    lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
+                    lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
+                    e.stride(0), e.stride(1),
+                    BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
                     TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                     num_stages=dc_tile.num_stages, **flags,
                 )
-                # dE[chunk] += d_logits @ c[order[slab]] over kept tiles: M = rows, K = cols.
+                # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V; the last step
+                # writes dE itself.
+                tile_rows = cdiv(rows, logits_tile.block_m)
                 wrap_triton(sparse_matmul_kernel)[(tile_rows * cdiv(d, de_tile.block_n),)](
-                    grad_logits, c, 0, slab_order, acc, acc_offset, slab_order, grad_e, row_start * d,
-                    row_lists, row_lists.stride(0) * chunk_tile_rows * chunk + row_lists.stride(1) * slab,
-                    row_lists.stride(0),
-                    row_counts, row_counts.stride(0) * chunk_tile_rows * chunk + row_counts.stride(1) * slab,
-                    row_counts.stride(0),
-                    scale, rows, d, cols,
-                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1),
-                    GATHER_B=True, SCATTER_OUT=False, ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                    grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
+                    lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows,
+                    lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
+                    c.stride(0), c.stride(1),
+                    BY_COLUMN=False, ACCUMULATE=step > 0,
+                    FINAL=plan.fp32_accumulator and step == len(chunk_steps) - 1, SCALED=scaled,
                     TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
                     BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
                     num_stages=de_tile.num_stages, **flags,
                 )
-            elif cublas:
-                # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
-                # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
-                d_logits = grad_logits[:rows, :cols]
-                grad_c_slab = grad_c[col_start:col_end]
-                if chunk == 0:
-                    torch.mm(d_logits.T, e[row_start:row_end], out=grad_c_slab)
+                if bias is not None:
+                    tile_sums = grad_logits.sum(dim=1, dtype=torch.float32)  # (capacity, block_n)
+                    live = torch.arange(capacity, device=e.device) < lists.step_counts[chunk, step]
+                    tile_sums = tile_sums * live[:, None] * (scale if scaled else 1.0)
+                    positions = (lists.step_tiles[chunk, step] // chunk_tile_rows)[:, None] * logits_tile.block_n
+                    positions = positions + torch.arange(logits_tile.block_n, device=e.device)
+                    bias_sum.index_add_(0, positions.reshape(-1), tile_sums.reshape(-1))
+            bias_chunks.append(bias_sum[:v])
+    else:
+        # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
+        # Inductor handles without copies.
+        cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered)
+        last_slab = (v - 1) // plan.slab_v * plan.slab_v
+        for chunk in range(plan.n_chunks):
+            row_start = chunk * chunk_rows
+            rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
+            row_end = row_start + rows
+            acc_offset = 0 if plan.fp32_accumulator else row_start * d
+            bias_slabs: list[Tensor] = []
+            for col_start in range(0, v, plan.slab_v):
+                col_end = min(col_start + plan.slab_v, v)
+                cols = col_end - col_start
+                recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
+                          row_start, row_end, col_start, col_end)
+                final = plan.fp32_accumulator and col_start == last_slab
+                if cublas:
+                    # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
+                    # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
+                    d_logits = grad_logits[:rows, :cols]
+                    grad_c_slab = grad_c[col_start:col_end]
+                    if chunk == 0:
+                        torch.mm(d_logits.T, e[row_start:row_end], out=grad_c_slab)
+                    else:
+                        grad_c_slab.addmm_(d_logits.T, e[row_start:row_end])
+                    acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                    if col_start == 0:
+                        torch.mm(d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                    else:
+                        torch.addmm(acc_rows, d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                    if final:
+                        grad_e[row_start:row_end].copy_(acc_rows)
                 else:
-                    grad_c_slab.addmm_(d_logits.T, e[row_start:row_end])
-                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
-                if col_start == 0:
-                    torch.mm(d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
-                else:
-                    torch.addmm(acc_rows, d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
-                if final:
-                    grad_e[row_start:row_end].copy_(acc_rows)
-            else:
-                # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
-                wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
-                    grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
-                    cols, d, rows,
-                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
-                    ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                    BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
-                    GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages, **flags,
-                )
-                # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
-                # writes dE itself.
-                wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
-                    grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
-                    rows, d, cols,
-                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                    ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
-                    BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
-                    GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages, **flags,
-                )
+                    # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
+                    wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                        grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
+                        cols, d, rows,
+                        grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                        ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                        BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                        GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
+                        **flags,
+                    )
+                    # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
+                    # writes dE itself.
+                    wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                        grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
+                        rows, d, cols,
+                        grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                        ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                        BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                        GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
+                        **flags,
+                    )
+                if bias is not None:
+                    slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
+                    bias_slabs.append(slab_sum * scale if scaled else slab_sum)
             if bias is not None:
-                slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
-                bias_slabs.append(slab_sum * scale if scaled else slab_sum)
-        if bias is not None:
-            bias_chunks.append(torch.cat(bias_slabs))
+                bias_chunks.append(torch.cat(bias_slabs))
     if bias is None:
         return grad_e, grad_c, c.new_empty((0,))
     grad_bias = torch.stack(bias_chunks).sum(dim=0)
-    if filtered:  # slab columns were positions in the vocab order
+    if filtered:  # positions in the vocab order
         grad_bias = torch.empty_like(grad_bias).index_copy_(0, vocab_order, grad_bias)
     return grad_e, grad_c, grad_bias.to(bias.dtype)
 

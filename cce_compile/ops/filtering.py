@@ -10,6 +10,7 @@ the rest. The CPU path decides from the recomputed softmax, the same test.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -56,24 +57,122 @@ def kept_tile_mask(
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
 
 
-def kept_tile_lists(
-    tile_mask: Tensor, n_chunks: int, chunk_tile_rows, n_slabs: int, slab_tiles: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The block-sparse GEMMs' work lists for every (token chunk, vocab slab), built at once
-    (a kernel launch per slab cost more host time than the GPU work in narrow-D models).
+@dataclass(frozen=True)
+class StepLists:
+    """Filtered mode's backward steps and the work lists of its three kernels.
 
-    -> row_lists (n_chunks * chunk_tile_rows, n_slabs, slab_tiles): a tile row's kept tile
-    columns within the slab, in order, the first row_counts[row, slab] of them valid;
-    col_lists (n_chunks, n_slabs, slab_tiles, chunk_tile_rows): a tile column's kept tile
-    rows within the chunk, in order, the first col_counts[chunk, slab, column] valid.
-    All int32; tiles past the mask count as dropped."""
+    Per token chunk, the vocab tile columns fall into steps (contiguous column ranges); a
+    step's kept d-logits tiles are stored compactly, in column-major order, in `capacity`
+    slots of one scratch buffer. All int32, indexed [chunk, step, ...] except the per-column
+    lists [chunk, tile column]; entries past a count are unread.
+
+    step_tiles / step_counts: slot -> tile (column * chunk_tile_rows + row) for grad_logits.
+    de_begin / de_count [chunk, step, row], de_slots / de_cols [chunk, step, entry]: the dE
+    GEMM's K loop for a tile row (its kept tiles' slots and tile columns, by column).
+    dc_begin / dc_count [chunk, column], dc_rows [chunk, step, slot]: the dC GEMM's K loop
+    for a tile column (its slots are contiguous; the tile row of each slot).
+    """
+
+    step_tiles: Tensor
+    step_counts: Tensor
+    de_begin: Tensor
+    de_count: Tensor
+    de_slots: Tensor
+    de_cols: Tensor
+    dc_begin: Tensor
+    dc_count: Tensor
+    dc_rows: Tensor
+
+
+def chunk_tile_mask(tile_mask: Tensor, n_chunks: int, chunk_tile_rows) -> Tensor:
+    """(n_chunks, chunk_tile_rows, tile columns): the mask by token chunk; rows past it dropped."""
     rows, cols = tile_mask.shape
-    mask = F.pad(tile_mask, (0, n_slabs * slab_tiles - cols, 0, n_chunks * chunk_tile_rows - rows))
-    # A stable descending sort of 0/1 puts the kept positions first, in order.
-    by_row = mask.reshape(n_chunks * chunk_tile_rows, n_slabs, slab_tiles)
-    row_lists = torch.argsort(by_row, dim=2, descending=True, stable=True).to(torch.int32)
-    row_counts = by_row.sum(dim=2, dtype=torch.int32)
-    by_col = mask.reshape(n_chunks, chunk_tile_rows, n_slabs, slab_tiles).permute(0, 2, 3, 1)
-    col_lists = torch.argsort(by_col, dim=3, descending=True, stable=True).to(torch.int32)
-    col_counts = by_col.sum(dim=3, dtype=torch.int32)
-    return row_lists, row_counts, col_lists.contiguous(), col_counts
+    mask = F.pad(tile_mask, (0, 0, 0, n_chunks * chunk_tile_rows - rows))
+    return mask.reshape(n_chunks, chunk_tile_rows, cols)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """How the filtered backward cuts each token chunk's tile columns into steps."""
+
+    step_of_column: Tensor  # [chunk, tile column] -> step (nondecreasing)
+    n_steps: int  # the most steps of any chunk
+    columns: list[list[tuple[int, int]]]  # per chunk, each step's tile columns [first, end)
+    counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
+
+
+def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Steps:
+    """Packed steps (eager; the one host sync of the backward: the kept tiles per column),
+    or fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
+    depend on the data)."""
+    n_chunks, _, cols = mask.shape
+    if not packed:
+        spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
+        step_of_column = (torch.arange(cols, device=mask.device) // slab_tiles).expand(n_chunks, cols)
+        return Steps(step_of_column.contiguous(), len(spans), [spans] * n_chunks, None)
+    column_counts = mask.sum(dim=1, dtype=torch.int32).cpu()
+    step_of_column = packed_steps(column_counts, capacity)
+    columns, counts = [], []
+    for chunk_steps, chunk_counts in zip(step_of_column, column_counts):
+        n = int(chunk_steps[-1]) + 1
+        bounds = torch.searchsorted(chunk_steps, torch.arange(n + 1)).tolist()
+        columns.append(list(zip(bounds[:-1], bounds[1:])))
+        counts.append(torch.zeros(n, dtype=torch.int32).index_add_(0, chunk_steps, chunk_counts).tolist())
+    return Steps(step_of_column, max(len(spans) for spans in columns), columns, counts)
+
+
+def packed_steps(column_counts: Tensor, capacity: int) -> Tensor:
+    """step of each tile column, per chunk (`column_counts`: kept tiles per [chunk, column]):
+    consecutive columns share a step while its kept tiles fit `capacity` slots. Fewer,
+    fuller steps than fixed vocab slabs where most tiles are dropped (the tail of the vocab)."""
+    per_step = capacity - int(column_counts.max().clamp_min(1)) + 1  # a column never straddles two steps
+    before = torch.cumsum(column_counts, dim=1) - column_counts
+    return torch.div(before, per_step, rounding_mode="floor").long()
+
+
+def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> StepLists:
+    """The work lists for `mask` (chunk_tile_mask) cut into steps by `step_of_column`
+    ([chunk, column] -> step, nondecreasing, each step's kept tiles within `capacity`).
+    Static shapes throughout (torch.compile traces it); dropped tiles scatter to a dump
+    entry past the end, sliced off."""
+    n_chunks, rows, cols = mask.shape
+    device = mask.device
+    kept = mask.to(torch.int32)
+    by_col = kept.transpose(1, 2)  # [chunk, column, row]: slots run column-major
+    before = (torch.cumsum(by_col.reshape(n_chunks, -1), dim=1).reshape(n_chunks, cols, rows) - by_col)
+    column_start = before[:, :, 0]
+    step_start = torch.full((n_chunks, n_steps), 2**30, dtype=before.dtype, device=device)
+    step_start = step_start.scatter_reduce(1, step_of_column, column_start, "amin")
+    dc_begin = column_start - step_start.gather(1, step_of_column)
+    slot = before - step_start.gather(1, step_of_column)[:, :, None]  # [chunk, column, row]
+    column = torch.arange(cols, device=device)[None, :, None]
+    row = torch.arange(rows, device=device)[None, None, :]
+    step = step_of_column[:, :, None]
+    chunk = torch.arange(n_chunks, device=device)[:, None, None]
+
+    def scatter(position: Tensor, keep: Tensor, values: Tensor) -> Tensor:
+        out = torch.zeros(n_chunks * n_steps * (capacity + 1), dtype=torch.int32, device=device)
+        index = (chunk * n_steps + step) * (capacity + 1) + torch.where(keep.bool(), position, capacity)
+        out.scatter_(0, index.reshape(-1), values.expand(index.shape).reshape(-1).to(torch.int32))
+        return out.reshape(n_chunks, n_steps, capacity + 1)[:, :, :capacity].contiguous()
+
+    step_tiles = scatter(slot, by_col, column * rows + row)
+    dc_rows = scatter(slot, by_col, row)
+    step_counts = torch.zeros((n_chunks, n_steps), dtype=torch.int32, device=device)
+    step_counts.scatter_add_(1, step_of_column, by_col.sum(dim=2, dtype=torch.int32))
+    # dE: per step, entries grouped by tile row, each row's in column order.
+    row_before = (torch.cumsum(kept, dim=2) - kept).transpose(1, 2)  # [chunk, column, row]
+    row_step = step_of_column[:, None, :].expand(n_chunks, rows, cols)
+    row_start = torch.full((n_chunks, rows, n_steps), 2**30, dtype=row_before.dtype, device=device)
+    row_start = row_start.scatter_reduce(2, row_step, row_before.transpose(1, 2), "amin")
+    rank = row_before - row_start.gather(2, row_step).transpose(1, 2)
+    de_count = torch.zeros((n_chunks, rows, n_steps), dtype=torch.int32, device=device)
+    de_count = de_count.scatter_add_(2, row_step, kept).transpose(1, 2).contiguous()  # [chunk, step, row]
+    de_begin = torch.cumsum(de_count, dim=2, dtype=torch.int32) - de_count
+    entry = de_begin.gather(1, step.expand(n_chunks, cols, rows)) + rank  # the (chunk, step) of each tile's column
+    de_slots = scatter(entry, by_col, slot)
+    de_cols = scatter(entry, by_col, column)
+    return StepLists(
+        step_tiles, step_counts, de_begin, de_count, de_slots, de_cols,
+        dc_begin.to(torch.int32).contiguous(), by_col.sum(dim=2, dtype=torch.int32), dc_rows,
+    )
