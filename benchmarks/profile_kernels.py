@@ -35,15 +35,32 @@ from cce_compile.ops.dispatch import config_for  # noqa: E402
 from cce_compile.ops import backward as op_backward  # noqa: E402
 
 
-def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
-    """Per kernel (or, on CPU, per op) name: launches and milliseconds per call of `step`."""
+def idle_gaps(prof, iters: int, top: int = 8) -> dict:
+    """Where the GPU sat idle between two of the pass's kernels (CUDA only): the total per
+    pass and the longest gaps with the kernels on either side. Idle time is wall clock
+    that no kernel optimization recovers (host launch time, host syncs, allocations)."""
+    kernels = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    gaps = [(start - prev_end, prev_name, name)
+            for (_, prev_end, prev_name), (start, _, name) in zip(kernels, kernels[1:]) if start > prev_end]
+    # The gaps between passes (the host resetting grads, the profiler's own step) are no one's.
+    gaps = sorted(gaps, reverse=True)[iters - 1:] if iters > 1 else gaps
+    return {"idle_ms": sum(gap for gap, _, _ in gaps) / 1000 / iters,
+            "longest": [{"us": gap, "after": before[:80], "before": after[:80]} for gap, before, after in gaps[:top]]}
+
+
+def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, float]], dict | None]:
+    """Per kernel (or, on CPU, per op) name: launches and milliseconds per call of `step`;
+    and on CUDA, the GPU's idle gaps (idle_gaps)."""
     step()  # compile and warm up outside the profile
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(iters):
             step()
-        if cuda:
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
     totals: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0.0, "ms": 0.0})
     for event in prof.key_averages():
         us = event.device_time_total if cuda else event.self_cpu_time_total
@@ -51,7 +68,7 @@ def kernel_times(step, iters: int, cuda: bool) -> dict[str, dict[str, float]]:
             continue
         totals[event.key]["launches"] += event.count / iters
         totals[event.key]["ms"] += us / 1000 / iters
-    return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"]))
+    return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"])), idle_gaps(prof, iters) if cuda else None
 
 
 def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
@@ -110,10 +127,11 @@ def main() -> None:
             cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
 
         with cce_compile.override_config(config):
-            times = kernel_times(step, args.iters, cuda)
+            times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
         total = sum(entry["ms"] for entry in times.values())
-        report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "kernels": times}
+        report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "idle": idle,
+                                 "kernels": times}
         print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"
               + (f" = {total / gemm_ms:.2f} x GEMM; wall {wall_ms:.3f} ms = {wall_ms / gemm_ms:.2f} x, "
                  f"host enqueue {host_ms:.3f} ms" if gemm_ms else ""))
@@ -121,6 +139,10 @@ def main() -> None:
         for name, entry in list(times.items())[:15]:
             ratio = f"  {entry['ms'] / gemm_ms:6.2f}" if gemm_ms else ""
             print(f"  {name[:60]:60s} {entry['launches']:9.0f} {entry['ms']:9.3f} {entry['ms'] / total:6.1%}{ratio}")
+        if idle is not None:
+            print(f"  GPU idle between kernels: {idle['idle_ms']:.3f} ms per pass; longest gaps:")
+            for gap in idle["longest"]:
+                print(f"    {gap['us']:8.1f} us  after {gap['after'][:50]}  before {gap['before'][:50]}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
