@@ -71,6 +71,21 @@ def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, floa
     return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"])), idle_gaps(prof, iters) if cuda else None
 
 
+def print_host_profile(step, top: int) -> None:
+    """Where one pass spends host time, by Python function (own time): when the host is the
+    bottleneck, this names what to cut."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
     """(host ms to enqueue one pass, wall ms of one pass), medians: where the host takes
     as long as the wall clock, the pass is launch-bound, whatever its GPU time."""
@@ -96,6 +111,8 @@ def main() -> None:
                              "GEMMs that torch.compile runs instead of cuBLAS)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also print the N Python functions with the most host time in one pass (cProfile)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -129,6 +146,8 @@ def main() -> None:
         with cce_compile.override_config(config):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
+            if args.host_profile:
+                print_host_profile(step, args.host_profile)
         total = sum(entry["ms"] for entry in times.values())
         report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "idle": idle,
                                  "kernels": times}

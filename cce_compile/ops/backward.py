@@ -77,7 +77,7 @@ def linear_cross_entropy_backward(
             plan.n_chunks, chunk_tile_rows,
         )
         steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
-        lists = step_lists(mask, steps.step_of_column.to(e.device), steps.n_steps, capacity)
+        lists = step_lists(mask, steps.step_of_column, steps.n_steps, capacity)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     grad_logits = torch.empty(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -102,32 +103,27 @@ class Steps:
 
 
 def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Steps:
-    """Packed steps (eager; the one host sync of the backward: the kept tiles per column),
-    or fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
-    depend on the data)."""
+    """Fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
+    depend on the data), or packed steps (eager): consecutive columns share a step while
+    their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
+    tail) a step spans many columns. Packing costs the backward's one host sync (the kept
+    tiles per column) and is done in numpy: the GPU idles until it is done."""
     n_chunks, _, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
         step_of_column = (torch.arange(cols, device=mask.device) // slab_tiles).expand(n_chunks, cols)
         return Steps(step_of_column.contiguous(), len(spans), [spans] * n_chunks, None)
-    column_counts = mask.sum(dim=1, dtype=torch.int32).cpu()
-    step_of_column = packed_steps(column_counts, capacity)
+    column_counts = mask.sum(dim=1, dtype=torch.int32).cpu().numpy()
+    per_step = capacity - max(int(column_counts.max()), 1) + 1  # so no column straddles two steps
+    step_of_column = (np.cumsum(column_counts, axis=1) - column_counts) // per_step
     columns, counts = [], []
     for chunk_steps, chunk_counts in zip(step_of_column, column_counts):
         n = int(chunk_steps[-1]) + 1
-        bounds = torch.searchsorted(chunk_steps, torch.arange(n + 1)).tolist()
+        bounds = np.searchsorted(chunk_steps, np.arange(n + 1)).tolist()
         columns.append(list(zip(bounds[:-1], bounds[1:])))
-        counts.append(torch.zeros(n, dtype=torch.int32).index_add_(0, chunk_steps, chunk_counts).tolist())
-    return Steps(step_of_column, max(len(spans) for spans in columns), columns, counts)
-
-
-def packed_steps(column_counts: Tensor, capacity: int) -> Tensor:
-    """step of each tile column, per chunk (`column_counts`: kept tiles per [chunk, column]):
-    consecutive columns share a step while its kept tiles fit `capacity` slots. Fewer,
-    fuller steps than fixed vocab slabs where most tiles are dropped (the tail of the vocab)."""
-    per_step = capacity - int(column_counts.max().clamp_min(1)) + 1  # a column never straddles two steps
-    before = torch.cumsum(column_counts, dim=1) - column_counts
-    return torch.div(before, per_step, rounding_mode="floor").long()
+        counts.append(np.bincount(chunk_steps, weights=chunk_counts, minlength=n).astype(np.int64).tolist())
+    step_of_column = torch.from_numpy(step_of_column.astype(np.int64)).to(mask.device)
+    return Steps(step_of_column, max(map(len, columns)), columns, counts)
 
 
 def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> StepLists:
