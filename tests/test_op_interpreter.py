@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -152,6 +153,41 @@ def test_step_lists_match_the_mask(steps: str) -> None:
                 assert count == len(entries)
                 assert lists.de_slots[chunk, step, begin:begin + count].tolist() == [s for s, _ in entries]
                 assert lists.de_cols[chunk, step, begin:begin + count].tolist() == [c for _, c in entries]
+
+
+def test_backward_on_another_thread_launches_with_the_forwards_config() -> None:
+    """Autograd runs a CUDA backward on its device thread, where the caller's override_config
+    is not active; the backward must still launch with the forward's config (filtered mode's
+    tile maxima are laid out by the forward's tile, and the tuner times backward tiles this
+    way). Here the backward runs on a thread of its own, as on a GPU."""
+    e, c, targets = make_inputs("zipf", (96,), 500, 32, torch.float32, seed=4)
+    e = e * 3.0
+    config = KernelConfig(TileConfig(32, 16, 16, 4, 4, 1), *(TileConfig(32, 32, 16, 4, 4, 1),) * 3, slab_v=128)
+
+    def grads(on_thread: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        with cce_compile.override_config(config):
+            loss = cce_compile.linear_cross_entropy(*leaves, targets, filter_eps=2.0**-12)
+            if not on_thread:
+                loss.backward()
+        if on_thread:
+            failures: list[BaseException] = []
+
+            def backward() -> None:
+                try:
+                    loss.backward()
+                except BaseException as error:  # re-raised on the test's thread
+                    failures.append(error)
+
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+            if failures:
+                raise failures[0]
+        return [t.grad for t in leaves]
+
+    for threaded, same_thread in zip(grads(True), grads(False)):
+        torch.testing.assert_close(threaded, same_thread)
 
 
 def test_filtered_forward_when_the_last_split_runs_past_v() -> None:

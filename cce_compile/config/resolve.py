@@ -61,6 +61,12 @@ def override_config(config: KernelConfig) -> Iterator[None]:
         _local.override = previous
 
 
+def active_override() -> KernelConfig | None:
+    """The override this thread runs under, if any. Autograd runs a CUDA backward on its own
+    device thread, which does not see it: the op's autograd carries it over from the forward."""
+    return getattr(_local, "override", None)
+
+
 def heuristic_config(key: ProblemKey) -> KernelConfig:
     """A sound config with no measurement behind it: the last rung of the ladder."""
     if key.device != "cuda":
@@ -112,7 +118,7 @@ _memo_lock = threading.Lock()
 def resolve_config(key: ProblemKey) -> KernelConfig:
     """The config for `key`: an active override, else the memoized ladder (rank 0's choice
     under torch.distributed, so every rank launches the same kernels)."""
-    override = getattr(_local, "override", None)
+    override = active_override()
     if override is None:
         return resolution_for(key).config
     if not _distributed():

@@ -3,8 +3,11 @@ torch.compile traces both without a graph break."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ..config.resolve import active_override, override_config
 from .backward import linear_cross_entropy_backward
 from .forward import linear_cross_entropy_forward
 
@@ -15,6 +18,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(e, c, targets, bias, weight, lse, tile_max, order)
     ctx.mark_non_differentiable(tile_max, order)
     ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
+    # The backward must launch with the forward's config (filtered mode's tile maxima are laid
+    # out by its forward tile); an override does not reach autograd's CUDA device thread.
+    ctx.override = active_override()
 
 
 def _backward(ctx, grad_loss, grad_lse, _grad_tile_max, _grad_order):
@@ -22,7 +28,8 @@ def _backward(ctx, grad_loss, grad_lse, _grad_tile_max, _grad_order):
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     # backward() may be called inside an autocast region: keep the op's fp32 math its own.
-    with torch.autocast(e.device.type, enabled=False):
+    override = contextlib.nullcontext() if ctx.override is None else override_config(ctx.override)
+    with torch.autocast(e.device.type, enabled=False), override:
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             grad_loss, grad_lse, e, c, targets, bias, weight, lse, tile_max, order, *ctx.options
         )
