@@ -9,7 +9,8 @@ forward's vocab_order, recomputes only the d-logits tiles that ops/filtering.py 
 the forward's tile maxima, lists every slab's kept tiles at once (in torch) and runs the
 two GEMMs block-sparse over them (sparse_matmul_kernel). Its d-logits are stored compactly
 (kept tiles only), so in eager calls a step spans as many vocab tiles as fill the scratch:
-few, full steps where the vocabulary's tail is mostly dropped.
+few, full steps where the vocabulary's tail is mostly dropped; where most tiles are kept
+(a flat softmax) it runs exact mode's dense path instead.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def linear_cross_entropy_backward(
             plan.n_chunks, chunk_tile_rows,
         )
         steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
-        lists = step_lists(mask, steps.step_of_column, steps.n_steps, capacity)
+        # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
+        filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
+        if filtered:
+            lists = step_lists(mask, steps.step_of_column, steps.n_steps, capacity)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     grad_logits = torch.empty(

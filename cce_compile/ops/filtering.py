@@ -92,6 +92,13 @@ def chunk_tile_mask(tile_mask: Tensor, n_chunks: int, chunk_tile_rows) -> Tensor
     return mask.reshape(n_chunks, chunk_tile_rows, cols)
 
 
+DENSE_FRACTION = 0.4
+"""Share of d-logits tiles kept above which an eager filtered backward runs exact mode's dense
+path instead. On the H200 (bench at f18b492) the block-sparse backward took about
+0.4 + 7 x that share GEMMs against exact mode's 3.2-3.8, so they cross near 0.4-0.5; LM-like
+inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
+
+
 @dataclass(frozen=True)
 class Steps:
     """How the filtered backward cuts each token chunk's tile columns into steps."""
@@ -100,6 +107,14 @@ class Steps:
     n_steps: int  # the most steps of any chunk
     columns: list[list[tuple[int, int]]]  # per chunk, each step's tile columns [first, end)
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
+
+    def dense_is_faster(self, tile_rows: int, tile_columns: int) -> bool:
+        """Whether so many of the tile_rows x tile_columns tiles are kept (known only for
+        packed steps) that the dense backward beats the block-sparse one (DENSE_FRACTION)."""
+        if self.counts is None:
+            return False
+        kept = sum(sum(chunk) for chunk in self.counts)
+        return kept > DENSE_FRACTION * tile_rows * tile_columns
 
 
 def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Steps:
