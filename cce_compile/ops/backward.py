@@ -5,12 +5,12 @@ budget): grad_logits_kernel recomputes the slab's logits into d logits (input dt
 then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
-forward's vocab_order, recomputes only the d-logits tiles that ops/filtering.py keeps from
-the forward's tile maxima, lists every slab's kept tiles at once (in torch) and runs the
-two GEMMs block-sparse over them (sparse_matmul_kernel). Its d-logits are stored compactly
-(kept tiles only), so in eager calls a step spans as many vocab tiles as fill the scratch:
-few, full steps where the vocabulary's tail is mostly dropped; where most tiles are kept
-(a flat softmax) it runs exact mode's dense path instead.
+forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.py keeps
+from the forward's tile maxima, into a compact buffer (one slot per kept tile); the two
+GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
+steps at once in torch. In eager calls a step spans as many vocab tiles as its kept tiles
+fill the scratch (few, full steps where the vocabulary's tail is mostly dropped); traced
+calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs the dense path.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def linear_cross_entropy_backward(
     )
     flags = kernel_flags(e)
 
-    def recompute(programs, row_start, row_end, col_start, col_end, step_index=0) -> None:
+    def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered)."""
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
         wrap_triton(grad_logits_kernel)[(programs,)](

@@ -4,7 +4,8 @@ d-logits tiles the backward computes at all.
 The forward walks the vocabulary in `vocab_order` and records each row's largest logit per
 vocab tile (`tile_max`); the backward keeps a tile when some row's softmax there reaches
 filter_eps (tile_max - lse >= log eps) or a row's target falls in it, and never recomputes
-the rest. The CPU path decides from the recomputed softmax, the same test.
+the rest. The CPU path decides from the recomputed softmax, the same test. The backward's
+steps (filtered_steps) and its kernels' work lists (step_lists) come from the kept tiles.
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> 
     device = mask.device
     kept = mask.to(torch.int32)
     by_col = kept.transpose(1, 2)  # [chunk, column, row]: slots run column-major
-    before = (torch.cumsum(by_col.reshape(n_chunks, -1), dim=1).reshape(n_chunks, cols, rows) - by_col)
+    before = torch.cumsum(by_col.reshape(n_chunks, -1), dim=1).reshape(n_chunks, cols, rows) - by_col
     column_start = before[:, :, 0]
+    # A step's first slot: the least of its columns' first slots (2**30 exceeds any slot).
     step_start = torch.full((n_chunks, n_steps), 2**30, dtype=before.dtype, device=device)
     step_start = step_start.scatter_reduce(1, step_of_column, column_start, "amin")
     dc_begin = column_start - step_start.gather(1, step_of_column)
@@ -180,7 +182,8 @@ def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> 
     de_count = torch.zeros((n_chunks, rows, n_steps), dtype=torch.int32, device=device)
     de_count = de_count.scatter_add_(2, row_step, kept).transpose(1, 2).contiguous()  # [chunk, step, row]
     de_begin = torch.cumsum(de_count, dim=2, dtype=torch.int32) - de_count
-    entry = de_begin.gather(1, step.expand(n_chunks, cols, rows)) + rank  # the (chunk, step) of each tile's column
+    # Each kept tile's place among its step's dE entries: its row's first entry + its rank.
+    entry = de_begin.gather(1, step.expand(n_chunks, cols, rows)) + rank
     de_slots = scatter(entry, by_col, slot)
     de_cols = scatter(entry, by_col, column)
     return StepLists(
