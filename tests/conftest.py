@@ -35,3 +35,27 @@ def _cpu_dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if wants_kernels and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter tests need TRITON_INTERPRET=1 set before import (CPU-only machines)")
     monkeypatch.setattr(dispatch, "INTERPRET", wants_kernels)
+
+
+@pytest.fixture
+def block_sparse_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filtered mode's block-sparse backward however many tiles are kept: tests of that path
+    on small or dense shapes, where the dense fallback (filtering.DENSE_FRACTION) would run."""
+    from cce_compile.ops import filtering
+
+    monkeypatch.setattr(filtering, "DENSE_FRACTION", 1.0)
+
+
+@pytest.fixture
+def step_lists_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per backward that built the block-sparse work lists (ran that path)."""
+    from cce_compile.ops import backward, filtering
+
+    calls: list[int] = []
+
+    def spy(*args):
+        calls.append(1)
+        return filtering.step_lists(*args)
+
+    monkeypatch.setattr(backward, "step_lists", spy)
+    return calls

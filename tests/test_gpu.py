@@ -103,13 +103,11 @@ def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_filtered_mode_on_lm_like_data(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("block_sparse_always")
+def test_filtered_mode_on_lm_like_data() -> None:
     """Filtered mode (sorted vocab, block-sparse GEMMs) on an LM-like softmax: it drops
     tiles, and its gradients stay within issue 5's 1e-2 of the fp32 reference."""
     from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.ops import filtering
-
-    monkeypatch.setattr(filtering, "DENSE_FRACTION", 1.0)  # the block-sparse path, however dense
 
     e, c, targets = lm_like_inputs(4096, 1024, 65536, torch.bfloat16, "cuda", seed=3)
     grads = {}
@@ -123,15 +121,13 @@ def test_filtered_mode_on_lm_like_data(monkeypatch: pytest.MonkeyPatch) -> None:
     assert relative_error(grads[2.0**-12][1], ref_dc) < 1e-2
 
 
-def test_filtered_mode_compiled_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("block_sparse_always")  # eager block-sparse too, however dense
+def test_filtered_mode_compiled_matches_eager() -> None:
     """Filtered mode inside torch.compile(fullgraph=True): the vocab order, tile maxima, tile
     lists and block-sparse GEMMs traced into one graph (fixed slabs) give eager's gradients
     (packed steps), and a target of token 0 (what columns past V read in the vocab order) gets
     exactly its own loss."""
     from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.ops import filtering
-
-    monkeypatch.setattr(filtering, "DENSE_FRACTION", 1.0)  # eager block-sparse too, however dense
 
     e, c, targets = lm_like_inputs(3000, 512, 20000, torch.bfloat16, "cuda", seed=4)  # ragged N and V
     targets[::7] = 0
@@ -151,21 +147,17 @@ def test_filtered_mode_compiled_matches_eager(monkeypatch: pytest.MonkeyPatch) -
         assert relative_error(compiled, eager) < 1e-3
 
 
-def test_filtered_mode_on_flat_logits_runs_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filtered_mode_on_flat_logits_runs_dense(step_lists_calls: list[int]) -> None:
     """Uniform logits keep most tiles, where the block-sparse backward is slower than the dense
     one (ops/filtering.DENSE_FRACTION): filtered mode then runs exact mode's dense backward."""
     from cce_compile.bench.inputs import uniform_inputs
-    from cce_compile.ops import backward as op_backward
 
-    built = []
-    step_lists = op_backward.step_lists
-    monkeypatch.setattr(op_backward, "step_lists", lambda *args: built.append(1) or step_lists(*args))
     e, c, targets = uniform_inputs(4096, 1024, 65536, torch.bfloat16, "cuda", seed=5)
     grads = []
     for eps in (None, 2.0**-12):
         ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
         cce_compile.linear_cross_entropy(ee, cc, targets, filter_eps=eps).backward()
         grads.append((ee.grad, cc.grad))
-    assert not built, "the block-sparse path ran"
+    assert not step_lists_calls, "the block-sparse path ran"
     for exact, filtered in zip(*grads):
         assert relative_error(filtered, exact) < 1e-3

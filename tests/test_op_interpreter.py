@@ -12,7 +12,6 @@ import cce_compile
 from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.config import plan as plan_module
 from cce_compile.config.plan import plan_backward
-from cce_compile.ops.filtering import step_lists
 
 from .op_cases import check_against_reference, make_inputs, relative_error
 from .test_op_options import make_case
@@ -74,7 +73,7 @@ FILTER_CASES = {
 }
 
 
-@pytest.mark.usefixtures("no_scratch_floor")
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 @pytest.mark.parametrize("steps", ["packed", "slabs"])
 @pytest.mark.parametrize("case", FILTER_CASES, ids=list(FILTER_CASES))
 def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,7 +83,6 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
     from cce_compile.ops import backward as op_backward
     from cce_compile.ops import dispatch, filtering
 
-    monkeypatch.setattr(filtering, "DENSE_FRACTION", 1.0)  # the block-sparse path, however dense
     if steps == "slabs":
         monkeypatch.setattr(op_backward, "filtered_steps",
                             lambda mask, capacity, slab_tiles, packed: filtering.filtered_steps(
@@ -158,15 +156,11 @@ def test_step_lists_match_the_mask(steps: str) -> None:
 
 
 @pytest.mark.parametrize("inputs", ["flat", "peaked"])
-def test_filtered_backward_runs_dense_when_most_tiles_are_kept(inputs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filtered_backward_runs_dense_when_most_tiles_are_kept(inputs: str, step_lists_calls: list[int]) -> None:
     """A flat softmax (uniform logits) keeps nearly every tile, where the block-sparse
     backward is slower than exact mode's dense one: the filtered backward then runs the
     dense path and returns exact mode's gradients (up to the forwards' summation order). A
     peaked one stays block-sparse."""
-    from cce_compile.ops import backward as op_backward
-
-    built = []
-    monkeypatch.setattr(op_backward, "step_lists", lambda *args: built.append(1) or step_lists(*args))
     if inputs == "flat":
         e, c, targets = make_inputs("signed", (96,), 2048, 32, torch.float32, seed=6)
     else:  # 31% of the tiles kept
@@ -183,11 +177,11 @@ def test_filtered_backward_runs_dense_when_most_tiles_are_kept(inputs: str, monk
 
     filtered, exact = grads(2.0**-12), grads(None)
     if inputs == "flat":
-        assert not built, "the block-sparse path ran"
+        assert not step_lists_calls, "the block-sparse path ran"
         for got, expected in zip(filtered, exact):  # the forwards sum in different orders
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     else:
-        assert built, "the peaked inputs ran dense"
+        assert step_lists_calls, "the peaked inputs ran dense"
         assert not torch.equal(filtered[1], exact[1])
 
 

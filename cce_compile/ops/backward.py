@@ -121,11 +121,14 @@ def linear_cross_entropy_backward(
     if filtered:
         # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
         sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
+        if bias is not None:  # summed over every chunk's kept tiles, by vocab position
+            bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
+            slot_ids = torch.arange(capacity, device=e.device)
+            in_tile = torch.arange(logits_tile.block_n, device=e.device)
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
             acc_offset = 0 if plan.fp32_accumulator else row_start * d
-            bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
                 step_index = chunk * steps.n_steps + step
@@ -159,16 +162,16 @@ def linear_cross_entropy_backward(
                 )
                 if bias is not None:
                     tile_sums = grad_logits.sum(dim=1, dtype=torch.float32)  # (capacity, block_n)
-                    live = torch.arange(capacity, device=e.device) < lists.step_counts[chunk, step]
+                    live = slot_ids < lists.step_counts[chunk, step]
                     tile_sums = tile_sums * live[:, None] * (scale if scaled else 1.0)
                     positions = (lists.step_tiles[chunk, step] // chunk_tile_rows)[:, None] * logits_tile.block_n
-                    positions = positions + torch.arange(logits_tile.block_n, device=e.device)
-                    bias_sum.index_add_(0, positions.reshape(-1), tile_sums.reshape(-1))
+                    bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
+        if bias is not None:
             bias_chunks.append(bias_sum[:v])
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.
-        cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered)
+        cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered=False)
         last_slab = (v - 1) // plan.slab_v * plan.slab_v
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows

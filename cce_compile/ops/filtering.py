@@ -171,8 +171,9 @@ def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> 
 
     step_tiles = scatter(slot, by_col, column * rows + row)
     dc_rows = scatter(slot, by_col, row)
+    column_counts = by_col.sum(dim=2, dtype=torch.int32)  # [chunk, column]
     step_counts = torch.zeros((n_chunks, n_steps), dtype=torch.int32, device=device)
-    step_counts.scatter_add_(1, step_of_column, by_col.sum(dim=2, dtype=torch.int32))
+    step_counts.scatter_add_(1, step_of_column, column_counts)
     # dE: per step, entries grouped by tile row, each row's in column order.
     row_before = (torch.cumsum(kept, dim=2) - kept).transpose(1, 2)  # [chunk, column, row]
     row_step = step_of_column[:, None, :].expand(n_chunks, rows, cols)
@@ -188,5 +189,5 @@ def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> 
     de_cols = scatter(entry, by_col, column)
     return StepLists(
         step_tiles, step_counts, de_begin, de_count, de_slots, de_cols,
-        dc_begin.to(torch.int32).contiguous(), by_col.sum(dim=2, dtype=torch.int32), dc_rows,
+        dc_begin.to(torch.int32).contiguous(), column_counts, dc_rows,
     )
