@@ -15,13 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * num_n
-    first_m = (tile // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % group) % size_m, (tile % group) // size_m
+from cce_compile.kernels.tiles import grouped_tile
 
 
 @triton.jit
@@ -36,7 +30,7 @@ def lse_persistent(
     num_n = tl.cdiv(V, BLOCK_N)
     k_tiles = tl.cdiv(D, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_tiles):
             a = e_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -71,7 +65,7 @@ def recompute_persistent(
     num_n = tl.cdiv(V, BLOCK_N)
     k_tiles = tl.cdiv(D, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_tiles):
             a = e_desc.load([pid_m * BLOCK_M, k * BLOCK_K])

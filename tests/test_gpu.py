@@ -49,6 +49,39 @@ def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
         assert relative_error(grad, ref) < max(tol, 2 * relative_error(ref.to(dtype), ref))
 
 
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
+def test_tensor_descriptor_kernels_match_the_pointer_kernels(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact mode's persistent tensor-descriptor kernels (16-bit inputs) against the pointer
+    kernels they replace, on a ragged vocabulary with a bias: the same fp32 math, so only
+    the order of the dot products' sums differs."""
+    from cce_compile.ops import backward, dispatch, forward
+
+    e, c, targets = make_inputs("zipf", (4096,), 50257, 768, torch.bfloat16, seed=3, device="cuda")
+    bias = torch.randn(50257, device="cuda", dtype=torch.bfloat16) * 0.5
+    fits: list[bool] = []
+
+    def spy(*tensors: torch.Tensor) -> bool:
+        fits.append(dispatch.tensor_descriptors_fit(*tensors))
+        return fits[-1]
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (e, c, bias)]
+        loss = cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2], **options)
+        loss.backward()
+        return [loss.detach()] + [t.grad for t in leaves]
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
+    with_descriptors = run()
+    assert fits == [True, True]
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "tensor_descriptors_fit", lambda *tensors: False)
+    with_pointers = run()
+    torch.testing.assert_close(with_descriptors[0], with_pointers[0], rtol=1e-5, atol=1e-5)
+    for got, expected in zip(with_descriptors[1:], with_pointers[1:]):
+        assert relative_error(got, expected) < 2e-3
+
+
 def test_huge_classifier_needs_64bit_offsets() -> None:
     """V * D > 2**31 elements: int32 offsets would wrap and read the wrong rows."""
     v, d, n = 270_000, 8_192, 128

@@ -100,6 +100,30 @@ def logits_tile(
         acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
         e_ptrs += BLOCK_K * stride_ed
         c_ptrs += BLOCK_K * stride_cd
+    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+
+
+@triton.jit
+def logits_tile_tma(
+    e_desc, c_desc, bias_ptr, row0, col0, cols, col_mask, D, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """logits_tile through tensor descriptors (TMA on Hopper): e rows from row0 and c rows
+    from col0 of the descriptors' views; the copy engine zero-fills what lies past their
+    extents, so neither the loads nor the K tail need masks."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        e_tile = e_desc.load([row0, k * BLOCK_K])
+        c_tile = c_desc.load([col0, k * BLOCK_K])
+        acc = mma(acc, e_tile, c_tile.T, UPCAST, IEEE)
+    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+
+
+@triton.jit
+def finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The bias and the soft-cap, applied to a tile of raw dot products."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels.forward import lse_forward_kernel
+from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from .cpu_path import forward_cpu
-from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .dispatch import cdiv, config_for, device_limits, kernel_flags, tensor_descriptors_fit, use_triton
 from .filtering import vocab_order
 from .loss_terms import token_loss
 
@@ -20,7 +21,9 @@ def linear_cross_entropy_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_max, vocab_order).
 
-    loss and lse are fp32. `softcap` 0 means none. With filter_eps > 0 (filtered mode) the
+    loss and lse are fp32. `softcap` 0 means none. Exact mode on 16-bit inputs whose rows suit
+    tensor descriptors runs the persistent lse_forward_tma_kernel, otherwise lse_forward_kernel
+    (vocab splits). With filter_eps > 0 (filtered mode) the
     forward also returns what the backward filters with (ops/filtering.py): the vocabulary
     order and, on the Triton path, each row's largest logit per vocab tile of that order;
     otherwise both are empty.
@@ -31,7 +34,25 @@ def linear_cross_entropy_forward(
     filtered = filter_eps > 0.0
     order = vocab_order(e, c, bias) if filtered else targets.new_empty((0,))
     tile_max = e.new_empty((0, 0), dtype=torch.float32)
-    if use_triton(e):
+    if use_triton(e) and not filtered and tensor_descriptors_fit(e, c):
+        tile = config.forward
+        vocab_tiles = cdiv(v, tile.block_n)
+        tile_lse = torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
+        target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
+        tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
+        sms = device_limits(e.device)[0]
+        wrap_triton(lse_forward_tma_kernel)[(min(sms, cdiv(n, tile.block_m) * vocab_tiles),)](
+            TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
+            TensorDescriptor.from_tensor(c, [tile.block_n, tile.block_k]),
+            bias, targets, weight, tile_lse, target_logit, tile_weighted_sum, n, v, e.shape[1], sms, softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+            NEED_WEIGHTED_SUM=need_weighted_sum, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
+        )
+        lse = torch.logsumexp(tile_lse, dim=0)
+        weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
+    elif use_triton(e):
         tile = config.forward
         vocab_tiles = cdiv(v, tile.block_n)
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
