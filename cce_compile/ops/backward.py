@@ -21,13 +21,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 from ..config.plan import n_bucket, plan_backward
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
+from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
-from .dispatch import (
-    cdiv, config_for, device_limits, kernel_flags, stages_beside_output, tensor_descriptors_fit, use_triton,
-)
+from .dispatch import cdiv, config_for, kernel_flags, use_triton
 from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
 from .loss_terms import grad_coefficients
 
@@ -102,29 +98,9 @@ def linear_cross_entropy_backward(
         if scaled else lse
     )
     flags = kernel_flags(e)
-    persistent = not filtered and tensor_descriptors_fit(e, c, grad_logits)
-    if persistent:
-        sms, shared_memory = device_limits(e.device)
-        descriptors = (
-            TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
-            TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
-            TensorDescriptor.from_tensor(grad_logits, [logits_tile.block_m, logits_tile.block_n]),
-        )
 
     def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
-        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
-        grad_logits_tma_kernel for the slab where tensor descriptors fit."""
-        if persistent:
-            wrap_triton(grad_logits_tma_kernel)[(min(programs, sms),)](
-                *descriptors, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
-                row_start, row_end - row_start, col_start, col_end - col_start, d, sms, softcap,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-                HAS_SMOOTHING=has_smoothing, SCALED=scaled,
-                BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
-                GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
-                num_stages=stages_beside_output(logits_tile, e.element_size(), shared_memory), **flags,
-            )
-            return
+        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered)."""
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
         wrap_triton(grad_logits_kernel)[(programs,)](
             e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
