@@ -50,11 +50,11 @@ def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
-def test_tensor_descriptor_forward_matches_the_pointer_forward(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exact mode's persistent tensor-descriptor forward (16-bit inputs) against the pointer
-    kernel it replaces, on a ragged vocabulary with a bias: the same fp32 math, so only the
-    order of the sums differs."""
-    from cce_compile.ops import dispatch, forward
+def test_tensor_descriptor_kernels_match_the_pointer_kernels(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact mode's persistent tensor-descriptor kernels (16-bit inputs) against the pointer
+    kernels they replace, on a ragged vocabulary with a bias: the same fp32 math, so only
+    the order of the dot products' sums differs."""
+    from cce_compile.ops import backward, dispatch, forward
 
     e, c, targets = make_inputs("zipf", (4096,), 50257, 768, torch.bfloat16, seed=3, device="cuda")
     bias = torch.randn(50257, device="cuda", dtype=torch.bfloat16) * 0.5
@@ -70,10 +70,13 @@ def test_tensor_descriptor_forward_matches_the_pointer_forward(options: dict, mo
         loss.backward()
         return [loss.detach()] + [t.grad for t in leaves]
 
-    monkeypatch.setattr(forward, "tensor_descriptors_fit", spy)
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
+    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)  # D = 768 is 12 K steps
     with_descriptors = run()
-    assert fits == [True]
-    monkeypatch.setattr(forward, "tensor_descriptors_fit", lambda *tensors: False)
+    assert fits == [True, True]
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "tensor_descriptors_fit", lambda *tensors: False)
     with_pointers = run()
     torch.testing.assert_close(with_descriptors[0], with_pointers[0], rtol=1e-5, atol=1e-5)
     for got, expected in zip(with_descriptors[1:], with_pointers[1:]):

@@ -23,8 +23,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cce_compile.kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
+from cce_compile.config.kernel_config import TileConfig
+from cce_compile.kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from cce_compile.kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
+from cce_compile.ops.dispatch import stages_beside_output
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ONE = "one"
@@ -115,12 +117,22 @@ LOGITS = {
 
 H200_SHARED_MEMORY = 232448
 """What one program may opt into on an H100/H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
-LSE_FORWARD_TMA = {
+TMA_STAGES = stages_beside_output(TileConfig(128, 256, 64, 8, 8, 4), 2, H200_SHARED_MEMORY)
+GRAD_LOGITS_TMA = {
     **{name: LOGITS_TILE[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
                                             "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D")},
-    "e_desc": "tensordesc<bf16[128, 64]>", "c_desc": "tensordesc<bf16[256, 64]>", "tile_lse_ptr": "*fp32",
-    "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "N": "i32", "V": "i32", "num_programs": "i32",
-    "NEED_WEIGHTED_SUM": FALSE, **FLAGS,
+    "e_desc": "tensordesc<bf16[128, 64]>", "c_desc": "tensordesc<bf16[256, 64]>",
+    "grad_logits_desc": "tensordesc<bf16[128, 256]>", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32",
+    "coef_target_ptr": "*fp32", "coef_smooth_ptr": "*fp32", "scale_ptr": "*fp32", "row_start": "i32", "rows": "i32",
+    "col_start": "i32", "cols": "i32", "num_programs": "i32", "HAS_SMOOTHING": FALSE, "SCALED": FALSE, **FLAGS,
+}
+
+LSE_FORWARD_TMA = {
+    **{name: GRAD_LOGITS_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
+                                                "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
+                                                "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE")},
+    "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "N": "i32", "V": "i32",
+    "NEED_WEIGHTED_SUM": FALSE,
 }
 
 
@@ -138,18 +150,24 @@ def test_operands_load_with_pipelined_16_byte_copies(name: str, compiled: dict[s
     assert compiled[name] == {"asynchronous copies": True, "16-byte copies": True, "wgmma": True}
 
 
-def test_persistent_forward_copies_with_the_tensor_engine_and_fits(compiled: dict[str, dict[str, bool]]) -> None:
-    """lse_forward_tma_kernel at the H200's bundled tile (128 x 256 x 64, 8 warps, 4 stages):
-    bulk tensor copies, wgmma, and shared memory within what a program may use."""
-    assert compiled["lse_forward_tma_kernel"] == {"bulk tensor copies": True, "wgmma": True, "fits": True}
+@pytest.mark.parametrize("name", ["grad_logits_tma_kernel", "lse_forward_tma_kernel"])
+def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compiled: dict[str, dict[str, bool]]) -> None:
+    """The tensor-descriptor kernels at the H200's bundled tile (128 x 256 x 64, 8 warps; the
+    recompute with the stages stages_beside_output leaves it, the forward with 4): bulk
+    tensor copies, wgmma, and shared memory (pipeline, plus the recompute's staged output
+    tile) within what a program may use."""
+    assert TMA_STAGES == 3
+    assert compiled[name] == {"bulk tensor copies": True, "wgmma": True, "fits": True}
 
 
 if __name__ == "__main__":
     found = {name: load_kinds(compile_for_hopper(kernel, args)) for name, (kernel, args) in GEMMS.items()}
     found.update({name: load_kinds(compile_for_hopper(kernel, args, num_stages=4)) for name, (kernel, args) in LOGITS.items()})
-    tma = compile_for_hopper(lse_forward_tma_kernel, LSE_FORWARD_TMA, num_stages=4)
-    found["lse_forward_tma_kernel"] = {
-        "bulk tensor copies": "cp.async.bulk.tensor" in tma.asm["ptx"], "wgmma": "wgmma.mma_async" in tma.asm["ptx"],
-        "fits": tma.metadata.shared <= H200_SHARED_MEMORY,
-    }
+    for name, kernel, args, stages in (("grad_logits_tma_kernel", grad_logits_tma_kernel, GRAD_LOGITS_TMA, TMA_STAGES),
+                                       ("lse_forward_tma_kernel", lse_forward_tma_kernel, LSE_FORWARD_TMA, 4)):
+        tma = compile_for_hopper(kernel, args, num_stages=stages)
+        found[name] = {
+            "bulk tensor copies": "cp.async.bulk.tensor" in tma.asm["ptx"], "wgmma": "wgmma.mma_async" in tma.asm["ptx"],
+            "fits": tma.metadata.shared <= H200_SHARED_MEMORY,
+        }
     print(json.dumps(found))

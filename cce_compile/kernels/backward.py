@@ -3,7 +3,46 @@
 import triton
 import triton.language as tl
 
-from .tiles import finish_gemm, grouped_tile, load_tile, logits_tile, mma
+from .tiles import finish_gemm, grouped_tile, load_tile, logits_tile, logits_tile_tma, mma
+
+
+@triton.jit
+def grad_from_logits(
+    logits, rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, SCALED: tl.constexpr,
+):
+    """d loss / d logits of one tile, zero outside the masks.
+
+    With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
+        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j]
+    then the soft-cap's chain rule (`logits` are the capped ones). With SCALED (fp16), the
+    tile is divided by scale_ptr[0] (the largest coefficient) so small gradients stay in
+    fp16's normal range; the GEMMs multiply it back.
+    """
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    coef_softmax = tl.load(coef_softmax_ptr + rows, mask=row_mask, other=0.0)
+    coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
+
+    softmax = tl.exp(logits - lse[:, None])
+    is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
+    grad = coef_softmax[:, None] * softmax - tl.where(is_target, coef_target[:, None], 0.0)
+    if HAS_SMOOTHING:
+        coef_smooth = tl.load(coef_smooth_ptr + rows, mask=row_mask, other=0.0)
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + vocab, mask=col_mask, other=0.0).to(tl.float32)
+            grad -= coef_smooth[:, None] * w[None, :]
+        else:
+            grad -= coef_smooth[:, None]
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    inside = row_mask[:, None] & col_mask[None, :]
+    grad = tl.where(inside, grad, 0.0)
+    if SCALED:
+        grad = grad / tl.load(scale_ptr)
+    return grad
 
 
 @triton.jit
@@ -19,20 +58,15 @@ def grad_logits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """d loss / d logits for rows [row_start, row_end) x cols [col_start, col_end).
+    """d loss / d logits (grad_from_logits) for rows [row_start, row_end) x cols [col_start, col_end).
 
-    With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
-        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j]
-    then the soft-cap's chain rule. The tile is written in the input dtype at
-    (i - row_start, j - col_start) of the slab buffer; rows or columns outside the
-    ranges are left alone (the GEMMs that follow mask them).
+    The tile is written in the input dtype at (i - row_start, j - col_start) of the slab
+    buffer; rows or columns outside the ranges are left alone (the GEMMs that follow mask them).
     With FILTER, columns are positions in `vocab_order` (likely tokens first, so the few
     tiles that matter cluster) and only the kept tiles are computed: program k computes tile
     step_tiles[step_index, k] (tile column * chunk_tile_rows + tile row of the chunk) into
     slot k of the compact buffer (BLOCK_M x BLOCK_N, row-major, zero outside the ranges);
     programs past step_counts[step_index] return at once (ops/filtering.py's StepLists).
-    With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so
-    small gradients stay in fp16's normal range; the GEMMs multiply it back.
     """
     if FILTER:
         slot = tl.program_id(0)
@@ -59,28 +93,11 @@ def grad_logits_kernel(
         stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
-    coef_softmax = tl.load(coef_softmax_ptr + rows, mask=row_mask, other=0.0)
-    coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
-
-    softmax = tl.exp(logits - lse[:, None])
-    is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
-    grad = coef_softmax[:, None] * softmax - tl.where(is_target, coef_target[:, None], 0.0)
-    if HAS_SMOOTHING:
-        coef_smooth = tl.load(coef_smooth_ptr + rows, mask=row_mask, other=0.0)
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + vocab, mask=col_mask, other=0.0).to(tl.float32)
-            grad -= coef_smooth[:, None] * w[None, :]
-        else:
-            grad -= coef_smooth[:, None]
-    if HAS_SOFTCAP:
-        capped = logits / softcap
-        grad = grad * (1.0 - capped * capped)
-    inside = row_mask[:, None] & col_mask[None, :]
-    grad = tl.where(inside, grad, 0.0)
-    if SCALED:
-        grad = grad / tl.load(scale_ptr)
+    grad = grad_from_logits(
+        logits, rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+        coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
+        HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
+    )
     if FILTER:
         out = (grad_logits_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
                + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
@@ -88,7 +105,51 @@ def grad_logits_kernel(
     else:
         out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
                + local_cols.to(tl.int64)[None, :] * stride_gn)
+        inside = row_mask[:, None] & col_mask[None, :]
         tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def grad_logits_tma_kernel(
+    e_desc, c_desc, grad_logits_desc, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr,
+    row_start, rows, col_start, cols, D, num_programs, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """grad_logits_kernel's dense slab (exact mode) as a persistent kernel on tensor
+    descriptors: num_programs programs walk the slab's tiles, loading through the copy engine
+    and storing each bf16/fp16 tile with an asynchronous bulk copy, which overlaps the next
+    tile's loads (on the H200 the slab costs ~1.1 x its GEMM against grad_logits_kernel's
+    1.2-1.4 x, benchmarks/probe_persistent.py).
+
+    The descriptors view all of e and c and the whole d-logits buffer (built once per
+    backward, not per slab: Python's per-launch cost counts where slabs are many); the
+    slab is rows x cols from (row_start, col_start). Rows and columns past it are loaded (the
+    next chunk or slab, or the copy engine's zero fill past the tensors) but masked to zero,
+    and stored only within the buffer, where the GEMMs never read them.
+    """
+    num_m = tl.cdiv(rows, BLOCK_M)
+    num_n = tl.cdiv(cols, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, num_programs):
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+        local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = local_rows < rows
+        col_mask = local_cols < cols
+        vocab = col_start + local_cols
+        logits = logits_tile_tma(
+            e_desc, c_desc, bias_ptr, row_start + pid_m * BLOCK_M, col_start + pid_n * BLOCK_N, vocab, col_mask,
+            D, softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+        )
+        grad = grad_from_logits(
+            logits, row_start + local_rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+            coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
+            HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
+        )
+        grad_logits_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], grad.to(grad_logits_desc.dtype))
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """The backward op: dE, dC, dbias from the forward's lse, registered as a triton_op.
 
 Triton path, per token chunk and vocab slab (sizes from config.plan, within the scratch
-budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype),
-then matmul_kernel does dC[slab] (+)= d_logits.T @ e[chunk] and
+budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype; for
+16-bit inputs with long K loops grad_logits_tma_kernel, persistent on tensor descriptors),
+then matmul_kernel (or cuBLAS in eager calls) does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
 forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.py keeps
@@ -19,13 +20,23 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.plan import n_bucket, plan_backward
-from ..kernels.backward import grad_logits_kernel, matmul_kernel, sparse_matmul_kernel
+from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
-from .dispatch import cdiv, config_for, kernel_flags, use_triton
+from .dispatch import (
+    cdiv, config_for, device_limits, kernel_flags, stages_beside_output, tensor_descriptors_fit, use_triton,
+)
 from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
 from .loss_terms import grad_coefficients
+
+PERSISTENT_MIN_K_STEPS = 32
+"""The recompute runs persistent (grad_logits_tma_kernel) where a tile's dot takes at least
+this many BLOCK_K steps. Each tile restarts the K pipeline; measured in the op on the H200
+(benchmarks/results/profile-h200-v11-*), its slab cost against the pointer kernel's was 1.05
+against 1.19 x GEMM at D = 8192 (128 steps), 1.18 / 1.24 at 4096, 1.30 / 1.32 at 2304 and
+1.63 / 1.48 at 896 (14 steps)."""
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
@@ -98,9 +109,32 @@ def linear_cross_entropy_backward(
         if scaled else lse
     )
     flags = kernel_flags(e)
+    persistent = (
+        not filtered and cdiv(d, logits_tile.block_k) >= PERSISTENT_MIN_K_STEPS
+        and tensor_descriptors_fit(e, c, grad_logits)
+    )
+    if persistent:
+        sms, shared_memory = device_limits(e.device)
+        descriptors = (
+            TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
+            TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
+            TensorDescriptor.from_tensor(grad_logits, [logits_tile.block_m, logits_tile.block_n]),
+        )
 
     def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
-        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered)."""
+        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
+        grad_logits_tma_kernel for the slab where tensor descriptors fit and the K loop is long."""
+        if persistent:
+            wrap_triton(grad_logits_tma_kernel)[(min(programs, sms),)](
+                *descriptors, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
+                row_start, row_end - row_start, col_start, col_end - col_start, d, sms, softcap,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+                HAS_SMOOTHING=has_smoothing, SCALED=scaled,
+                BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
+                GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
+                num_stages=stages_beside_output(logits_tile, e.element_size(), shared_memory), **flags,
+            )
+            return
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
         wrap_triton(grad_logits_kernel)[(programs,)](
             e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,

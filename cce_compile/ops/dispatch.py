@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from ..config.kernel_config import KernelConfig
+from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.plan import n_bucket
 from ..config.resolve import ProblemKey, resolve_config
 
@@ -51,22 +51,39 @@ def kernel_flags(e: Tensor) -> dict[str, bool]:
     return {"UPCAST": upcast, "IEEE": upcast or e.dtype == torch.float32}
 
 
+def descriptor_rows_fit(element_bytes: int, row_stride: int) -> bool:
+    """Whether rows of 16-bit elements this far apart suit the copy engine (16-byte aligned)."""
+    return element_bytes == 2 and row_stride * element_bytes % 16 == 0
+
+
 def tensor_descriptors_fit(*tensors: Tensor) -> bool:
-    """Whether the persistent tensor-descriptor forward can take these 2-D 16-bit tensors:
-    a real (not traced) call, a contiguous last dimension, 16-byte aligned bases and row
-    strides, as the copy engine needs. Otherwise the pointer kernel runs."""
+    """Whether the persistent tensor-descriptor kernels can take these 2-D tensors: a real
+    (not traced) call, a contiguous last dimension, 16-bit elements, 16-byte aligned bases
+    and row strides. Otherwise the pointer kernels run."""
     return all(
-        not is_fake(t) and t.element_size() == 2 and t.stride(-1) == 1
-        and t.stride(0) * 2 % 16 == 0 and t.data_ptr() % 16 == 0
+        not is_fake(t) and t.stride(-1) == 1 and descriptor_rows_fit(t.element_size(), t.stride(0))
+        and t.data_ptr() % 16 == 0
         for t in tensors
     )
 
 
 @lru_cache(maxsize=None)
-def persistent_programs(device: torch.device) -> int:
-    """How many programs a persistent kernel launches: one per SM on a GPU; a few under the
-    interpreter, so its loop over tiles runs more than once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(programs a persistent kernel launches, shared memory one program may opt into): one
+    program per SM on a GPU; under the interpreter a few, so the loop over tiles runs more
+    than once, and no memory limit."""
+    if device.type != "cuda":
+        return 3, 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def stages_beside_output(tile: TileConfig, element_bytes: int, shared_memory: int) -> int:
+    """The tile's pipeline stages, as many as fit in `shared_memory` beside the output tile
+    that a tensor-descriptor store stages there (1 KiB left for barriers)."""
+    per_stage = (tile.block_m + tile.block_n) * tile.block_k * element_bytes
+    room = shared_memory - tile.block_m * tile.block_n * element_bytes - 1024
+    return max(1, min(tile.num_stages, room // per_stage))
 
 
 def cdiv(a, b):

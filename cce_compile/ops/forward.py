@@ -9,7 +9,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from .cpu_path import forward_cpu
-from .dispatch import cdiv, config_for, kernel_flags, persistent_programs, tensor_descriptors_fit, use_triton
+from .dispatch import cdiv, config_for, device_limits, kernel_flags, tensor_descriptors_fit, use_triton
 from .filtering import vocab_order
 from .loss_terms import token_loss
 
@@ -40,7 +40,7 @@ def linear_cross_entropy_forward(
         tile_lse = torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
         tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
-        sms = persistent_programs(e.device)
+        sms = device_limits(e.device)[0]
         wrap_triton(lse_forward_tma_kernel)[(min(sms, cdiv(n, tile.block_m) * vocab_tiles),)](
             TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(c, [tile.block_n, tile.block_k]),
