@@ -47,13 +47,14 @@ def _corrupting_op(e: Any, c: Any, targets: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def tuned() -> TuneResult:
-    """One search on TINY: a forward candidate (no vocab split), a grad_logits candidate
-    (narrower tiles) and a wrong one (shorter tiles)."""
+    """One search on TINY: a forward candidate (narrower tiles; TINY's forward is persistent,
+    so vocab splits would not change it), a grad_logits candidate (narrower tiles) and a
+    wrong one (shorter tiles)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 set before import (CPU-only machines)")
     limits = device_limits(TINY)
     spaces = [
-        KernelSpace("forward", {"vocab_splits": (1,)}, TINY, limits),
+        KernelSpace("forward", {"block_n": (16,)}, TINY, limits),
         KernelSpace("grad_logits", {"block_n": (16,), "block_m": (WRONG_BLOCK_M,)}, TINY, limits),
     ]
     timer = WallClockTimer(warmup=0, runs=2)
@@ -215,6 +216,27 @@ def test_candidates_fit_the_gpu_and_launch_differently() -> None:
     assert [config.slab_v for config in space.along(start, "slab_v")] == [2048, 16384]
     tiny = KernelSpace("forward", {"block_k": (32, 64, 128)}, TINY, bf16)
     assert [config.forward.block_k for config in tiny.along(KernelConfig(), "block_k")] == []  # D = 32
+
+
+def test_persistent_kernels_drop_the_axes_they_ignore() -> None:
+    """Exact mode's 16-bit forward runs persistent (no vocab splits), and the persistent
+    recompute clamps its stages to what fits beside its staged output tile: candidates that
+    differ only there launch the same kernel and are not timed twice. Filtered mode's
+    forward still splits the vocabulary."""
+    bf16 = Limits(shared_memory_bytes=232_448, element_bytes=2)
+    start = KernelConfig(forward=TileConfig(128, 256, 64, 8, 8, 4), grad_logits=TileConfig(128, 256, 64, 8, 8, 4),
+                         vocab_splits=16)
+    exact = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="exact")
+    filtered = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="filtered")
+    splits = {"vocab_splits": (1, 4, 16)}
+    assert list(KernelSpace("forward", splits, exact, bf16).along(start, "vocab_splits")) == []
+    assert [c.vocab_splits for c in KernelSpace("forward", splits, filtered, bf16).along(start, "vocab_splits")] == [1, 4]
+    stages = {"num_stages": (2, 3, 4, 5)}
+    tried = KernelSpace("grad_logits", stages, exact, bf16).along(start, "num_stages")
+    assert [config.grad_logits.num_stages for config in tried] == [2]  # 3, 4 and 5 all launch 3
+    short_k = Problem(n=16384, v=151_936, d=896, dtype="bfloat16", mode="exact")  # 14 K steps: pointer kernel
+    tried = KernelSpace("grad_logits", stages, short_k, bf16).along(start, "num_stages")
+    assert [config.grad_logits.num_stages for config in tried] == [2, 3]  # 5 stages do not fit
 
 
 def test_filtered_mode_tunes_its_sparse_gemm_tiles_in_eager_cuda() -> None:

@@ -19,7 +19,7 @@ from cce_compile.config import sources
 from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
 from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
 from cce_compile.config.resolve import ProblemKey
-from cce_compile.ops import backward
+from cce_compile.ops import backward, dispatch
 
 PLANNING_SHARED_MEMORY = 232448
 """Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
@@ -60,6 +60,13 @@ class Problem:
     @property
     def element_bytes(self) -> int:
         return getattr(torch, self.dtype).itemsize
+
+    @property
+    def persistent_logits(self) -> bool:
+        """Whether exact mode's logits kernels can run persistent on tensor descriptors here
+        (ops/dispatch.py; the tuner's inputs are contiguous): the forward then has no vocab
+        splits, and the recompute clamps its stages (where its K loop is long enough)."""
+        return self.mode == "exact" and dispatch.descriptor_rows_fit(self.element_bytes, self.d)
 
     def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
         """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
@@ -137,14 +144,19 @@ class KernelSpace:
                 yield candidate
 
     def launches(self, config: KernelConfig) -> tuple[object, ...]:
-        """What this kernel's launches depend on: its tile and the effective vocab split
-        (forward) or backward plan (grad_logits)."""
+        """What this kernel's launches depend on: its tile (with the stages it launches with)
+        and the effective vocab split (the pointer forward) or backward plan (grad_logits)."""
         tile = getattr(config, self.kernel)
+        p = self.problem
         if self.kernel == "forward":
-            vocab_tiles = -(-self.problem.v // tile.block_n)
+            if p.persistent_logits:
+                return (tile,)
+            vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
-            p = self.problem
+            if p.persistent_logits and -(-p.d // tile.block_k) >= backward.PERSISTENT_MIN_K_STEPS:
+                stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
+                tile = replace(tile, num_stages=stages)
             return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config))
         return (tile,)
 
