@@ -15,7 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from cce_compile.kernels.tiles import grouped_tile
+from cce_compile.kernels.tiles import grouped_tile, logits_tile_tma
+
+
+@triton.jit
+def tile_dot(e_desc, c_desc, tile, N, V, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GROUP_M: tl.constexpr):
+    """Tile `tile`'s (row block, vocab tile) and its raw logits."""
+    pid_m, pid_n = grouped_tile(tile, tl.cdiv(N, BLOCK_M), tl.cdiv(V, BLOCK_N), GROUP_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = logits_tile_tma(e_desc, c_desc, None, pid_m * BLOCK_M, pid_n * BLOCK_N, cols, cols < V, D, 0.0,
+                          False, False, BLOCK_M, BLOCK_N, BLOCK_K, False, False)
+    return acc, pid_m, pid_n
 
 
 @triton.jit
@@ -26,16 +37,9 @@ def lse_persistent(
 ):
     e_desc = tl.make_tensor_descriptor(e_ptr, shape=[N, D], strides=[D, 1], block_shape=[BLOCK_M, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[V, D], strides=[D, 1], block_shape=[BLOCK_N, BLOCK_K])
-    num_m = tl.cdiv(N, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
-    k_tiles = tl.cdiv(D, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            a = e_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = c_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(N, BLOCK_M) * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
+        acc, pid_m, pid_n = tile_dot(e_desc, c_desc, tile, N, V, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
@@ -58,19 +62,12 @@ def recompute_persistent(
     NUM_SMS: tl.constexpr, WS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """softmax of rows x V written as bf16 (the exact backward's d-logits without coefficients)."""
+    g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[N, V], strides=[V, 1], block_shape=[BLOCK_M, BLOCK_N])
     e_desc = tl.make_tensor_descriptor(e_ptr, shape=[N, D], strides=[D, 1], block_shape=[BLOCK_M, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[V, D], strides=[D, 1], block_shape=[BLOCK_N, BLOCK_K])
-    g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[N, V], strides=[V, 1], block_shape=[BLOCK_M, BLOCK_N])
-    num_m = tl.cdiv(N, BLOCK_M)
-    num_n = tl.cdiv(V, BLOCK_N)
-    k_tiles = tl.cdiv(D, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
-            a = e_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = c_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+    tiles = tl.cdiv(N, BLOCK_M) * tl.cdiv(V, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
+        acc, pid_m, pid_n = tile_dot(e_desc, c_desc, tile, N, V, D, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         lse = tl.load(lse_ptr + rows, mask=rows < N, other=0.0)
         g_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], tl.exp(acc - lse[:, None]).to(tl.bfloat16))
