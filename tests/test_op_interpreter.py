@@ -275,3 +275,14 @@ def test_all_ignored_batch() -> None:
     loss = cce_compile.linear_cross_entropy(e, c, torch.full_like(targets, -100))
     loss.backward()
     assert loss.item() == 0.0 and not e.grad.any() and not c.grad.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_batch(dtype: torch.dtype) -> None:
+    """No tokens: a loss of 0 and zero gradients on both paths (a tensor descriptor cannot
+    describe an empty tensor, so the 16-bit call takes the pointer kernels)."""
+    e = torch.randn(0, 16, dtype=dtype, requires_grad=True)
+    c = torch.randn(40, 16, dtype=dtype, requires_grad=True)
+    loss = cce_compile.linear_cross_entropy(e, c, torch.zeros(0, dtype=torch.long), reduction="sum")
+    loss.backward()
+    assert loss.item() == 0.0 and e.grad.shape == (0, 16) and not c.grad.any()

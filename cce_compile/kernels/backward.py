@@ -122,8 +122,9 @@ def grad_logits_tma_kernel(
     """grad_logits_kernel's dense slab (exact mode) as a persistent kernel on tensor
     descriptors: num_programs programs walk the slab's tiles, loading through the copy engine
     and storing each bf16/fp16 tile with an asynchronous bulk copy, which overlaps the next
-    tile's loads (on the H200 the slab costs ~1.1 x its GEMM against grad_logits_kernel's
-    1.2-1.4 x, benchmarks/probe_persistent.py).
+    tile's loads. It wins where the K loop is long (on the H200, in the op: 1.05 against
+    grad_logits_kernel's 1.19 x GEMM at D = 8192), so the op picks it by K steps
+    (ops/backward.PERSISTENT_MIN_K_STEPS).
 
     The descriptors view all of e and c and the whole d-logits buffer (built once per
     backward, not per slab: Python's per-launch cost counts where slabs are many); the

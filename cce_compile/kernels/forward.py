@@ -97,8 +97,8 @@ def lse_forward_tma_kernel(
 ):
     """lse_forward_kernel's exact mode as a persistent kernel on tensor descriptors: num_programs
     programs walk the (row block, vocab tile) tiles in one flattened loop, so the copy engine
-    loads the next tile's operands while this tile's softmax runs (on the H200 ~1.0-1.16 x a
-    GEMM against lse_forward_kernel's 1.13-1.19 x, benchmarks/probe_persistent.py).
+    loads the next tile's operands while this tile's softmax runs (on the H200, in the op:
+    0.95-1.17 x a GEMM against lse_forward_kernel's 1.14-1.17 x, docs/performance.md v11).
 
     Per tile it writes tile_lse[tile column, row], the rows' log-sum-exp over the tile's
     columns (the op merges them), the target's logit to target_logit[row] where the target

@@ -58,11 +58,12 @@ def descriptor_rows_fit(element_bytes: int, row_stride: int) -> bool:
 
 def tensor_descriptors_fit(*tensors: Tensor) -> bool:
     """Whether the persistent tensor-descriptor kernels can take these 2-D tensors: a real
-    (not traced) call, a contiguous last dimension, 16-bit elements, 16-byte aligned bases
-    and row strides. Otherwise the pointer kernels run."""
+    (not traced) call, no empty dimension (descriptors cannot describe one), a contiguous
+    last dimension, 16-bit elements, 16-byte aligned bases and row strides. Otherwise the
+    pointer kernels run."""
     return all(
-        not is_fake(t) and t.stride(-1) == 1 and descriptor_rows_fit(t.element_size(), t.stride(0))
-        and t.data_ptr() % 16 == 0
+        not is_fake(t) and t.numel() > 0 and t.stride(-1) == 1
+        and descriptor_rows_fit(t.element_size(), t.stride(0)) and t.data_ptr() % 16 == 0
         for t in tensors
     )
 
