@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call that checks and times a commit on the H200: the GPU test suite, the
+# per-kernel profile of each benchmark shape, and the side-by-side benchmark, each under its
+# own time limit. Everything lands in a scratch folder that is tarred into $OUT/session.tgz
+# every 20 s and at the end (the device tool returns only a few files, and a call cut short
+# at its limit still returns what the last tar holds).
+#
+#   STEPS="tests profile bench"   which parts, in this order
+#   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
+#   MODES=exact,filtered          profile modes
+#   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
+#   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
+#
+# About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
+# takes ~8.5 min of a call's 10, plus the machine's start.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:?set OUT to the folder that comes back}"
+STEPS="${STEPS:-tests profile bench}"
+SHAPES="${SHAPES:-8192x2304x256000 8192x4096x128256 16384x896x151936 4096x8192x128256}"
+MODES="${MODES:-exact,filtered}"
+BENCH_BUDGET_S="${BENCH_BUDGET_S:-190}"
+WORK="$(mktemp -d)"
+source benchmarks/device_env.sh
+
+pack() { tar -czf "$OUT/session.tgz" -C "$WORK" .; }
+( while sleep 20; do pack; done ) &
+packer=$!
+# The packer must not outlive the script: the call would wait for it until its time limit.
+trap 'kill $packer 2>/dev/null; pack' EXIT
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$WORK/gpu.txt" 2>&1
+for step in $STEPS; do
+  case "$step" in
+    tests)
+      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py > "$WORK/gpu-tests.log" 2>&1
+      echo "exit $?" >> "$WORK/gpu-tests.log"
+      tail -n 2 "$WORK/gpu-tests.log" ;;
+    profile)
+      for shape in $SHAPES; do
+        timeout 90 python3 benchmarks/profile_kernels.py --shape "$shape" --modes "$MODES" \
+          --out "$WORK/profile-$shape.json" > "$WORK/profile-$shape.log" 2>&1
+        echo "profile $shape: exit $?"
+      done ;;
+    bench)
+      OUT="$WORK" BUDGET_S="$BENCH_BUDGET_S" timeout $((BENCH_BUDGET_S + 90)) bash benchmarks/run_h200.sh \
+        > "$WORK/bench-run.log" 2>&1
+      echo "bench: exit $?"
+      grep "lm_like" "$WORK/bench-h200.md" 2>/dev/null | head -n 8 ;;
+    *)
+      echo "unknown step $step" >&2 ;;
+  esac
+done
