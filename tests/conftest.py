@@ -59,3 +59,22 @@ def step_lists_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(backward, "step_lists", spy)
     return calls
+
+
+@pytest.fixture
+def descriptor_fits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per choice the op makes between its tensor-descriptor and pointer kernels
+    (forward, then backward), with the persistent recompute allowed at any K length so the
+    tests' small D reaches it."""
+    from cce_compile.ops import backward, forward
+
+    fits: list[bool] = []
+
+    def spy(*tensors: torch.Tensor) -> bool:
+        fits.append(dispatch.tensor_descriptors_fit(*tensors))
+        return fits[-1]
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
+    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)
+    return fits

@@ -50,19 +50,16 @@ def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
-def test_tensor_descriptor_kernels_match_the_pointer_kernels(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_descriptor_kernels_match_the_pointer_kernels(
+    options: dict, descriptor_fits: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Exact mode's persistent tensor-descriptor kernels (16-bit inputs) against the pointer
     kernels they replace, on a ragged vocabulary with a bias: the same fp32 math, so only
     the order of the dot products' sums differs."""
-    from cce_compile.ops import backward, dispatch, forward
+    from cce_compile.ops import backward, forward
 
     e, c, targets = make_inputs("zipf", (4096,), 50257, 768, torch.bfloat16, seed=3, device="cuda")
     bias = torch.randn(50257, device="cuda", dtype=torch.bfloat16) * 0.5
-    fits: list[bool] = []
-
-    def spy(*tensors: torch.Tensor) -> bool:
-        fits.append(dispatch.tensor_descriptors_fit(*tensors))
-        return fits[-1]
 
     def run() -> list[torch.Tensor]:
         leaves = [t.detach().clone().requires_grad_() for t in (e, c, bias)]
@@ -70,11 +67,8 @@ def test_tensor_descriptor_kernels_match_the_pointer_kernels(options: dict, monk
         loss.backward()
         return [loss.detach()] + [t.grad for t in leaves]
 
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
-    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)  # D = 768 is 12 K steps
-    with_descriptors = run()
-    assert fits == [True, True]
+    with_descriptors = run()  # D = 768 is 12 K steps: the fixture lets the recompute persist
+    assert descriptor_fits == [True, True]
     for module in (forward, backward):
         monkeypatch.setattr(module, "tensor_descriptors_fit", lambda *tensors: False)
     with_pointers = run()

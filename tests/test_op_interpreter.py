@@ -12,7 +12,6 @@ import cce_compile
 from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.config import plan as plan_module
 from cce_compile.config.plan import plan_backward
-from cce_compile.ops import dispatch
 
 from .op_cases import check_against_reference, make_inputs, relative_error
 from .test_op_options import make_case
@@ -57,27 +56,16 @@ def test_several_token_chunks_and_slabs() -> None:
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])
-def test_exact_mode_through_tensor_descriptors(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_mode_through_tensor_descriptors(seed: int, descriptor_fits: list[bool]) -> None:
     """16-bit inputs whose rows are 16-byte aligned take the persistent tensor-descriptor
     kernels (lse_forward_tma_kernel; grad_logits_tma_kernel, which the op picks for long K
     loops only): ragged N and V, D a multiple of 8 but not of BLOCK_K (the copy engine's zero
     fill makes the K tail). The seeds' options cover bias, softcap, label smoothing with and
     without weights, shift, ignored targets."""
-    from cce_compile.ops import backward, forward
-
-    fits: list[bool] = []
-
-    def spy(*tensors: torch.Tensor) -> bool:
-        fits.append(dispatch.tensor_descriptors_fit(*tensors))
-        return fits[-1]
-
-    monkeypatch.setattr(forward, "tensor_descriptors_fit", spy)
-    monkeypatch.setattr(backward, "tensor_descriptors_fit", spy)
-    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)  # D = 104 is a few K steps here
     dtype = (torch.float16, torch.bfloat16)[seed % 2]
     e, c, targets, options, bias, weight = make_case(seed, dtype, lead=(253,), v=1031, d=104)
     check_against_reference(e, c, targets, options, bias=bias, weight=weight)
-    assert fits == [True, True]
+    assert descriptor_fits == [True, True]
 
 
 FILTER_CASES = {

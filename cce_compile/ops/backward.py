@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..config.kernel_config import TileConfig
 from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
@@ -37,6 +38,12 @@ this many BLOCK_K steps. Each tile restarts the K pipeline; measured in the op o
 (benchmarks/results/profile-h200-v11-*), its slab cost against the pointer kernel's was 1.05
 against 1.19 x GEMM at D = 8192 (128 steps), 1.18 / 1.24 at 4096, 1.30 / 1.32 at 2304 and
 1.63 / 1.48 at 896 (14 steps)."""
+
+
+def recompute_is_persistent(d: int, tile: TileConfig) -> bool:
+    """Whether exact mode's recompute takes grad_logits_tma_kernel (where tensor descriptors
+    fit): the op and the tuner ask the same question."""
+    return cdiv(d, tile.block_k) >= PERSISTENT_MIN_K_STEPS
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
@@ -109,12 +116,10 @@ def linear_cross_entropy_backward(
         if scaled else lse
     )
     flags = kernel_flags(e)
-    persistent = (
-        not filtered and cdiv(d, logits_tile.block_k) >= PERSISTENT_MIN_K_STEPS
-        and tensor_descriptors_fit(e, c, grad_logits)
-    )
+    persistent = not filtered and recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
     if persistent:
         sms, shared_memory = device_limits(e.device)
+        persistent_stages = stages_beside_output(logits_tile, e.element_size(), shared_memory)
         descriptors = (
             TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
             TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
@@ -132,7 +137,7 @@ def linear_cross_entropy_backward(
                 HAS_SMOOTHING=has_smoothing, SCALED=scaled,
                 BLOCK_M=logits_tile.block_m, BLOCK_N=logits_tile.block_n, BLOCK_K=logits_tile.block_k,
                 GROUP_M=logits_tile.group_m, num_warps=logits_tile.num_warps,
-                num_stages=stages_beside_output(logits_tile, e.element_size(), shared_memory), **flags,
+                num_stages=persistent_stages, **flags,
             )
             return
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
@@ -149,9 +154,8 @@ def linear_cross_entropy_backward(
             num_warps=logits_tile.num_warps, num_stages=logits_tile.num_stages, **flags,
         )
 
-    # The bias gradient is the d-logits' column sums, collected per chunk (in vocab positions
-    # in filtered mode).
-    bias_chunks: list[Tensor] = []
+    # The bias gradient is the d-logits' column sums: one sum by vocab position (filtered
+    # mode), or one per chunk.
     if filtered:
         # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
         sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
@@ -200,13 +204,12 @@ def linear_cross_entropy_backward(
                     tile_sums = tile_sums * live[:, None] * (scale if scaled else 1.0)
                     positions = (lists.step_tiles[chunk, step] // chunk_tile_rows)[:, None] * logits_tile.block_n
                     bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
-        if bias is not None:
-            bias_chunks.append(bias_sum[:v])
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.
         cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered=False)
         last_slab = (v - 1) // plan.slab_v * plan.slab_v
+        bias_chunks: list[Tensor] = []
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
@@ -264,9 +267,10 @@ def linear_cross_entropy_backward(
                 bias_chunks.append(torch.cat(bias_slabs))
     if bias is None:
         return grad_e, grad_c, c.new_empty((0,))
-    grad_bias = torch.stack(bias_chunks).sum(dim=0)
-    if filtered:  # positions in the vocab order
-        grad_bias = torch.empty_like(grad_bias).index_copy_(0, vocab_order, grad_bias)
+    if filtered:  # back from positions in the vocab order
+        grad_bias = torch.empty(v, dtype=torch.float32, device=e.device).index_copy_(0, vocab_order, bias_sum[:v])
+    else:
+        grad_bias = torch.stack(bias_chunks).sum(dim=0)
     return grad_e, grad_c, grad_bias.to(bias.dtype)
 
 

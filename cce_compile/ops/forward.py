@@ -34,9 +34,9 @@ def linear_cross_entropy_forward(
     filtered = filter_eps > 0.0
     order = vocab_order(e, c, bias) if filtered else targets.new_empty((0,))
     tile_max = e.new_empty((0, 0), dtype=torch.float32)
+    tile = config.forward
+    vocab_tiles = cdiv(v, tile.block_n)
     if use_triton(e) and not filtered and tensor_descriptors_fit(e, c):
-        tile = config.forward
-        vocab_tiles = cdiv(v, tile.block_n)
         tile_lse = torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
         tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
@@ -53,8 +53,6 @@ def linear_cross_entropy_forward(
         lse = torch.logsumexp(tile_lse, dim=0)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
     elif use_triton(e):
-        tile = config.forward
-        vocab_tiles = cdiv(v, tile.block_n)
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
         partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)

@@ -154,7 +154,7 @@ class KernelSpace:
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
-            if p.persistent_logits and -(-p.d // tile.block_k) >= backward.PERSISTENT_MIN_K_STEPS:
+            if p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
                 stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
                 tile = replace(tile, num_stages=stages)
             return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config))
