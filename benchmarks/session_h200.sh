@@ -5,10 +5,12 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
+#   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
+#   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
@@ -48,6 +50,16 @@ for step in $STEPS; do
         > "$WORK/bench-run.log" 2>&1
       echo "bench: exit $?"
       grep "lm_like" "$WORK/bench-h200.md" 2>/dev/null | head -n 8 ;;
+    tune)
+      OUT="$WORK/tune" MODE="${TUNE_MODE:-exact}" BUDGET_S="${TUNE_BUDGET_S:-30}" SHAPES="$SHAPES" \
+        bash benchmarks/tune_h200.sh > "$WORK/tune.log" 2>&1
+      echo "tune: exit $?"
+      rm -f "$WORK/tune/tuning.db" ;;
+    host)
+      timeout 120 python3 benchmarks/probe_host.py $(printf -- '--shape %s ' ${HOST_SHAPES:-16384x896x151936}) \
+        --out "$WORK/probe-host.json" > "$WORK/probe-host.log" 2>&1
+      echo "host: exit $?"
+      cat "$WORK/probe-host.log" ;;
     *)
       echo "unknown step $step" >&2 ;;
   esac
