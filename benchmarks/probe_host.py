@@ -4,11 +4,11 @@
     PYTHONPATH=$PWD python benchmarks/probe_host.py --shape 16384x896x151936 --out probe.json
 
 Runs the backward op on LM-like bf16 inputs while timing, on the host, every Triton launch
-(by kernel) and every cuBLAS call the op makes, then reports microseconds per call and what
-is left (Python between the calls). The GPU is ahead of the host on host-bound shapes, so
-the host times are enqueue times, not waits. Beside them, a one-argument kernel's launch:
-the floor of a Triton launch on this machine. (In eager calls triton_op turns wrap_triton
-off, so the launches below go straight to Triton's JIT.)
+(by kernel, through ops/launch.KernelLauncher) and every cuBLAS call the op makes, then
+reports microseconds per call and what is left (Python between the calls); each with the
+launcher's reuse of compiled kernels on and off. The GPU is ahead of the host on host-bound
+shapes, so the host times are enqueue times, not waits. Beside them, a one-argument kernel's
+launch: the floor of a Triton launch on this machine.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
 from cce_compile.ops import backward as op_backward  # noqa: E402
 from cce_compile.ops.forward import linear_cross_entropy_forward  # noqa: E402
+from cce_compile.ops.launch import KernelLauncher  # noqa: E402
 
 SPENT: dict[str, list[float]] = defaultdict(list)
 
@@ -44,17 +45,14 @@ def timed(name: str, call):
     return run
 
 
-class TimedKernel:
-    """Stands in for wrap_triton(kernel) in ops/backward.py: the same launch, timed."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return timed(f"triton {self.kernel.fn.__name__}", WRAP_TRITON(self.kernel)[grid])
+LAUNCH = KernelLauncher.__call__
+LAUNCHER_INIT = KernelLauncher.__init__
 
 
-WRAP_TRITON = op_backward.wrap_triton
+def timed_launch(self, grid, *args, **kwargs):
+    start = time.perf_counter()
+    LAUNCH(self, grid, *args, **kwargs)
+    SPENT[f"triton {self.kernel.fn.__name__}"].append(time.perf_counter() - start)
 
 
 @triton.jit
@@ -62,7 +60,7 @@ def empty_kernel(x_ptr):
     tl.store(x_ptr + tl.program_id(0), 1.0)
 
 
-def probe(shape: str, mode: str, iters: int) -> dict:
+def probe(shape: str, mode: str, reuse: bool, iters: int) -> dict:
     s = parse_shape(shape)
     e, c, targets = lm_like_inputs(s.n, s.d, s.v, torch.bfloat16, "cuda", seed=0)
     filter_eps = FILTER_EPS if mode == "filtered" else 0.0
@@ -74,7 +72,7 @@ def probe(shape: str, mode: str, iters: int) -> dict:
             grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, tile_max, order,
             -100, 0.0, 0.0, filter_eps)
 
-    op_backward.wrap_triton = TimedKernel
+    KernelLauncher.__init__ = lambda self, kernel, on: LAUNCHER_INIT(self, kernel, on and reuse)
     backward()
     torch.cuda.synchronize()
     SPENT.clear()
@@ -86,12 +84,12 @@ def probe(shape: str, mode: str, iters: int) -> dict:
         host.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         wall.append(time.perf_counter() - start)
-    op_backward.wrap_triton = WRAP_TRITON
+    KernelLauncher.__init__ = LAUNCHER_INIT
     calls = {name: {"calls": len(t) / iters, "us_per_call": statistics.median(t) * 1e6,
                     "ms_per_pass": sum(t) / iters * 1e3} for name, t in SPENT.items()}
     host_ms = statistics.median(host) * 1e3
     timed_ms = sum(entry["ms_per_pass"] for entry in calls.values())
-    return {"shape": shape, "mode": mode, "host_ms": host_ms, "wall_ms": statistics.median(wall) * 1e3,
+    return {"shape": shape, "mode": mode, "reuse": reuse, "host_ms": host_ms, "wall_ms": statistics.median(wall) * 1e3,
             "untimed_python_ms": host_ms - timed_ms, "calls": calls}
 
 
@@ -105,6 +103,7 @@ def main() -> None:
     torch.mm = timed("cublas mm", torch.mm)
     torch.addmm = timed("cublas addmm", torch.addmm)
     torch.Tensor.addmm_ = timed("cublas addmm_", torch.Tensor.addmm_)
+    KernelLauncher.__call__ = timed_launch
 
     x = torch.zeros(1, device="cuda")
     empty_kernel[(1,)](x)
@@ -119,13 +118,14 @@ def main() -> None:
     print(f"one-argument Triton launch: {report['one_arg_launch_us']:.1f} us")
     for shape in args.shape or ["16384x896x151936"]:
         for mode in args.modes.split(","):
-            run = probe(shape, mode, args.iters)
-            report["runs"].append(run)
-            print(f"\n{shape} {mode}: host {run['host_ms']:.2f} ms, wall {run['wall_ms']:.2f} ms, "
-                  f"untimed Python {run['untimed_python_ms']:.2f} ms")
-            for name, entry in sorted(run["calls"].items(), key=lambda item: -item[1]["ms_per_pass"]):
-                print(f"  {name:40s} {entry['calls']:6.0f} calls {entry['us_per_call']:7.1f} us "
-                      f"{entry['ms_per_pass']:7.2f} ms/pass")
+            for reuse in (True, False):
+                run = probe(shape, mode, reuse, args.iters)
+                report["runs"].append(run)
+                print(f"\n{shape} {mode} (reuse {reuse}): host {run['host_ms']:.2f} ms, "
+                      f"wall {run['wall_ms']:.2f} ms, untimed Python {run['untimed_python_ms']:.2f} ms")
+                for name, entry in sorted(run["calls"].items(), key=lambda item: -item[1]["ms_per_pass"]):
+                    print(f"  {name:40s} {entry['calls']:6.0f} calls {entry['us_per_call']:7.1f} us "
+                          f"{entry['ms_per_pass']:7.2f} ms/pass")
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 

@@ -27,9 +27,10 @@ from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import (
-    cdiv, config_for, device_limits, kernel_flags, stages_beside_output, tensor_descriptors_fit, use_triton,
+    INTERPRET, cdiv, config_for, device_limits, kernel_flags, stages_beside_output, tensor_descriptors_fit, use_triton,
 )
 from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
+from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 
 PERSISTENT_MIN_K_STEPS = 32
@@ -117,6 +118,10 @@ def linear_cross_entropy_backward(
     )
     flags = kernel_flags(e)
     persistent = not filtered and recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
+    # Eager CUDA calls relaunch each step's kernels without Triton's per-launch binding.
+    reuse = e.is_cuda and not is_fake(e) and not INTERPRET
+    launch_grad_logits = KernelLauncher(grad_logits_tma_kernel if persistent else grad_logits_kernel, reuse)
+    launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
     if persistent:
         sms, shared_memory = device_limits(e.device)
         persistent_stages = stages_beside_output(logits_tile, e.element_size(), shared_memory)
@@ -130,8 +135,8 @@ def linear_cross_entropy_backward(
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
         grad_logits_tma_kernel for the slab where tensor descriptors fit and the K loop is long."""
         if persistent:
-            wrap_triton(grad_logits_tma_kernel)[(min(programs, sms),)](
-                *descriptors, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
+            launch_grad_logits(
+                (min(programs, sms),), *descriptors, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
                 row_start, row_end - row_start, col_start, col_end - col_start, d, sms, softcap,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
                 HAS_SMOOTHING=has_smoothing, SCALED=scaled,
@@ -141,8 +146,8 @@ def linear_cross_entropy_backward(
             )
             return
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
-        wrap_triton(grad_logits_kernel)[(programs,)](
-            e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
+        launch_grad_logits(
+            (programs,), e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
             vocab_order if filtered else targets, grad_logits, step_tiles, step_counts, step_index, capacity,
             chunk_tile_rows, row_start, row_end, col_start, col_end, d,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1),
@@ -166,7 +171,7 @@ def linear_cross_entropy_backward(
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
-            acc_offset = 0 if plan.fp32_accumulator else row_start * d
+            acc_row_start = 0 if plan.fp32_accumulator else row_start
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
                 step_index = chunk * steps.n_steps + step
@@ -174,8 +179,9 @@ def linear_cross_entropy_backward(
                 recompute(programs, row_start, row_start + rows, 0, v, step_index)
                 # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
                 columns = end_column - first_column
-                wrap_triton(sparse_matmul_kernel)[(columns * cdiv(d, dc_tile.block_n),)](
-                    grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
+                launch_sparse_matmul(
+                    (columns * cdiv(d, dc_tile.block_n),),
+                    grad_logits, e, row_start, vocab_order, grad_c, 0, vocab_order, grad_c, 0,
                     lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
                     lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
                     e.stride(0), e.stride(1),
@@ -187,8 +193,9 @@ def linear_cross_entropy_backward(
                 # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V; the last step
                 # writes dE itself.
                 tile_rows = cdiv(rows, logits_tile.block_m)
-                wrap_triton(sparse_matmul_kernel)[(tile_rows * cdiv(d, de_tile.block_n),)](
-                    grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
+                launch_sparse_matmul(
+                    (tile_rows * cdiv(d, de_tile.block_n),),
+                    grad_logits, c, 0, vocab_order, acc, acc_row_start, vocab_order, grad_e, row_start,
                     lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows,
                     lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
                     c.stride(0), c.stride(1),
@@ -209,14 +216,21 @@ def linear_cross_entropy_backward(
         # Inductor handles without copies.
         cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered=False)
         last_slab = (v - 1) // plan.slab_v * plan.slab_v
+        if cublas:  # views made once, not per step: each costs host time that small slabs lack
+            c_slabs, grad_c_slabs = c.split(plan.slab_v), grad_c.split(plan.slab_v)
         bias_chunks: list[Tensor] = []
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
             row_end = row_start + rows
             acc_offset = 0 if plan.fp32_accumulator else row_start * d
+            if cublas:
+                e_chunk = e[row_start:row_end]
+                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                d_logits_rows = grad_logits[:rows]
+                whole_slab = (d_logits_rows, d_logits_rows.T)
             bias_slabs: list[Tensor] = []
-            for col_start in range(0, v, plan.slab_v):
+            for slab, col_start in enumerate(range(0, v, plan.slab_v)):
                 col_end = min(col_start + plan.slab_v, v)
                 cols = col_end - col_start
                 recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
@@ -225,17 +239,17 @@ def linear_cross_entropy_backward(
                 if cublas:
                     # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
                     # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
-                    d_logits = grad_logits[:rows, :cols]
-                    grad_c_slab = grad_c[col_start:col_end]
+                    d_logits, d_logits_t = (
+                        whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
+                    )
                     if chunk == 0:
-                        torch.mm(d_logits.T, e[row_start:row_end], out=grad_c_slab)
+                        torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
                     else:
-                        grad_c_slab.addmm_(d_logits.T, e[row_start:row_end])
-                    acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                        grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
                     if col_start == 0:
-                        torch.mm(d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                        torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
                     else:
-                        torch.addmm(acc_rows, d_logits, c[col_start:col_end], out_dtype=acc.dtype, out=acc_rows)
+                        torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
                     if final:
                         grad_e[row_start:row_end].copy_(acc_rows)
                 else:
