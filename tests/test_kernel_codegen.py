@@ -132,8 +132,13 @@ LSE_FORWARD_TMA = {
     **{name: GRAD_LOGITS_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
                                                 "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
                                                 "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE")},
-    "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "N": "i32", "V": "i32",
-    "NEED_WEIGHTED_SUM": FALSE,
+    "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
+    "N": "i32", "V": "i32", "NEED_WEIGHTED_SUM": FALSE, "STORE_TILE_MAX": FALSE,
+}
+PERSISTENT = {
+    "grad_logits_tma_kernel": (grad_logits_tma_kernel, GRAD_LOGITS_TMA, TMA_STAGES),
+    "lse_forward_tma_kernel": (lse_forward_tma_kernel, LSE_FORWARD_TMA, 4),
+    "lse_forward_tma_kernel, filtered": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE}, 4),
 }
 
 
@@ -151,7 +156,7 @@ def test_operands_load_with_pipelined_16_byte_copies(name: str, compiled: dict[s
     assert compiled[name] == {"asynchronous copies": True, "16-byte copies": True, "wgmma": True}
 
 
-@pytest.mark.parametrize("name", ["grad_logits_tma_kernel", "lse_forward_tma_kernel"])
+@pytest.mark.parametrize("name", PERSISTENT)
 def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The tensor-descriptor kernels at the H200's bundled tile (128 x 256 x 64, 8 warps; the
     recompute with the stages stages_beside_output leaves it, the forward with 4): bulk
@@ -164,8 +169,7 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
 if __name__ == "__main__":
     found = {name: load_kinds(compile_for_hopper(kernel, args)) for name, (kernel, args) in GEMMS.items()}
     found.update({name: load_kinds(compile_for_hopper(kernel, args, num_stages=4)) for name, (kernel, args) in LOGITS.items()})
-    for name, kernel, args, stages in (("grad_logits_tma_kernel", grad_logits_tma_kernel, GRAD_LOGITS_TMA, TMA_STAGES),
-                                       ("lse_forward_tma_kernel", lse_forward_tma_kernel, LSE_FORWARD_TMA, 4)):
+    for name, (kernel, args, stages) in PERSISTENT.items():
         tma = compile_for_hopper(kernel, args, num_stages=stages)
         found[name] = {
             "bulk tensor copies": "cp.async.bulk.tensor" in tma.asm["ptx"], "wgmma": "wgmma.mma_async" in tma.asm["ptx"],

@@ -68,6 +68,31 @@ def test_exact_mode_through_tensor_descriptors(seed: int, descriptor_fits: list[
     assert descriptor_fits == [True, True]
 
 
+@pytest.mark.parametrize(("label_smoothing", "softcap"), [(0.1, 0.0), (0.0, 20.0)])
+def test_filtered_forward_through_tensor_descriptors(
+    label_smoothing: float, softcap: float, descriptor_fits: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Filtered mode's forward on 16-bit inputs walks a copy of c in vocab order with the
+    persistent kernel (filtering.in_vocab_order): the loss, lse and tile maxima (by position in
+    the order) of the pointer kernel, which gathers c's rows through the order; with a bias,
+    class weights under label smoothing, and ignored targets, whose positions stay outside."""
+    from cce_compile.ops import forward
+
+    e, c, targets = make_inputs("zipf", (253,), 1031, 104, torch.bfloat16, seed=7)
+    targets[::7] = -100
+    g = torch.Generator().manual_seed(8)
+    bias = (torch.randn(1031, generator=g) * 0.5).bfloat16()
+    weight = torch.rand(1031, generator=g) + 0.5
+    args = (e, c, targets, bias, weight, -100, label_smoothing, softcap, 2.0**-12)
+    through_descriptors = forward.linear_cross_entropy_forward(*args)
+    assert descriptor_fits == [True]
+    monkeypatch.setattr(forward, "tensor_descriptors_fit", lambda *tensors: False)
+    through_pointers = forward.linear_cross_entropy_forward(*args)
+    assert through_descriptors[2].shape == (253, through_descriptors[2].shape[1]) and through_descriptors[2].numel()
+    for got, expected in zip(through_descriptors, through_pointers):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 FILTER_CASES = {
     "one chunk": dict(lead=(96,), v=512, d=32, options={}, config=None),
     "chunks, slabs, bias, weights, smoothing": dict(

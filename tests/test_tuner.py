@@ -219,21 +219,27 @@ def test_candidates_fit_the_gpu_and_launch_differently() -> None:
 
 
 def test_persistent_kernels_drop_the_axes_they_ignore() -> None:
-    """Exact mode's 16-bit forward runs persistent (no vocab splits), and the persistent
-    recompute clamps its stages to what fits beside its staged output tile: candidates that
-    differ only there launch the same kernel and are not timed twice. Filtered mode's
-    forward still splits the vocabulary."""
+    """The 16-bit forward runs persistent in both modes (no vocab splits), and exact mode's
+    persistent recompute clamps its stages to what fits beside its staged output tile:
+    candidates that differ only there launch the same kernel and are not timed twice. An
+    fp32 forward still splits the vocabulary, and filtered mode's recompute (the pointer
+    kernel) keeps its stages."""
     bf16 = Limits(shared_memory_bytes=232_448, element_bytes=2)
     start = KernelConfig(forward=TileConfig(128, 256, 64, 8, 8, 4), grad_logits=TileConfig(128, 256, 64, 8, 8, 4),
                          vocab_splits=16)
     exact = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="exact")
     filtered = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="filtered")
     splits = {"vocab_splits": (1, 4, 16)}
+    fp32 = Problem(n=8192, v=128_256, d=4096, dtype="float32", mode="filtered")
     assert list(KernelSpace("forward", splits, exact, bf16).along(start, "vocab_splits")) == []
-    assert [c.vocab_splits for c in KernelSpace("forward", splits, filtered, bf16).along(start, "vocab_splits")] == [1, 4]
+    assert list(KernelSpace("forward", splits, filtered, bf16).along(start, "vocab_splits")) == []
+    fp32_limits = Limits(shared_memory_bytes=232_448, element_bytes=4)
+    assert [c.vocab_splits for c in KernelSpace("forward", splits, fp32, fp32_limits).along(start, "vocab_splits")] == [1, 4]
     stages = {"num_stages": (2, 3, 4, 5)}
     tried = KernelSpace("grad_logits", stages, exact, bf16).along(start, "num_stages")
     assert [config.grad_logits.num_stages for config in tried] == [2]  # 3, 4 and 5 all launch 3
+    tried = KernelSpace("grad_logits", stages, filtered, bf16).along(start, "num_stages")
+    assert [config.grad_logits.num_stages for config in tried] == [2, 3]  # 5 stages do not fit
     short_k = Problem(n=16384, v=151_936, d=896, dtype="bfloat16", mode="exact")  # 14 K steps: pointer kernel
     tried = KernelSpace("grad_logits", stages, short_k, bf16).along(start, "num_stages")
     assert [config.grad_logits.num_stages for config in tried] == [2, 3]  # 5 stages do not fit

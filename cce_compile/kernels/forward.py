@@ -90,20 +90,23 @@ def lse_forward_kernel(
 @triton.jit
 def lse_forward_tma_kernel(
     e_desc, c_desc, bias_ptr, targets_ptr, weight_ptr, tile_lse_ptr, target_logit_ptr, tile_weighted_sum_ptr,
-    N, V, D, num_programs, softcap,
+    tile_max_ptr, N, V, D, num_programs, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
+    STORE_TILE_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """lse_forward_kernel's exact mode as a persistent kernel on tensor descriptors: num_programs
-    programs walk the (row block, vocab tile) tiles in one flattened loop, so the copy engine
-    loads the next tile's operands while this tile's softmax runs (on the H200, in the op:
-    0.95-1.17 x a GEMM against lse_forward_kernel's 1.14-1.17 x, docs/performance.md v11).
+    """lse_forward_kernel as a persistent kernel on tensor descriptors: num_programs programs
+    walk the (row block, vocab tile) tiles in one flattened loop, so the copy engine loads the
+    next tile's operands while this tile's softmax runs (on the H200, in the op: 0.95-1.17 x a
+    GEMM against lse_forward_kernel's 1.14-1.17 x, docs/performance.md v11).
 
     Per tile it writes tile_lse[tile column, row], the rows' log-sum-exp over the tile's
     columns (the op merges them), the target's logit to target_logit[row] where the target
     falls in the tile (one tile per row, so no two programs write a row; out-of-range targets
-    match none), and with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum.
+    match none), with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum, and with
+    STORE_TILE_MAX (filtered mode, whose op hands it the vocabulary already in vocab order)
+    the rows' largest logit to tile_max[row, tile column].
     """
     num_m = tl.cdiv(N, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -126,6 +129,8 @@ def lse_forward_tma_kernel(
                      mask=row_mask)
         logits = tl.where(col_mask[None, :], logits, float("-inf"))
         tile_max = tl.max(logits, axis=1)
+        if STORE_TILE_MAX:
+            tl.store(tile_max_ptr + rows.to(tl.int64) * num_n + pid_n, tile_max, mask=row_mask)
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)  # as in lse_forward_kernel
         tile_lse = shift + tl.log(tl.sum(tl.exp(logits - shift[:, None]), axis=1))
         tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)

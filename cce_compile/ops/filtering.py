@@ -32,6 +32,30 @@ def vocab_order(e: Tensor, c: Tensor, bias: Tensor | None) -> Tensor:
     return torch.argsort(mean_logit, descending=True, stable=True)
 
 
+def target_positions(order: Tensor, targets: Tensor) -> Tensor:
+    """Each target's position in `order`; targets outside the vocabulary (ignore_index) stay
+    as they are, outside it."""
+    v = order.shape[0]
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(v, device=order.device))
+    valid = (targets >= 0) & (targets < v)
+    return torch.where(valid, position[targets.clamp(0, v - 1)], targets)
+
+
+def in_vocab_order(
+    order: Tensor, c: Tensor, bias: Tensor | None, weight: Tensor | None, targets: Tensor
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """(c, bias, weight, targets) with the vocabulary permuted into `order`, for the
+    persistent forward: the copy engine loads tiles of whole rows and cannot gather them
+    through `order` (Hopper has no row gather), so c is copied once, in order. The copy is as
+    large as dC and lives for the forward only, so it adds nothing to the backward's peak."""
+    return (
+        c.index_select(0, order),
+        None if bias is None else bias.index_select(0, order),
+        None if weight is None else weight.index_select(0, order),
+        target_positions(order, targets),
+    )
+
+
 def kept_tile_mask(
     tile_max: Tensor, lse: Tensor, targets: Tensor, order: Tensor, filter_eps: float,
     forward_block_n: int, block_m: int, block_n: int,
@@ -51,9 +75,8 @@ def kept_tile_mask(
         keep = F.pad(keep, (0, (-keep.shape[1]) % ratio)).reshape(n, -1, ratio).amax(dim=2)
     keep = keep[:, : cdiv(v, block_n)].contiguous()
     # A target's -1 is never small: its tile stays whatever its softmax.
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(v, device=order.device))
     valid = (targets >= 0) & (targets < v)
-    target_tile = torch.where(valid, position[targets.clamp(0, v - 1)] // block_n, 0)[:, None]
+    target_tile = torch.where(valid, target_positions(order, targets) // block_n, 0)[:, None]
     keep.scatter_(1, target_tile, torch.maximum(keep.gather(1, target_tile), valid[:, None].to(torch.int8)))
     keep = F.pad(keep, (0, 0, 0, (-n) % block_m))
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)

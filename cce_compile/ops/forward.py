@@ -10,7 +10,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from .cpu_path import forward_cpu
 from .dispatch import cdiv, config_for, device_limits, kernel_flags, tensor_descriptors_fit, use_triton
-from .filtering import vocab_order
+from .filtering import in_vocab_order, vocab_order
 from .loss_terms import token_loss
 
 
@@ -21,33 +21,39 @@ def linear_cross_entropy_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_max, vocab_order).
 
-    loss and lse are fp32. `softcap` 0 means none. Exact mode on 16-bit inputs whose rows suit
-    tensor descriptors runs the persistent lse_forward_tma_kernel, otherwise lse_forward_kernel
-    (vocab splits). With filter_eps > 0 (filtered mode) the
-    forward also returns what the backward filters with (ops/filtering.py): the vocabulary
-    order and, on the Triton path, each row's largest logit per vocab tile of that order;
-    otherwise both are empty.
+    loss and lse are fp32. `softcap` 0 means none. 16-bit inputs whose rows suit tensor
+    descriptors run the persistent lse_forward_tma_kernel, others lse_forward_kernel (vocab
+    splits). With filter_eps > 0 (filtered mode) the forward also returns what the backward
+    filters with (ops/filtering.py): the vocabulary order and, on the Triton path, each row's
+    largest logit per vocab tile of that order; otherwise both are empty.
     """
     n, v = e.shape[0], c.shape[0]
     config = config_for(e, c, filter_eps)
     need_weighted_sum = label_smoothing > 0.0
     filtered = filter_eps > 0.0
     order = vocab_order(e, c, bias) if filtered else targets.new_empty((0,))
-    tile_max = e.new_empty((0, 0), dtype=torch.float32)
     tile = config.forward
     vocab_tiles = cdiv(v, tile.block_n)
-    if use_triton(e) and not filtered and tensor_descriptors_fit(e, c):
+    tile_max = torch.empty((n, vocab_tiles) if filtered and use_triton(e) else (0, 0), dtype=torch.float32,
+                           device=e.device)
+    if use_triton(e) and tensor_descriptors_fit(e, c):
+        # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
+        # by position in it); the copy of c is freed when the forward returns.
+        c_walk, bias_walk, weight_walk, targets_walk = (
+            in_vocab_order(order, c, bias, weight, targets) if filtered else (c, bias, weight, targets)
+        )
         tile_lse = torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
         tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
         sms = device_limits(e.device)[0]
         wrap_triton(lse_forward_tma_kernel)[(min(sms, cdiv(n, tile.block_m) * vocab_tiles),)](
             TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
-            TensorDescriptor.from_tensor(c, [tile.block_n, tile.block_k]),
-            bias, targets, weight, tile_lse, target_logit, tile_weighted_sum, n, v, e.shape[1], sms, softcap,
+            TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k]),
+            bias_walk, targets_walk, weight_walk, tile_lse, target_logit, tile_weighted_sum,
+            tile_max if filtered else tile_lse, n, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=filtered, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
         lse = torch.logsumexp(tile_lse, dim=0)
@@ -56,8 +62,6 @@ def linear_cross_entropy_forward(
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
         partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)
-        if filtered:
-            tile_max = torch.empty((n, vocab_tiles), dtype=torch.float32, device=e.device)
         grid = (cdiv(n, tile.block_m) * num_splits,)
         wrap_triton(lse_forward_kernel)[grid](
             e, c, bias, targets, weight, order if filtered else targets,

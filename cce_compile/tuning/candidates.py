@@ -63,10 +63,10 @@ class Problem:
 
     @property
     def persistent_logits(self) -> bool:
-        """Whether exact mode's logits kernels can run persistent on tensor descriptors here
+        """Whether the logits kernels can run persistent on tensor descriptors here
         (ops/dispatch.py; the tuner's inputs are contiguous): the forward then has no vocab
-        splits, and the recompute clamps its stages (where its K loop is long enough)."""
-        return self.mode == "exact" and dispatch.descriptor_rows_fit(self.element_bytes, self.d)
+        splits, and exact mode's recompute clamps its stages (where its K loop is long enough)."""
+        return dispatch.descriptor_rows_fit(self.element_bytes, self.d)
 
     def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
         """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
@@ -154,7 +154,7 @@ class KernelSpace:
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
-            if p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
+            if p.mode == "exact" and p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
                 stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
                 tile = replace(tile, num_stages=stages)
             return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config))
