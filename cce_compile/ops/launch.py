@@ -51,6 +51,7 @@ class KernelLauncher:
         if entry is None:
             self.compiled[key] = (self.kernel[grid](*args, **kwargs), args)
             return
-        # The compiled kernel takes every parameter in order, constexprs included (it skips them).
+        # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
+        # included (it skips them).
         constexprs = (kwargs[name] for name in self.kernel.arg_names[len(args):])
-        entry[0][grid](*args, *constexprs)
+        entry[0][(*grid, 1, 1)[:3]](*args, *constexprs)
