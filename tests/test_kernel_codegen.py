@@ -40,8 +40,7 @@ def constexpr(value: Any) -> tuple[str, Any]:
 
 def compile_for_hopper(kernel: Any, args: dict[str, Any], num_warps: int = 8, num_stages: int = 3) -> Any:
     """Compile `kernel` as a launch with these arguments would: pointers and other integers
-    16-aligned (as the op's buffers and sizes are) except the integers the kernel does not
-    specialize on, unit strides specialized."""
+    16-aligned (as the op's buffers and sizes are), unit strides specialized."""
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         kind = args[param.name]
@@ -53,7 +52,7 @@ def compile_for_hopper(kernel: Any, args: dict[str, Any], num_warps: int = 8, nu
             constexprs[(index,)] = 1
         else:
             signature[param.name] = kind
-            if kind.startswith("*") or (kind in ("i32", "i64") and not param.do_not_specialize):
+            if kind.startswith("*") or kind in ("i32", "i64"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
@@ -77,8 +76,8 @@ GEMM = {
     "BLOCK_K": constexpr(64), "GROUP_M": constexpr(8), **FLAGS,
 }
 SPARSE = {
-    "a_ptr": "*bf16", "b_ptr": "*bf16", "b_row_start": "i32", "b_index_ptr": "*i64", "out_ptr": "*fp32",
-    "out_row_start": "i32", "out_index_ptr": "*i64", "final_ptr": "*bf16", "final_row_start": "i32",
+    "a_ptr": "*bf16", "b_ptr": "*bf16", "b_offset": "i32", "b_index_ptr": "*i64", "out_ptr": "*fp32",
+    "out_offset": "i32", "out_index_ptr": "*i64", "final_ptr": "*bf16", "final_offset": "i32",
     "begin_ptr": "*i32", "count_ptr": "*i32", "lists_offset": "i32", "m_tile_offset": "i32", "m_tiles": "i32",
     "entry_slots_ptr": "*i32", "entry_tiles_ptr": "*i32", "entries_offset": "i32",
     "scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_bk": "i32", "stride_bn": ONE,

@@ -1,8 +1,8 @@
 """ops/launch.py: when a relaunch may reuse an earlier launch's compiled kernel.
 
 The reuse itself needs a GPU (tests/test_gpu.py runs the backward with it on and off); what
-decides it, launch_key, is tested here: a key too coarse would launch a kernel compiled for
-other arguments."""
+decides it, launch_key, is tested here: a key coarser than Triton's specialization would
+launch a kernel compiled for other arguments."""
 
 from __future__ import annotations
 
@@ -10,32 +10,32 @@ import torch
 
 from cce_compile.ops.launch import launch_key
 
-FREE = frozenset({1})
+
+def test_integers_match_by_what_triton_specializes() -> None:
+    assert launch_key((32, 7), {}) == launch_key((4096, 23), {})  # 16-divisible; neither
+    assert launch_key((32,), {}) != launch_key((33,), {})  # the alignment hint
+    assert launch_key((1,), {}) != launch_key((3,), {})  # 1 is compiled in as a constant
+    assert launch_key((16,), {}) != launch_key((2**31,), {})  # i32 against i64
+    assert launch_key((2**62,), {}) != launch_key((2**63,), {})  # i64 against u64
+    assert launch_key((-16,), {}) == launch_key((16,), {})
 
 
-def test_free_integers_differ_only_across_32_bits() -> None:
-    assert launch_key((7, 128, 5), {}, FREE) == launch_key((7, 4096 + 3, 5), {}, FREE)
-    assert launch_key((7, 128, 5), {}, FREE) != launch_key((7, 2**31, 5), {}, FREE)
-    assert launch_key((7, -(2**31), 5), {}, FREE) != launch_key((7, -(2**31) - 1, 5), {}, FREE)
-
-
-def test_specialized_scalars_match_by_value() -> None:
-    assert launch_key((7, 1, 5), {}, FREE) != launch_key((16, 1, 5), {}, FREE)
-    assert launch_key((7, 1, 0.5), {}, FREE) != launch_key((7, 1, 0.25), {}, FREE)
-    assert launch_key((None, 1, True), {}, FREE) != launch_key((None, 1, False), {}, FREE)
-    assert launch_key((None, 1, 2), {}, FREE) == launch_key((None, 1, 2), {}, FREE)
+def test_other_scalars_match_by_value() -> None:
+    assert launch_key((0.5,), {}) != launch_key((0.25,), {})
+    assert launch_key((True,), {}) != launch_key((False,), {})
+    assert launch_key((True,), {}) != launch_key((1,), {})  # a bool is not the integer 1
+    assert launch_key((None, 2.0), {}) == launch_key((None, 2.0), {})
 
 
 def test_tensors_match_by_identity_only() -> None:
     a = torch.arange(8.0)
-    same_values = a.clone()
-    assert launch_key((a, 1), {}, FREE) == launch_key((a, 2), {}, FREE)
-    assert launch_key((a, 1), {}, FREE) != launch_key((same_values, 1), {}, FREE)
-    assert launch_key((a, 1), {}, FREE) != launch_key((a[1:], 1), {}, FREE)
+    assert launch_key((a, 1), {}) == launch_key((a, 1), {})
+    assert launch_key((a,), {}) != launch_key((a.clone(),), {})
+    assert launch_key((a,), {}) != launch_key((a[1:],), {})
 
 
 def test_constexprs_and_launch_options_are_part_of_the_key() -> None:
-    base = launch_key((7, 1), {"ACCUMULATE": False, "num_warps": 8}, FREE)
-    assert base == launch_key((7, 2), {"ACCUMULATE": False, "num_warps": 8}, FREE)
-    assert base != launch_key((7, 1), {"ACCUMULATE": True, "num_warps": 8}, FREE)
-    assert base != launch_key((7, 1), {"ACCUMULATE": False, "num_warps": 4}, FREE)
+    base = launch_key((32,), {"ACCUMULATE": False, "num_warps": 8})
+    assert base == launch_key((48,), {"ACCUMULATE": False, "num_warps": 8})
+    assert base != launch_key((32,), {"ACCUMULATE": True, "num_warps": 8})
+    assert base != launch_key((32,), {"ACCUMULATE": False, "num_warps": 4})

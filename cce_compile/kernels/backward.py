@@ -45,7 +45,7 @@ def grad_from_logits(
     return grad
 
 
-@triton.jit(do_not_specialize=["step_index", "row_start", "row_end", "col_start", "col_end"])
+@triton.jit
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, vocab_order_ptr,
@@ -109,7 +109,7 @@ def grad_logits_kernel(
         tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit(do_not_specialize=["row_start", "rows", "col_start", "cols"])
+@triton.jit
 def grad_logits_tma_kernel(
     e_desc, c_desc, grad_logits_desc, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr,
@@ -188,11 +188,9 @@ def matmul_kernel(
     )
 
 
-@triton.jit(do_not_specialize=[
-    "b_row_start", "out_row_start", "final_row_start", "lists_offset", "m_tile_offset", "m_tiles", "entries_offset",
-])
+@triton.jit
 def sparse_matmul_kernel(
-    a_ptr, b_ptr, b_row_start, b_index_ptr, out_ptr, out_row_start, out_index_ptr, final_ptr, final_row_start,
+    a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
     begin_ptr, count_ptr, lists_offset, m_tile_offset, m_tiles, entry_slots_ptr, entry_tiles_ptr, entries_offset,
     scale_ptr, M, N, K,
     stride_bk, stride_bn,
@@ -213,11 +211,8 @@ def sparse_matmul_kernel(
     - dC (BY_COLUMN): m tiles are tile columns, whose slots are contiguous (the entries are
       the slots) and entry_tiles gives each slot's tile row; dC[vocab_order[...]] (+)=
       tiles.T @ e chunk (out's rows scattered through out_index), M = V, K = chunk rows.
-    Out, final: row-major with N columns, from rows out_row_start / final_row_start; b from
-    row b_row_start (as row indices, not element offsets, so the pointers keep the strides'
-    alignment: these change between a backward's launches and are not specialized on).
-    ACCUMULATE, FINAL and SCALED as in finish_gemm; an accumulating program with no kept tile
-    leaves `out` untouched.
+    Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
+    accumulating program with no kept tile leaves `out` untouched.
     """
     PARTS: tl.constexpr = TILE_K // BLOCK_K
     TILE: tl.constexpr = TILE_M * TILE_K
@@ -230,7 +225,6 @@ def sparse_matmul_kernel(
     n_mask = offs_n < N
     begin = entries_offset + tl.load(begin_ptr + lists_offset + m_tile)
     kept = tl.load(count_ptr + lists_offset + m_tile)
-    b_base = b_ptr + b_row_start.to(tl.int64) * stride_bk
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     # One flat loop over (kept tile, part of it): no branch, so the loads pipeline.
     for step in range(0, kept * PARTS):
@@ -249,7 +243,7 @@ def sparse_matmul_kernel(
         b_rows = offs_k
         if not BY_COLUMN:
             b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0)
-        b = load_tile(b_base, b_rows, offs_n, k_mask, n_mask, stride_bk, stride_bn)
+        b = load_tile(b_ptr + b_offset, b_rows, offs_n, k_mask, n_mask, stride_bk, stride_bn)
         acc = mma(acc, a, b, UPCAST, IEEE)
     out_rows = offs_m.to(tl.int64)
     if BY_COLUMN:
@@ -259,6 +253,6 @@ def sparse_matmul_kernel(
         live_m = tl.where(kept > 0, M, 0)
     out = out_rows[:, None] * N + offs_n.to(tl.int64)[None, :]
     finish_gemm(
-        acc, out_ptr + out_row_start.to(tl.int64) * N + out, final_ptr + final_row_start.to(tl.int64) * N + out,
+        acc, out_ptr + out_offset + out, final_ptr + final_offset + out,
         (offs_m < live_m)[:, None] & n_mask[None, :], scale_ptr, ACCUMULATE, FINAL, SCALED,
     )

@@ -171,7 +171,7 @@ def linear_cross_entropy_backward(
         for chunk in range(plan.n_chunks):
             row_start = chunk * chunk_rows
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
-            acc_row_start = 0 if plan.fp32_accumulator else row_start
+            acc_offset = 0 if plan.fp32_accumulator else row_start * d
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
                 step_index = chunk * steps.n_steps + step
@@ -181,7 +181,7 @@ def linear_cross_entropy_backward(
                 columns = end_column - first_column
                 launch_sparse_matmul(
                     (columns * cdiv(d, dc_tile.block_n),),
-                    grad_logits, e, row_start, vocab_order, grad_c, 0, vocab_order, grad_c, 0,
+                    grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
                     lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
                     lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
                     e.stride(0), e.stride(1),
@@ -195,7 +195,7 @@ def linear_cross_entropy_backward(
                 tile_rows = cdiv(rows, logits_tile.block_m)
                 launch_sparse_matmul(
                     (tile_rows * cdiv(d, de_tile.block_n),),
-                    grad_logits, c, 0, vocab_order, acc, acc_row_start, vocab_order, grad_e, row_start,
+                    grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
                     lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows,
                     lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
                     c.stride(0), c.stride(1),
