@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_kernels import host_and_wall_ms  # noqa: E402
 
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
@@ -76,20 +79,12 @@ def probe(shape: str, mode: str, reuse: bool, iters: int) -> dict:
     backward()
     torch.cuda.synchronize()
     SPENT.clear()
-    host, wall = [], []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        backward()
-        host.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        wall.append(time.perf_counter() - start)
+    host_ms, wall_ms = host_and_wall_ms(backward, iters)
     KernelLauncher.__init__ = LAUNCHER_INIT
     calls = {name: {"calls": len(t) / iters, "us_per_call": statistics.median(t) * 1e6,
                     "ms_per_pass": sum(t) / iters * 1e3} for name, t in SPENT.items()}
-    host_ms = statistics.median(host) * 1e3
     timed_ms = sum(entry["ms_per_pass"] for entry in calls.values())
-    return {"shape": shape, "mode": mode, "reuse": reuse, "host_ms": host_ms, "wall_ms": statistics.median(wall) * 1e3,
+    return {"shape": shape, "mode": mode, "reuse": reuse, "host_ms": host_ms, "wall_ms": wall_ms,
             "untimed_python_ms": host_ms - timed_ms, "calls": calls}
 
 
