@@ -136,7 +136,8 @@ def linear_cross_entropy_backward(
         grad_logits_tma_kernel for the slab where tensor descriptors fit and the K loop is long."""
         if persistent:
             launch_grad_logits(
-                (min(programs, sms),), *descriptors, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
+                (min(programs, sms),), *descriptors, bias, targets, weight, lse,
+                coef_softmax, coef_target, coef_smooth, scale,
                 row_start, row_end - row_start, col_start, col_end - col_start, d, sms, softcap,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
                 HAS_SMOOTHING=has_smoothing, SCALED=scaled,
