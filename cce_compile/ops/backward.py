@@ -118,8 +118,9 @@ def linear_cross_entropy_backward(
     )
     flags = kernel_flags(e)
     persistent = not filtered and recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
+    eager_cuda = e.is_cuda and not is_fake(e)
     # Eager CUDA calls relaunch each step's kernels without Triton's per-launch binding.
-    reuse = e.is_cuda and not is_fake(e) and not INTERPRET
+    reuse = eager_cuda and not INTERPRET
     launch_grad_logits = KernelLauncher(grad_logits_tma_kernel if persistent else grad_logits_kernel, reuse)
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
     if persistent:
@@ -160,6 +161,14 @@ def linear_cross_entropy_backward(
             num_warps=logits_tile.num_warps, num_stages=logits_tile.num_stages, **flags,
         )
 
+    def token_chunks():
+        """(chunk, first row, rows, the dE accumulator's element offset) per token chunk; the
+        last chunk may be short (rows is symbolic under torch.compile)."""
+        for chunk in range(plan.n_chunks):
+            row_start = chunk * chunk_rows
+            rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
+            yield chunk, row_start, rows, 0 if plan.fp32_accumulator else row_start * d
+
     # The bias gradient is the d-logits' column sums: one sum by vocab position (filtered
     # mode), or one per chunk.
     if filtered:
@@ -169,10 +178,7 @@ def linear_cross_entropy_backward(
             bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
             slot_ids = torch.arange(capacity, device=e.device)
             in_tile = torch.arange(logits_tile.block_n, device=e.device)
-        for chunk in range(plan.n_chunks):
-            row_start = chunk * chunk_rows
-            rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
-            acc_offset = 0 if plan.fp32_accumulator else row_start * d
+        for chunk, row_start, rows, acc_offset in token_chunks():
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
                 step_index = chunk * steps.n_steps + step
@@ -215,16 +221,13 @@ def linear_cross_entropy_backward(
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.
-        cublas = gradient_gemms_in_cublas(e.is_cuda and not is_fake(e), e.dtype, filtered=False)
+        cublas = gradient_gemms_in_cublas(eager_cuda, e.dtype, filtered=False)
         last_slab = (v - 1) // plan.slab_v * plan.slab_v
         if cublas:  # views made once, not per step: each costs host time that small slabs lack
             c_slabs, grad_c_slabs = c.split(plan.slab_v), grad_c.split(plan.slab_v)
         bias_chunks: list[Tensor] = []
-        for chunk in range(plan.n_chunks):
-            row_start = chunk * chunk_rows
-            rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
+        for chunk, row_start, rows, acc_offset in token_chunks():
             row_end = row_start + rows
-            acc_offset = 0 if plan.fp32_accumulator else row_start * d
             if cublas:
                 e_chunk = e[row_start:row_end]
                 acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]

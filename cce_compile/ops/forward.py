@@ -34,9 +34,9 @@ def linear_cross_entropy_forward(
     order = vocab_order(e, c, bias) if filtered else targets.new_empty((0,))
     tile = config.forward
     vocab_tiles = cdiv(v, tile.block_n)
-    tile_max = torch.empty((n, vocab_tiles) if filtered and use_triton(e) else (0, 0), dtype=torch.float32,
-                           device=e.device)
-    if use_triton(e) and tensor_descriptors_fit(e, c):
+    on_triton = use_triton(e)
+    tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
+    if on_triton and tensor_descriptors_fit(e, c):
         # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
         # by position in it); the copy of c is freed when the forward returns.
         c_walk, bias_walk, weight_walk, targets_walk = (
@@ -58,7 +58,7 @@ def linear_cross_entropy_forward(
         )
         lse = torch.logsumexp(tile_lse, dim=0)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
-    elif use_triton(e):
+    elif on_triton:
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
         partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)
