@@ -37,8 +37,10 @@ from cce_compile.ops import backward as op_backward  # noqa: E402
 
 def idle_gaps(prof, iters: int, top: int = 8) -> dict:
     """Where the GPU sat idle between two of the pass's kernels (CUDA only): the total per
-    pass and the longest gaps with the kernels on either side. Idle time is wall clock
-    that no kernel optimization recovers (host launch time, host syncs, allocations)."""
+    pass, the longest gaps with the kernels on either side, and the idle time per pass
+    summed by the kernel that ended it (many short gaps before small torch operations show
+    there, where no single gap is long). Idle time is wall clock that no kernel
+    optimization recovers (host launch time, host syncs, allocations)."""
     kernels = sorted(
         (event.time_range.start, event.time_range.end, event.name)
         for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA
@@ -47,8 +49,15 @@ def idle_gaps(prof, iters: int, top: int = 8) -> dict:
             for (_, prev_end, prev_name), (start, _, name) in zip(kernels, kernels[1:]) if start > prev_end]
     # The gaps between passes (the host resetting grads, the profiler's own step) are no one's.
     gaps = sorted(gaps, reverse=True)[iters - 1:] if iters > 1 else gaps
+    by_next: dict[str, list[float]] = {}
+    for gap, _, name in gaps:
+        total = by_next.setdefault(name[:80], [0.0, 0])
+        total[0] += gap / 1000 / iters
+        total[1] += 1 / iters
+    ranked = sorted(by_next.items(), key=lambda item: -item[1][0])[:top]
     return {"idle_ms": sum(gap for gap, _, _ in gaps) / 1000 / iters,
-            "longest": [{"us": gap, "after": before[:80], "before": after[:80]} for gap, before, after in gaps[:top]]}
+            "longest": [{"us": gap, "after": before[:80], "before": after[:80]} for gap, before, after in gaps[:top]],
+            "by_next_kernel": [{"ms": ms, "gaps": count, "before": name} for name, (ms, count) in ranked]}
 
 
 def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, float]], dict | None]:
@@ -162,6 +171,9 @@ def main() -> None:
             print(f"  GPU idle between kernels: {idle['idle_ms']:.3f} ms per pass; longest gaps:")
             for gap in idle["longest"]:
                 print(f"    {gap['us']:8.1f} us  after {gap['after'][:50]}  before {gap['before'][:50]}")
+            print("  GPU idle per pass by the kernel that ended it:")
+            for entry in idle["by_next_kernel"]:
+                print(f"    {entry['ms']:8.3f} ms in {entry['gaps']:5.1f} gaps  before {entry['before'][:60]}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 

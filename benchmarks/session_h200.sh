@@ -5,12 +5,13 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order (also: tune, host)
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
 #   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
+#   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
@@ -60,6 +61,13 @@ for step in $STEPS; do
         --out "$WORK/probe-host.json" > "$WORK/probe-host.log" 2>&1
       echo "host: exit $?"
       cat "$WORK/probe-host.log" ;;
+    sweep)
+      for shape in ${SWEEP_SHAPES:-$SHAPES}; do
+        timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \
+          --out "$WORK/sweep-$shape.json" > "$WORK/sweep-$shape.log" 2>&1
+        echo "sweep $shape: exit $?"
+        cat "$WORK/sweep-$shape.log"
+      done ;;
     *)
       echo "unknown step $step" >&2 ;;
   esac

@@ -151,29 +151,50 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
 
 
+def lm_like_tile_mask(tile_rows: int, tile_columns: int, seed: int) -> torch.Tensor:
+    """Kept tiles as a sorted vocabulary has them: the first columns nearly full, a sparse tail."""
+    g = torch.Generator().manual_seed(seed)
+    density = torch.linspace(0.95, 0.0, tile_columns) ** 3 + 0.03
+    return (torch.rand(tile_rows, tile_columns, generator=g) < density).to(torch.int8)
+
+
+MASKS = {
+    # tile rows x columns, token chunks, chunk tile rows, slab columns
+    "small": (11, 19, 2, 6, 2),
+    # wider than the list kernel's column blocks (64 columns at 40 rows): sums carried
+    # across blocks
+    "lm-like": (90, 150, 3, 40, 4),
+    # one-column slabs: a step holds one full column, so packing's step numbers jump
+    "one-column slabs": (12, 30, 1, 12, 1),
+}
+
+
 @pytest.mark.parametrize("steps", ["slabs", "packed"])
-def test_step_lists_match_the_mask(steps: str) -> None:
-    """The filtered backward's work lists, per (chunk, step), against the mask they come
-    from: the step's kept tiles in column-major slots (grad_logits), each tile column's
-    contiguous slots and their tile rows (dC), each tile row's slots and tile columns in
-    column order (dE); fixed slabs (traced calls) or packed steps (eager), which never hold
-    more than their capacity and never split a column."""
+@pytest.mark.parametrize("case", MASKS)
+def test_step_lists_match_the_mask(case: str, steps: str) -> None:
+    """The filtered backward's work lists (step_lists_kernel), per (chunk, step), against the
+    mask they come from: the step's kept tiles in column-major slots (grad_logits), each tile
+    column's contiguous slots and their tile rows (dC), each tile row's slots and tile
+    columns in column order (dE); fixed slabs (traced calls) or packed steps (eager), which
+    never hold more than their capacity and never split a column."""
     from cce_compile.ops.filtering import chunk_tile_mask, filtered_steps, step_lists
 
-    g = torch.Generator().manual_seed(0)
-    tile_mask = (torch.rand(11, 19, generator=g) < 0.3).to(torch.int8)
+    tile_rows, tile_columns, n_chunks, rows, slab_tiles = MASKS[case]
+    tile_mask = lm_like_tile_mask(tile_rows, tile_columns, seed=0)
     tile_mask[2] = 0  # a tile row with no kept tile
     tile_mask[:6, 4] = 1  # a full column
-    n_chunks, rows, slab_tiles = 2, 6, 2
+    if case == "lm-like":
+        tile_mask[(n_chunks - 1) * rows:] = 0  # a chunk with no kept tile
     mask = chunk_tile_mask(tile_mask, n_chunks, rows)
     capacity = rows * slab_tiles
     plan = filtered_steps(mask, capacity, slab_tiles, packed=steps == "packed")
-    lists = step_lists(mask, plan.step_of_column, plan.n_steps, capacity)
+    lists = step_lists(mask, plan, capacity)
     if steps == "packed":
-        assert max(map(len, plan.columns)) < len(range(0, 19, slab_tiles)), "packing saved no step"
+        assert max(map(len, plan.columns)) < len(range(0, tile_columns, slab_tiles)), "packing saved no step"
     for chunk in range(n_chunks):
-        assert plan.columns[chunk][0][0] == 0 and plan.columns[chunk][-1][1] == 19
+        assert plan.columns[chunk][0][0] == 0 and plan.columns[chunk][-1][1] == tile_columns
         for step, (first, end) in enumerate(plan.columns[chunk]):
+            assert end > first, "an empty step"
             tiles = [(col, row) for col in range(first, end) for row in range(rows) if mask[chunk, row, col]]
             assert len(tiles) <= capacity and lists.step_counts[chunk, step] == len(tiles)
             if plan.counts is not None:

@@ -9,9 +9,9 @@ never more than the slab's logits in memory. Filtered mode walks the vocabulary 
 forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.py keeps
 from the forward's tile maxima, into a compact buffer (one slot per kept tile); the two
 GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
-steps at once in torch. In eager calls a step spans as many vocab tiles as its kept tiles
-fill the scratch (few, full steps where the vocabulary's tail is mostly dropped); traced
-calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs the dense path.
+steps in one launch (step_lists_kernel). In eager calls a step spans as many vocab tiles as
+its kept tiles fill the scratch (few, full steps where the vocabulary's tail is mostly
+dropped); traced calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs the dense path.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def linear_cross_entropy_backward(
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
         if filtered:
-            lists = step_lists(mask, steps.step_of_column, steps.n_steps, capacity)
+            lists = step_lists(mask, steps, capacity)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     grad_logits = torch.empty(
@@ -216,7 +216,8 @@ def linear_cross_entropy_backward(
                     tile_sums = grad_logits.sum(dim=1, dtype=torch.float32)  # (capacity, block_n)
                     live = slot_ids < lists.step_counts[chunk, step]
                     tile_sums = tile_sums * live[:, None] * (scale if scaled else 1.0)
-                    positions = (lists.step_tiles[chunk, step] // chunk_tile_rows)[:, None] * logits_tile.block_n
+                    tiles = torch.where(live, lists.step_tiles[chunk, step], 0)  # slots past the count: unset
+                    positions = (tiles // chunk_tile_rows)[:, None] * logits_tile.block_n
                     bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations

@@ -1,4 +1,4 @@
-"""Filtered mode's bookkeeping in torch: the vocabulary order both passes walk, and which
+"""Filtered mode's bookkeeping: the vocabulary order both passes walk, and which
 d-logits tiles the backward computes at all.
 
 The forward walks the vocabulary in `vocab_order` and records each row's largest logit per
@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
 from torch import Tensor
+from torch.library import wrap_triton
 from torch.nn import functional as F
 
+from ..kernels.step_lists import step_lists_kernel
 from .dispatch import cdiv
 
 
@@ -127,8 +130,8 @@ inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
 class Steps:
     """How the filtered backward cuts each token chunk's tile columns into steps."""
 
-    step_of_column: Tensor  # [chunk, tile column] -> step (nondecreasing)
-    n_steps: int  # the most steps of any chunk
+    step_bounds: Tensor  # [chunk, n_steps + 1] int32: step s spans columns [bounds[s], bounds[s + 1])
+    n_steps: int  # the most steps of any chunk (chunks with fewer end in empty steps)
     columns: list[list[tuple[int, int]]]  # per chunk, each step's tile columns [first, end)
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
 
@@ -150,67 +153,44 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     n_chunks, _, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
-        step_of_column = (torch.arange(cols, device=mask.device) // slab_tiles).expand(n_chunks, cols)
-        return Steps(step_of_column.contiguous(), len(spans), [spans] * n_chunks, None)
+        bounds = (torch.arange(len(spans) + 1, device=mask.device) * slab_tiles).clamp_max(cols)
+        return Steps(bounds.to(torch.int32).expand(n_chunks, -1).contiguous(), len(spans), [spans] * n_chunks, None)
     column_counts = mask.sum(dim=1, dtype=torch.int32).cpu().numpy()
     per_step = capacity - max(int(column_counts.max()), 1) + 1  # so no column straddles two steps
     step_of_column = (np.cumsum(column_counts, axis=1) - column_counts) // per_step
+    # A step begins where the step number changes (it may jump past numbers: a column fuller
+    # than the room left in its step); chunks with fewer steps end in empty ones.
+    firsts = [np.flatnonzero(np.diff(steps_of, prepend=-1)) for steps_of in step_of_column]
+    n_steps = max(map(len, firsts))
+    bounds = np.full((n_chunks, n_steps + 1), cols, dtype=np.int32)
     columns, counts = [], []
-    for chunk_steps, chunk_counts in zip(step_of_column, column_counts):
-        n = int(chunk_steps[-1]) + 1
-        bounds = np.searchsorted(chunk_steps, np.arange(n + 1)).tolist()
-        columns.append(list(zip(bounds[:-1], bounds[1:])))
-        counts.append(np.bincount(chunk_steps, weights=chunk_counts, minlength=n).astype(np.int64).tolist())
-    step_of_column = torch.from_numpy(step_of_column.astype(np.int64)).to(mask.device)
-    return Steps(step_of_column, max(map(len, columns)), columns, counts)
+    for chunk, (first, chunk_counts) in enumerate(zip(firsts, column_counts)):
+        bounds[chunk, :len(first)] = first
+        columns.append(list(zip(first.tolist(), bounds[chunk, 1:len(first) + 1].tolist())))
+        counts.append(np.add.reduceat(chunk_counts, first).tolist())
+    step_bounds = torch.from_numpy(bounds).to(mask.device, non_blocking=True)
+    return Steps(step_bounds, n_steps, columns, counts)
 
 
-def step_lists(mask: Tensor, step_of_column: Tensor, n_steps: int, capacity) -> StepLists:
-    """The work lists for `mask` (chunk_tile_mask) cut into steps by `step_of_column`
-    ([chunk, column] -> step, nondecreasing, each step's kept tiles within `capacity`).
-    Static shapes throughout (torch.compile traces it); dropped tiles scatter to a dump
-    entry past the end, sliced off."""
+def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
+    """The work lists for `mask` (chunk_tile_mask) cut into `steps` (capacity slots each),
+    in one launch of step_lists_kernel: one list builder for eager and traced calls, and no
+    other GPU work between the backward's host sync and its first step (a torch build of
+    the same lists was ~120 small operations, which the GPU waited for). The lists are
+    separate buffers, not views of one (torch.compile follows a kernel's writes by buffer)."""
     n_chunks, rows, cols = mask.shape
-    device = mask.device
-    kept = mask.to(torch.int32)
-    by_col = kept.transpose(1, 2)  # [chunk, column, row]: slots run column-major
-    before = torch.cumsum(by_col.reshape(n_chunks, -1), dim=1).reshape(n_chunks, cols, rows) - by_col
-    column_start = before[:, :, 0]
-    # A step's first slot: the least of its columns' first slots (2**30 exceeds any slot).
-    step_start = torch.full((n_chunks, n_steps), 2**30, dtype=before.dtype, device=device)
-    step_start = step_start.scatter_reduce(1, step_of_column, column_start, "amin")
-    dc_begin = column_start - step_start.gather(1, step_of_column)
-    slot = before - step_start.gather(1, step_of_column)[:, :, None]  # [chunk, column, row]
-    column = torch.arange(cols, device=device)[None, :, None]
-    row = torch.arange(rows, device=device)[None, None, :]
-    step = step_of_column[:, :, None]
-    chunk = torch.arange(n_chunks, device=device)[:, None, None]
-
-    def scatter(position: Tensor, keep: Tensor, values: Tensor) -> Tensor:
-        out = torch.zeros(n_chunks * n_steps * (capacity + 1), dtype=torch.int32, device=device)
-        index = (chunk * n_steps + step) * (capacity + 1) + torch.where(keep.bool(), position, capacity)
-        out.scatter_(0, index.reshape(-1), values.expand(index.shape).reshape(-1).to(torch.int32))
-        return out.reshape(n_chunks, n_steps, capacity + 1)[:, :, :capacity].contiguous()
-
-    step_tiles = scatter(slot, by_col, column * rows + row)
-    dc_rows = scatter(slot, by_col, row)
-    column_counts = by_col.sum(dim=2, dtype=torch.int32)  # [chunk, column]
-    step_counts = torch.zeros((n_chunks, n_steps), dtype=torch.int32, device=device)
-    step_counts.scatter_add_(1, step_of_column, column_counts)
-    # dE: per step, entries grouped by tile row, each row's in column order.
-    row_before = (torch.cumsum(kept, dim=2) - kept).transpose(1, 2)  # [chunk, column, row]
-    row_step = step_of_column[:, None, :].expand(n_chunks, rows, cols)
-    row_start = torch.full((n_chunks, rows, n_steps), 2**30, dtype=row_before.dtype, device=device)
-    row_start = row_start.scatter_reduce(2, row_step, row_before.transpose(1, 2), "amin")
-    rank = row_before - row_start.gather(2, row_step).transpose(1, 2)
-    de_count = torch.zeros((n_chunks, rows, n_steps), dtype=torch.int32, device=device)
-    de_count = de_count.scatter_add_(2, row_step, kept).transpose(1, 2).contiguous()  # [chunk, step, row]
-    de_begin = torch.cumsum(de_count, dim=2, dtype=torch.int32) - de_count
-    # Each kept tile's place among its step's dE entries: its row's first entry + its rank.
-    entry = de_begin.gather(1, step.expand(n_chunks, cols, rows)) + rank
-    de_slots = scatter(entry, by_col, slot)
-    de_cols = scatter(entry, by_col, column)
-    return StepLists(
-        step_tiles, step_counts, de_begin, de_count, de_slots, de_cols,
-        dc_begin.to(torch.int32).contiguous(), column_counts, dc_rows,
+    n_steps = steps.n_steps
+    shapes = {
+        "step_tiles": (n_chunks, n_steps, capacity), "step_counts": (n_chunks, n_steps),
+        "de_begin": (n_chunks, n_steps, rows), "de_count": (n_chunks, n_steps, rows),
+        "de_slots": (n_chunks, n_steps, capacity), "de_cols": (n_chunks, n_steps, capacity),
+        "dc_begin": (n_chunks, cols), "dc_count": (n_chunks, cols), "dc_rows": (n_chunks, n_steps, capacity),
+    }
+    lists = StepLists(**{name: mask.new_empty(shape, dtype=torch.int32) for name, shape in shapes.items()})
+    block_rows = triton.next_power_of_2(rows)
+    wrap_triton(step_lists_kernel)[(n_chunks * n_steps,)](
+        mask, steps.step_bounds, lists.step_tiles, lists.step_counts, lists.de_begin, lists.de_count,
+        lists.de_slots, lists.de_cols, lists.dc_begin, lists.dc_count, lists.dc_rows,
+        n_steps, rows, cols, capacity, BLOCK_C=max(4096 // block_rows, 1), BLOCK_R=block_rows, num_warps=4,
     )
+    return lists
