@@ -7,7 +7,7 @@
 #
 #   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
-#   MODES=exact,filtered          profile modes
+#   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
 #   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
@@ -42,7 +42,7 @@ for step in $STEPS; do
       tail -n 2 "$WORK/gpu-tests.log" ;;
     profile)
       for shape in $SHAPES; do
-        timeout 90 python3 benchmarks/profile_kernels.py --shape "$shape" --modes "$MODES" \
+        timeout 90 python3 benchmarks/profile_kernels.py --shape "$shape" --modes "$MODES" ${PROFILE_ARGS:-} \
           --out "$WORK/profile-$shape.json" > "$WORK/profile-$shape.log" 2>&1
         echo "profile $shape: exit $?"
       done ;;

@@ -130,7 +130,7 @@ inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
 class Steps:
     """How the filtered backward cuts each token chunk's tile columns into steps."""
 
-    step_bounds: Tensor  # [chunk, n_steps + 1] int32: step s spans columns [bounds[s], bounds[s + 1])
+    step_bounds: Tensor  # [chunk, >= n_steps + 1] integers: step s spans columns [bounds[s], bounds[s + 1])
     n_steps: int  # the most steps of any chunk (chunks with fewer end in empty steps)
     columns: list[list[tuple[int, int]]]  # per chunk, each step's tile columns [first, end)
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
@@ -148,28 +148,31 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     """Fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
     depend on the data), or packed steps (eager): consecutive columns share a step while
     their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
-    tail) a step spans many columns. Packing costs the backward's one host sync (the kept
-    tiles per column) and is done in numpy: the GPU idles until it is done."""
+    tail) a step spans many columns. Packing is the backward's one host sync: the steps are
+    found on the device (queued behind the forward's kernel, which is still running), and
+    the host reads back only their bounds and the kept tiles per column. The GPU idles from
+    the sync until the first step's kernels are enqueued, so the host work between is short."""
     n_chunks, _, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
         bounds = (torch.arange(len(spans) + 1, device=mask.device) * slab_tiles).clamp_max(cols)
         return Steps(bounds.to(torch.int32).expand(n_chunks, -1).contiguous(), len(spans), [spans] * n_chunks, None)
-    column_counts = mask.sum(dim=1, dtype=torch.int32).cpu().numpy()
-    per_step = capacity - max(int(column_counts.max()), 1) + 1  # so no column straddles two steps
-    step_of_column = (np.cumsum(column_counts, axis=1) - column_counts) // per_step
-    # A step begins where the step number changes (it may jump past numbers: a column fuller
-    # than the room left in its step); chunks with fewer steps end in empty ones.
-    firsts = [np.flatnonzero(np.diff(steps_of, prepend=-1)) for steps_of in step_of_column]
-    n_steps = max(map(len, firsts))
-    bounds = np.full((n_chunks, n_steps + 1), cols, dtype=np.int32)
-    columns, counts = [], []
-    for chunk, (first, chunk_counts) in enumerate(zip(firsts, column_counts)):
-        bounds[chunk, :len(first)] = first
-        columns.append(list(zip(first.tolist(), bounds[chunk, 1:len(first) + 1].tolist())))
-        counts.append(np.add.reduceat(chunk_counts, first).tolist())
-    step_bounds = torch.from_numpy(bounds).to(mask.device, non_blocking=True)
-    return Steps(step_bounds, n_steps, columns, counts)
+    column_counts = mask.sum(dim=1, dtype=torch.int32)  # [chunk, column]
+    per_step = capacity + 1 - column_counts.amax().clamp_min(1)  # so no column straddles two steps
+    step_of_column = (torch.cumsum(column_counts, dim=1) - column_counts) // per_step
+    # Step numbers jump where a column is fuller than the room left in its step: renumber
+    # them 0, 1, ... and find each step's first column (past the last step: `cols`).
+    new_step = F.pad(step_of_column[:, 1:] != step_of_column[:, :-1], (1, 0), value=True)
+    step_of_column = torch.cumsum(new_step, dim=1) - 1
+    bounds = torch.searchsorted(step_of_column, torch.arange(cols + 1, device=mask.device).repeat(n_chunks, 1))
+    on_host = torch.cat([bounds, column_counts], dim=1).cpu().numpy()
+    bounds_on_host, counts_on_host = on_host[:, : cols + 1], on_host[:, cols + 1:]
+    chunk_steps = (bounds_on_host < cols).sum(axis=1)
+    n_steps = int(chunk_steps.max())
+    kept_before = np.pad(np.cumsum(counts_on_host, axis=1), ((0, 0), (1, 0)))
+    columns = [list(zip(b[:n].tolist(), b[1:n + 1].tolist())) for b, n in zip(bounds_on_host, chunk_steps)]
+    counts = [(kept[b[1:n + 1]] - kept[b[:n]]).tolist() for kept, b, n in zip(kept_before, bounds_on_host, chunk_steps)]
+    return Steps(bounds[:, : n_steps + 1], n_steps, columns, counts)
 
 
 def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
@@ -189,7 +192,7 @@ def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
     lists = StepLists(**{name: mask.new_empty(shape, dtype=torch.int32) for name, shape in shapes.items()})
     block_rows = triton.next_power_of_2(rows)
     wrap_triton(step_lists_kernel)[(n_chunks * n_steps,)](
-        mask, steps.step_bounds, lists.step_tiles, lists.step_counts, lists.de_begin, lists.de_count,
+        mask, steps.step_bounds, steps.step_bounds.stride(0), lists.step_tiles, lists.step_counts, lists.de_begin, lists.de_count,
         lists.de_slots, lists.de_cols, lists.dc_begin, lists.dc_count, lists.dc_rows,
         n_steps, rows, cols, capacity, BLOCK_C=max(4096 // block_rows, 1), BLOCK_R=block_rows, num_warps=4,
     )
