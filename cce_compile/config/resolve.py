@@ -77,11 +77,17 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
     wide = key.dtype != "float32"
     gemm = TileConfig(128, 128, 64 if wide else 32, 8, 8, 3)
     logits = TileConfig(128, 256, 64, 8, 8, 4) if wide else gemm
+    grad_hidden = gemm
+    if key.mode == "filtered" and wide:
+        # The block-sparse dE GEMM reads each kept d-logits tile once per block_n columns of
+        # dE: 256 wide where D is large, 64 wide (more programs) where it is small
+        # (benchmarks/results/sweep-h200-filtered-*.json: 0.07-0.17 x GEMM of fwd+bwd).
+        grad_hidden = TileConfig(128, 256, 64, 8, 8, 4) if key.d >= 2048 else TileConfig(128, 64, 64, 8, 4, 4)
     return KernelConfig(
         forward=logits,
         grad_logits=logits,
         grad_classifier=gemm,
-        grad_hidden=gemm,
+        grad_hidden=grad_hidden,
         slab_v=4096,
         vocab_splits=_vocab_splits(key.n_bucket, block_m=128),
     )
