@@ -13,11 +13,11 @@ def step_lists_kernel(
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program per (token chunk, step): the step's tile columns [first, end) from
-    step_bounds [chunk, n_steps + 1] (rows bounds_stride apart), its kept tiles from mask [chunk, tile row, tile column]
-    (int8). A step's kept tiles take slots in column-major order; each tile row's entries
-    for the dE GEMM follow its first entry in column order. Two passes over BLOCK_C columns
-    at a time: the kept tiles per tile row (where each row's entries begin), then the lists,
-    whose positions are prefix sums across the block.
+    step_bounds [chunk, n_steps + 1] (rows bounds_stride apart), its kept tiles from mask
+    [chunk, tile row, tile column] (int8). A step's kept tiles take slots in column-major
+    order; each tile row's entries for the dE GEMM follow its first entry in column order.
+    Two passes over BLOCK_C columns at a time: the kept tiles per tile row (where each row's
+    entries begin), then the lists, whose positions are prefix sums across the block.
 
     Writes, all int32: per slot, step_tiles (column * rows + row) and dc_rows (row); per entry,
     de_slots and de_cols; per tile row, de_begin and de_count; per column, dc_begin (its

@@ -192,8 +192,8 @@ def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
     lists = StepLists(**{name: mask.new_empty(shape, dtype=torch.int32) for name, shape in shapes.items()})
     block_rows = triton.next_power_of_2(rows)
     wrap_triton(step_lists_kernel)[(n_chunks * n_steps,)](
-        mask, steps.step_bounds, steps.step_bounds.stride(0), lists.step_tiles, lists.step_counts, lists.de_begin, lists.de_count,
-        lists.de_slots, lists.de_cols, lists.dc_begin, lists.dc_count, lists.dc_rows,
+        mask, steps.step_bounds, steps.step_bounds.stride(0), lists.step_tiles, lists.step_counts,
+        lists.de_begin, lists.de_count, lists.de_slots, lists.de_cols, lists.dc_begin, lists.dc_count, lists.dc_rows,
         n_steps, rows, cols, capacity, BLOCK_C=max(4096 // block_rows, 1), BLOCK_R=block_rows, num_warps=4,
     )
     return lists
