@@ -47,17 +47,20 @@ def block_sparse_always(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def step_lists_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per backward that built the block-sparse work lists (ran that path)."""
-    from cce_compile.ops import backward, filtering
+def block_sparse_backwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per filtered backward that chose the block-sparse path over the dense one."""
+    from cce_compile.ops import filtering
 
     calls: list[int] = []
+    dense_is_faster = filtering.Steps.dense_is_faster
 
-    def spy(*args):
-        calls.append(1)
-        return filtering.step_lists(*args)
+    def spy(self, *args):
+        dense = dense_is_faster(self, *args)
+        if not dense:
+            calls.append(1)
+        return dense
 
-    monkeypatch.setattr(backward, "step_lists", spy)
+    monkeypatch.setattr(filtering.Steps, "dense_is_faster", spy)
     return calls
 
 

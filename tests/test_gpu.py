@@ -225,7 +225,7 @@ def test_filtered_mode_compiled_matches_eager() -> None:
         assert relative_error(compiled, eager) < 1e-3
 
 
-def test_filtered_mode_on_flat_logits_runs_dense(step_lists_calls: list[int]) -> None:
+def test_filtered_mode_on_flat_logits_runs_dense(block_sparse_backwards: list[int]) -> None:
     """Uniform logits keep most tiles, where the block-sparse backward is slower than the dense
     one (ops/filtering.DENSE_FRACTION): filtered mode then runs exact mode's dense backward."""
     from cce_compile.bench.inputs import uniform_inputs
@@ -236,6 +236,6 @@ def test_filtered_mode_on_flat_logits_runs_dense(step_lists_calls: list[int]) ->
         ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
         cce_compile.linear_cross_entropy(ee, cc, targets, filter_eps=eps).backward()
         grads.append((ee.grad, cc.grad))
-    assert not step_lists_calls, "the block-sparse path ran"
+    assert not block_sparse_backwards, "the block-sparse path ran"
     for exact, filtered in zip(*grads):
         assert relative_error(filtered, exact) < 1e-3

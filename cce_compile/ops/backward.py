@@ -97,10 +97,10 @@ def linear_cross_entropy_backward(
             plan.n_chunks, chunk_tile_rows,
         )
         steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
+        lists = step_lists(mask, steps, capacity)  # enqueued before the sync: off the idle GPU's path
+        steps = steps.on_host()
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
-        if filtered:
-            lists = step_lists(mask, steps, capacity)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     grad_logits = torch.empty(

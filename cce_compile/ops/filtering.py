@@ -128,12 +128,30 @@ inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
 
 @dataclass(frozen=True)
 class Steps:
-    """How the filtered backward cuts each token chunk's tile columns into steps."""
+    """How the filtered backward cuts each token chunk's tile columns into steps.
+
+    Packed steps come in two halves: filtered_steps finds them on the device, where the work
+    lists can be built at once (step_lists), and on_host() reads back what the host needs to
+    launch them (the backward's one sync)."""
 
     step_bounds: Tensor  # [chunk, >= n_steps + 1] integers: step s spans columns [bounds[s], bounds[s + 1])
-    n_steps: int  # the most steps of any chunk (chunks with fewer end in empty steps)
-    columns: list[list[tuple[int, int]]]  # per chunk, each step's tile columns [first, end)
+    n_steps: int  # steps per chunk in the lists: at least any chunk's (chunks with fewer end in empty ones)
+    columns: list[list[tuple[int, int]]] | None  # per chunk, each step's tile columns [first, end)
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
+    unread: Tensor | None = None  # packed, before on_host: [chunk, bounds | kept tiles per column]
+
+    def on_host(self) -> "Steps":
+        """Packed steps with their columns and kept tiles read back (a host sync); others as they are."""
+        if self.unread is None:
+            return self
+        on_host = self.unread.cpu().numpy()
+        cols = (on_host.shape[1] - 1) // 2
+        bounds, column_counts = on_host[:, : cols + 1], on_host[:, cols + 1:]
+        chunk_steps = (bounds < cols).sum(axis=1)
+        kept_before = np.pad(np.cumsum(column_counts, axis=1), ((0, 0), (1, 0)))
+        columns = [list(zip(b[:n].tolist(), b[1:n + 1].tolist())) for b, n in zip(bounds, chunk_steps)]
+        counts = [(kept[b[1:n + 1]] - kept[b[:n]]).tolist() for kept, b, n in zip(kept_before, bounds, chunk_steps)]
+        return Steps(self.step_bounds, self.n_steps, columns, counts)
 
     def dense_is_faster(self, tile_rows: int, tile_columns: int) -> bool:
         """Whether so many of the tile_rows x tile_columns tiles are kept (known only for
@@ -148,11 +166,11 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     """Fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
     depend on the data), or packed steps (eager): consecutive columns share a step while
     their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
-    tail) a step spans many columns. Packing is the backward's one host sync: the steps are
-    found on the device (queued behind the forward's kernel, which is still running), and
-    the host reads back only their bounds and the kept tiles per column. The GPU idles from
-    the sync until the first step's kernels are enqueued, so the host work between is short."""
-    n_chunks, _, cols = mask.shape
+    tail) a step spans many columns. Packed steps are found on the device, queued behind the
+    forward's kernel (still running); the host learns them at Steps.on_host, the backward's
+    one sync, and the GPU idles from there until the first step is enqueued, so the host work
+    between is kept short. Their lists are sized for the most steps packing can make."""
+    n_chunks, rows, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
         bounds = (torch.arange(len(spans) + 1, device=mask.device) * slab_tiles).clamp_max(cols)
@@ -165,22 +183,19 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     new_step = F.pad(step_of_column[:, 1:] != step_of_column[:, :-1], (1, 0), value=True)
     step_of_column = torch.cumsum(new_step, dim=1) - 1
     bounds = torch.searchsorted(step_of_column, torch.arange(cols + 1, device=mask.device).repeat(n_chunks, 1))
-    on_host = torch.cat([bounds, column_counts], dim=1).cpu().numpy()
-    bounds_on_host, counts_on_host = on_host[:, : cols + 1], on_host[:, cols + 1:]
-    chunk_steps = (bounds_on_host < cols).sum(axis=1)
-    n_steps = int(chunk_steps.max())
-    kept_before = np.pad(np.cumsum(counts_on_host, axis=1), ((0, 0), (1, 0)))
-    columns = [list(zip(b[:n].tolist(), b[1:n + 1].tolist())) for b, n in zip(bounds_on_host, chunk_steps)]
-    counts = [(kept[b[1:n + 1]] - kept[b[:n]]).tolist() for kept, b, n in zip(kept_before, bounds_on_host, chunk_steps)]
-    return Steps(bounds[:, : n_steps + 1], n_steps, columns, counts)
+    # Steps are the distinct values of (kept tiles before a column) // per_step, at most one
+    # per column; per_step >= capacity + 1 - rows.
+    most_steps = min(cols, rows * cols // (capacity + 1 - rows) + 1)
+    return Steps(bounds[:, : most_steps + 1], most_steps, None, None, torch.cat([bounds, column_counts], dim=1))
 
 
 def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
     """The work lists for `mask` (chunk_tile_mask) cut into `steps` (capacity slots each),
-    in one launch of step_lists_kernel: one list builder for eager and traced calls, and no
-    other GPU work between the backward's host sync and its first step (a torch build of
-    the same lists was ~120 small operations, which the GPU waited for). The lists are
-    separate buffers, not views of one (torch.compile follows a kernel's writes by buffer)."""
+    in one launch of step_lists_kernel: one list builder for eager and traced calls. Packed
+    steps' lists are built before the backward's host sync, so none of their work sits
+    between the sync and the first step (a torch build of the same lists was ~120 small
+    operations there, which the GPU waited for). The lists are separate buffers, not views
+    of one (torch.compile follows a kernel's writes by buffer)."""
     n_chunks, rows, cols = mask.shape
     n_steps = steps.n_steps
     shapes = {
