@@ -11,7 +11,8 @@ from the forward's tile maxima, into a compact buffer (one slot per kept tile); 
 GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
 steps in one launch (step_lists_kernel). In eager calls a step spans as many vocab tiles as
 its kept tiles fill the scratch (few, full steps where the vocabulary's tail is mostly
-dropped); traced calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs the dense path.
+dropped); traced calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs
+the dense path.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def linear_cross_entropy_backward(
             plan.n_chunks, chunk_tile_rows,
         )
         steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
-        lists = step_lists(mask, steps, capacity)  # enqueued before the sync: off the idle GPU's path
+        # Enqueued before the sync, off the idle GPU's path (unused if the dense path wins).
+        lists = step_lists(mask, steps, capacity)
         steps = steps.on_host()
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)

@@ -77,9 +77,11 @@ def kept_tile_mask(
         ratio = block_n // forward_block_n
         keep = F.pad(keep, (0, (-keep.shape[1]) % ratio)).reshape(n, -1, ratio).amax(dim=2)
     keep = keep[:, : cdiv(v, block_n)].contiguous()
-    # A target's -1 is never small: its tile stays whatever its softmax.
-    valid = (targets >= 0) & (targets < v)
-    target_tile = torch.where(valid, target_positions(order, targets) // block_n, 0)[:, None]
+    # A target's -1 is never small: its tile stays whatever its softmax. Ignored targets stay
+    # outside the vocabulary in target_positions, the one place that decides which count.
+    positions = target_positions(order, targets)
+    valid = (positions >= 0) & (positions < v)
+    target_tile = torch.where(valid, positions // block_n, 0)[:, None]
     keep.scatter_(1, target_tile, torch.maximum(keep.gather(1, target_tile), valid[:, None].to(torch.int8)))
     keep = F.pad(keep, (0, 0, 0, (-n) % block_m))
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
@@ -144,9 +146,9 @@ class Steps:
         """Packed steps with their columns and kept tiles read back (a host sync); others as they are."""
         if self.unread is None:
             return self
-        on_host = self.unread.cpu().numpy()
-        cols = (on_host.shape[1] - 1) // 2
-        bounds, column_counts = on_host[:, : cols + 1], on_host[:, cols + 1:]
+        read = self.unread.cpu().numpy()
+        cols = (read.shape[1] - 1) // 2
+        bounds, column_counts = read[:, : cols + 1], read[:, cols + 1:]
         chunk_steps = (bounds < cols).sum(axis=1)
         kept_before = np.pad(np.cumsum(column_counts, axis=1), ((0, 0), (1, 0)))
         columns = [list(zip(b[:n].tolist(), b[1:n + 1].tolist())) for b, n in zip(bounds, chunk_steps)]
