@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cce_compile  # noqa: E402
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+from cce_compile.config import plan  # noqa: E402
 from cce_compile.ops.dispatch import config_for  # noqa: E402
 from cce_compile.ops import backward as op_backward  # noqa: E402
 
@@ -119,12 +120,17 @@ def main() -> None:
                         help="comma-separated: exact, filtered, triton-gemms (exact mode with the Triton gradient "
                              "GEMMs that torch.compile runs instead of cuBLAS)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
+    parser.add_argument("--scratch-fraction", type=float, default=None,
+                        help="override the backward's scratch budget (config.plan.SCRATCH_FRACTION) to see what "
+                             "fewer, larger steps would gain")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most host time in one pass (cProfile)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
+    if args.scratch_fraction is not None:
+        plan.SCRATCH_FRACTION = args.scratch_fraction
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = parse_shape(args.shape or ("8192x2304x256000" if cuda else "256x64x1031"))
@@ -139,7 +145,8 @@ def main() -> None:
 
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "gemm_ms": gemm_ms, "modes": {}}
+                    "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": plan.SCRATCH_FRACTION,
+                    "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):
         filter_eps = FILTER_EPS if mode == "filtered" else None
