@@ -123,12 +123,19 @@ def main() -> None:
     parser.add_argument("--scratch-fraction", type=float, default=None,
                         help="override the backward's scratch budget (config.plan.SCRATCH_FRACTION) to see what "
                              "fewer, larger steps would gain")
+    parser.add_argument("--plan", default=None, metavar="CHUNKS,SLAB_V,SLOTS",
+                        help="override the backward's plan (config.plan.BackwardPlan; slots: filtered mode's "
+                             "scratch tiles, 0 for the slab's)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most host time in one pass (cProfile)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
+    if args.plan is not None:
+        n_chunks, slab_v, slots = (int(part) for part in args.plan.split(","))
+        forced = plan.BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
+        op_backward.plan_backward = lambda *_: forced
     if args.scratch_fraction is not None:
         plan.SCRATCH_FRACTION = args.scratch_fraction
     cuda = torch.cuda.is_available()
@@ -146,6 +153,7 @@ def main() -> None:
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": plan.SCRATCH_FRACTION,
+                    "plan": args.plan,
                     "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):

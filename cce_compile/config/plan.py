@@ -48,6 +48,7 @@ class BackwardPlan:
     n_chunks: int
     slab_v: int
     fp32_accumulator: bool
+    slots: int = 0
 
     def chunk_rows(self, n, block_m: int):
         rows = (n + self.n_chunks - 1) // self.n_chunks

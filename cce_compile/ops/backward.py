@@ -88,7 +88,8 @@ def linear_cross_entropy_backward(
     vocab_tiles = cdiv(v, logits_tile.block_n)
     # Filtered mode: the steps and their kept-tile lists, built before the gradients and
     # scratch exist, so their temporaries never add to the peak.
-    capacity = chunk_tile_rows * slab_tiles
+    packed = filtered and not is_fake(e)
+    capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
         if tile_max.shape != (n, cdiv(v, config.forward.block_n)):
             raise ValueError("tile_max: filtered mode needs the forward's (N, vocab tiles) tile maxima")
@@ -97,7 +98,7 @@ def linear_cross_entropy_backward(
                            config.forward.block_n, logits_tile.block_m, logits_tile.block_n),
             plan.n_chunks, chunk_tile_rows,
         )
-        steps = filtered_steps(mask, capacity, slab_tiles, packed=not is_fake(e))
+        steps = filtered_steps(mask, capacity, slab_tiles, packed)
         # Enqueued before the sync, off the idle GPU's path (unused if the dense path wins).
         lists = step_lists(mask, steps, capacity)
         steps = steps.on_host()
