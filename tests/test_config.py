@@ -7,7 +7,9 @@ import json
 import pytest
 
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
-from cce_compile.config.plan import SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward
+from cce_compile.config.plan import (
+    FILTERED_SCRATCH_FRACTION, SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward,
+)
 
 
 def test_round_trip_through_json() -> None:
@@ -47,6 +49,21 @@ def test_backward_scratch_fits_ten_percent_of_the_gradients(n: int, d: int, v: i
     grads = (n * d + v * d) * 2
     assert plan.scratch_bytes(n_bucket(n), d, 2) <= SCRATCH_FRACTION * grads
     assert plan.slab_v >= 1024, "slabs this narrow would starve the GEMMs"
+
+
+@pytest.mark.parametrize(("n", "d", "v"), [(8192, 2304, 256000), (8192, 4096, 128256), (16384, 896, 151936)])
+def test_filtered_slots_fill_their_own_budget(n: int, d: int, v: int) -> None:
+    """Filtered mode's steps hold kept tiles: more slots than exact mode's slab holds, with
+    the fp32 accumulator still inside FILTERED_SCRATCH_FRACTION of the gradients."""
+    config = KernelConfig()
+    tile = config.grad_logits
+    exact, filtered = (plan_backward(n_bucket(n), v, d, 2, config, mode) for mode in (False, True))
+    rows = -(-n_bucket(n) // filtered.n_chunks)
+    scratch = rows * d * 4 + filtered.slots * tile.block_m * tile.block_n * 2
+    assert scratch <= FILTERED_SCRATCH_FRACTION * (n * d + v * d) * 2
+    exact_slots = -(-n_bucket(n) // exact.n_chunks // tile.block_m) * (exact.slab_v // tile.block_n)
+    assert exact_slots < filtered.slots
+    assert exact.slots == 0
 
 
 def test_small_problems_take_a_few_large_slab_steps() -> None:

@@ -6,12 +6,25 @@ comparisons against N (which become range guards, one per bucket) and integer ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .kernel_config import KernelConfig
 
 SCRATCH_FRACTION = 0.10
 """Backward scratch allowed, as a fraction of the gradients' own bytes (the memory target)."""
+
+FILTERED_SCRATCH_FRACTION = 0.25
+"""Filtered mode's backward scratch. Its steps store only the d-logits tiles the filter keeps,
+one per slot, and each step's three launches get little work: the more slots, the fewer and
+fuller the steps. On the H200 (benchmarks/results/profile-h200-v14-plans.json, GPU time x
+GEMM) Qwen2.5 ran 2.84 with 256 slots in 8 token chunks, 2.62 with 512 in 4 and 2.45 with
+1024 in 4; Gemma-2 1.78 / 1.69 / 1.64 with 512 / 1024 / 2048 in one. Filtered mode has no
+memory target; this costs it up to ~0.17 x the gradients more than exact mode's budget."""
+
+MAX_SLOTS = 2048
+"""Filtered mode's slots per step at most: from 1024 to 2048 Gemma-2, Llama-3 and the large-D
+shape gained 1.5-3%, for another 134 MB of 128 x 256 bf16 tiles; further doublings were not
+worth their memory."""
 
 SCRATCH_FLOOR_BYTES = 24 * 2**20
 """Scratch always allowed, however small the gradients. Under it, 10% of a small model's
@@ -42,7 +55,8 @@ class BackwardPlan:
     `n_chunks` token chunks of at most `chunk_rows` rows (a multiple of the grad_logits
     row block); within a chunk, vocab slabs of `slab_v` columns. Scratch per chunk: the
     slab's d logits (chunk_rows x slab_v, input dtype) and, for 16-bit inputs, an fp32
-    accumulator for dE (chunk_rows x D).
+    accumulator for dE (chunk_rows x D). Filtered mode's eager steps store `slots` kept
+    tiles instead of a slab (0: as many as the slab holds).
     """
 
     n_chunks: int
@@ -60,9 +74,13 @@ class BackwardPlan:
         return acc + rows * self.slab_v * element_bytes
 
 
-def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig) -> BackwardPlan:
+def plan_backward(
+    bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
+) -> BackwardPlan:
     """The plan whose scratch fits SCRATCH_FRACTION of the gradients (or SCRATCH_FLOOR_BYTES)
     with the least accumulator traffic; slabs within config.slab_v and at least 512 wide.
+    Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
+    accumulator leaves (up to MAX_SLOTS; never fewer than the slab's tiles).
 
     The two gradient GEMMs sum over short K: dE over a slab's columns (each slab re-reads and
     re-writes the fp32 dE accumulator), dC over a chunk's rows (each chunk re-reads and
@@ -71,7 +89,7 @@ def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: Kerne
     H200: dE over 2048-column slabs cost 1.21 x GEMM against 0.92 x for dC over 8192 rows).
     Ties go to fewer token chunks; when nothing fits, the smallest plan tried."""
     grad_bytes = (bucket * d + v * d + v) * element_bytes
-    budget = max(SCRATCH_FRACTION * grad_bytes, SCRATCH_FLOOR_BYTES)
+    budget = max((FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION) * grad_bytes, SCRATCH_FLOOR_BYTES)
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
@@ -93,4 +111,12 @@ def plan_backward(bucket: int, v: int, d: int, element_bytes: int, config: Kerne
                 break
             slab //= 2
         n_chunks *= 2
-    return best if best is not None else smallest
+    plan = best if best is not None else smallest
+    if not filtered:
+        return plan
+    tile = config.grad_logits
+    tile_bytes = tile.block_m * tile.block_n * element_bytes
+    rows = -(-bucket // plan.n_chunks)
+    slab_slots = -(-rows // tile.block_m) * -(-plan.slab_v // tile.block_n)
+    room = int(budget - plan.scratch_bytes(bucket, d, element_bytes) + rows * plan.slab_v * element_bytes)
+    return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room // tile_bytes)))

@@ -81,13 +81,13 @@ def linear_cross_entropy_backward(
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
-    plan = plan_backward(n_bucket(n), v, d, e.element_size(), config)
+    plan = plan_backward(n_bucket(n), v, d, e.element_size(), config, filtered)
     logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
     chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
     chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)
     vocab_tiles = cdiv(v, logits_tile.block_n)
-    # Filtered mode: the steps and their kept-tile lists, built before the gradients and
-    # scratch exist, so their temporaries never add to the peak.
+    # Filtered mode: the kept tiles and the steps' work lists, built on the device before the
+    # gradients and scratch exist, so their temporaries never add to the peak.
     packed = filtered and not is_fake(e)
     capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
@@ -99,17 +99,9 @@ def linear_cross_entropy_backward(
             plan.n_chunks, chunk_tile_rows,
         )
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
-        # Enqueued before the sync, off the idle GPU's path (unused if the dense path wins).
         lists = step_lists(mask, steps, capacity)
-        steps = steps.on_host()
-        # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
-        filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
-    grad_logits = torch.empty(
-        (capacity, logits_tile.block_m, logits_tile.block_n) if filtered else (chunk_rows, plan.slab_v),
-        dtype=e.dtype, device=e.device,
-    )
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
     acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
@@ -120,20 +112,12 @@ def linear_cross_entropy_backward(
         if scaled else lse
     )
     flags = kernel_flags(e)
-    persistent = not filtered and recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
     eager_cuda = e.is_cuda and not is_fake(e)
     # Eager CUDA calls relaunch each step's kernels without Triton's per-launch binding.
     reuse = eager_cuda and not INTERPRET
-    launch_grad_logits = KernelLauncher(grad_logits_tma_kernel if persistent else grad_logits_kernel, reuse)
+    launch_grad_logits = KernelLauncher(grad_logits_kernel, reuse)
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
-    if persistent:
-        sms, shared_memory = device_limits(e.device)
-        persistent_stages = stages_beside_output(logits_tile, e.element_size(), shared_memory)
-        descriptors = (
-            TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
-            TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
-            TensorDescriptor.from_tensor(grad_logits, [logits_tile.block_m, logits_tile.block_n]),
-        )
+    persistent = False  # decided with the dense path's buffer, below
 
     def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
@@ -172,6 +156,30 @@ def linear_cross_entropy_backward(
             rows = torch.sym_max(torch.sym_min(chunk_rows, n - row_start), 0)
             yield chunk, row_start, rows, 0 if plan.fp32_accumulator else row_start * d
 
+    if filtered:
+        grad_logits = torch.empty((capacity, logits_tile.block_m, logits_tile.block_n), dtype=e.dtype, device=e.device)
+        # The first step's recompute goes ahead of the host sync, one program per slot (those
+        # past the step's count return at once): the GPU works while the host reads back
+        # the steps and enqueues the next.
+        recompute(capacity, 0, torch.sym_min(chunk_rows, n), 0, v)
+        steps = steps.on_host()
+        # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
+        filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
+        if not filtered:
+            del grad_logits  # and with it the one step computed ahead
+    if not filtered:
+        grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
+        persistent = recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
+    if persistent:
+        launch_grad_logits = KernelLauncher(grad_logits_tma_kernel, reuse)
+        sms, shared_memory = device_limits(e.device)
+        persistent_stages = stages_beside_output(logits_tile, e.element_size(), shared_memory)
+        descriptors = (
+            TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
+            TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
+            TensorDescriptor.from_tensor(grad_logits, [logits_tile.block_m, logits_tile.block_n]),
+        )
+
     # The bias gradient is the d-logits' column sums: one sum by vocab position (filtered
     # mode), or one per chunk.
     if filtered:
@@ -185,8 +193,9 @@ def linear_cross_entropy_backward(
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
                 step_index = chunk * steps.n_steps + step
-                programs = capacity if steps.counts is None else steps.counts[chunk][step]
-                recompute(programs, row_start, row_start + rows, 0, v, step_index)
+                if step_index > 0:  # the first went ahead of the sync
+                    programs = capacity if steps.counts is None else steps.counts[chunk][step]
+                    recompute(programs, row_start, row_start + rows, 0, v, step_index)
                 # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
                 columns = end_column - first_column
                 launch_sparse_matmul(

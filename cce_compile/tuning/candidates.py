@@ -157,7 +157,7 @@ class KernelSpace:
             if p.mode == "exact" and p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
                 stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
                 tile = replace(tile, num_stages=stages)
-            return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config))
+            return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config, p.mode == "filtered"))
         return (tile,)
 
     def size(self, start: KernelConfig) -> int:
