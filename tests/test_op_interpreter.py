@@ -216,6 +216,47 @@ def test_step_lists_match_the_mask(case: str, steps: str) -> None:
                 assert lists.de_cols[chunk, step, begin:begin + count].tolist() == [c for _, c in entries]
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every floating-point torch.empty comes back full of NaN, so an op that reads memory
+    it never wrote (a scratch slot past a step's count, a gradient element no kernel covers)
+    shows it, whatever the allocator happened to hand out."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_gradient_reads_unwritten_memory(
+    dtype: torch.dtype, filter_eps: float | None, poisoned_empty: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token chunks, slabs or several packed steps per chunk, and a bias (whose filtered sums
+    once read the scratch's unset slots: NaN on a GPU whose memory held NaN there)."""
+    from cce_compile.ops import dispatch
+
+    e, c, targets = make_inputs("zipf", (300,), 700, 32, dtype, seed=3)
+    e = e * 3.0  # peaked: filtered mode drops most tiles
+    bias = (torch.randn(700, generator=torch.Generator().manual_seed(2)) * 0.1).to(dtype)
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+
+    def grads(interpret: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)):
+            cce_compile.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2], filter_eps=filter_eps).backward()
+        return [t.grad for t in leaves]
+
+    for kernel_grad, cpu_grad in zip(grads(True), grads(False)):
+        assert torch.isfinite(kernel_grad).all()
+        assert relative_error(kernel_grad, cpu_grad) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("inputs", ["flat", "peaked"])
 def test_filtered_backward_runs_dense_when_most_tiles_are_kept(
     inputs: str, block_sparse_backwards: list[int]

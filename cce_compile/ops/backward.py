@@ -158,15 +158,64 @@ def linear_cross_entropy_backward(
 
     if filtered:
         grad_logits = torch.empty((capacity, logits_tile.block_m, logits_tile.block_n), dtype=e.dtype, device=e.device)
-        # The first step's recompute goes ahead of the host sync, one program per slot (those
-        # past the step's count return at once): the GPU works while the host reads back
-        # the steps and enqueues the next.
-        recompute(capacity, 0, torch.sym_min(chunk_rows, n), 0, v)
+        # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
+        sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
+        if bias is not None:  # summed over every chunk's kept tiles, by vocab position
+            bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
+            slot_ids = torch.arange(capacity, device=e.device)
+            in_tile = torch.arange(logits_tile.block_n, device=e.device)
+
+        def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
+            """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run
+            past the step's, whose end the dC GEMM reads on the device; `last`: the chunk's
+            last step, which writes dE itself."""
+            step_index = chunk * steps.n_steps + step
+            # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
+            launch_sparse_matmul(
+                (columns * cdiv(d, dc_tile.block_n),),
+                grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
+                lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
+                steps.step_bounds, chunk * steps.step_bounds.stride(0) + step + 1,
+                lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
+                e.stride(0), e.stride(1),
+                BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
+                BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
+                num_stages=dc_tile.num_stages, **flags,
+            )
+            # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V.
+            tile_rows = cdiv(rows, logits_tile.block_m)
+            launch_sparse_matmul(
+                (tile_rows * cdiv(d, de_tile.block_n),),
+                grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
+                lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
+                lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
+                c.stride(0), c.stride(1),
+                BY_COLUMN=False, ACCUMULATE=step > 0, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
+                TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
+                BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
+                num_stages=de_tile.num_stages, **flags,
+            )
+            if bias is not None:
+                # Slots past the step's count hold whatever was there (NaN too): selected away.
+                live = slot_ids < lists.step_counts[chunk, step]
+                tile_sums = torch.where(live[:, None], grad_logits.sum(dim=1, dtype=torch.float32), 0.0)
+                tile_sums = tile_sums * scale if scaled else tile_sums
+                tiles = torch.where(live, lists.step_tiles[chunk, step], 0)
+                positions = (tiles // chunk_tile_rows)[:, None] * logits_tile.block_n
+                bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
+
+        # The first step goes ahead of the host sync, its kernels sized for any step (programs
+        # past its kept tiles or columns return at once): the GPU works while the host reads
+        # back the steps and enqueues the next.
+        first_rows = torch.sym_min(chunk_rows, n)
+        recompute(capacity, 0, first_rows, 0, v)
+        step_gemms(0, 0, 0, first_rows, 0, 0, vocab_tiles, last=False)
         steps = steps.on_host()
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
         if not filtered:
-            del grad_logits  # and with it the one step computed ahead
+            del grad_logits  # and with it the step computed ahead (the dense path rewrites all)
     if not filtered:
         grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
         persistent = recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
@@ -183,54 +232,17 @@ def linear_cross_entropy_backward(
     # The bias gradient is the d-logits' column sums: one sum by vocab position (filtered
     # mode), or one per chunk.
     if filtered:
-        # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
-        sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
-        if bias is not None:  # summed over every chunk's kept tiles, by vocab position
-            bias_sum = torch.zeros(vocab_tiles * logits_tile.block_n, dtype=torch.float32, device=e.device)
-            slot_ids = torch.arange(capacity, device=e.device)
-            in_tile = torch.arange(logits_tile.block_n, device=e.device)
         for chunk, row_start, rows, acc_offset in token_chunks():
             chunk_steps = steps.columns[chunk]
             for step, (first_column, end_column) in enumerate(chunk_steps):
-                step_index = chunk * steps.n_steps + step
-                if step_index > 0:  # the first went ahead of the sync
-                    programs = capacity if steps.counts is None else steps.counts[chunk][step]
-                    recompute(programs, row_start, row_start + rows, 0, v, step_index)
-                # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
-                columns = end_column - first_column
-                launch_sparse_matmul(
-                    (columns * cdiv(d, dc_tile.block_n),),
-                    grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
-                    lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
-                    lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
-                    e.stride(0), e.stride(1),
-                    BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                    TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
-                    BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
-                    num_stages=dc_tile.num_stages, **flags,
-                )
-                # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V; the last step
-                # writes dE itself.
-                tile_rows = cdiv(rows, logits_tile.block_m)
-                launch_sparse_matmul(
-                    (tile_rows * cdiv(d, de_tile.block_n),),
-                    grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
-                    lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows,
-                    lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
-                    c.stride(0), c.stride(1),
-                    BY_COLUMN=False, ACCUMULATE=step > 0,
-                    FINAL=plan.fp32_accumulator and step == len(chunk_steps) - 1, SCALED=scaled,
-                    TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
-                    BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
-                    num_stages=de_tile.num_stages, **flags,
-                )
-                if bias is not None:
-                    tile_sums = grad_logits.sum(dim=1, dtype=torch.float32)  # (capacity, block_n)
-                    live = slot_ids < lists.step_counts[chunk, step]
-                    tile_sums = tile_sums * live[:, None] * (scale if scaled else 1.0)
-                    tiles = torch.where(live, lists.step_tiles[chunk, step], 0)  # slots past the count: unset
-                    positions = (tiles // chunk_tile_rows)[:, None] * logits_tile.block_n
-                    bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
+                if chunk == step == 0:
+                    continue  # went ahead of the sync
+                programs = capacity if steps.counts is None else steps.counts[chunk][step]
+                recompute(programs, row_start, row_start + rows, 0, v, chunk * steps.n_steps + step)
+                step_gemms(chunk, step, row_start, rows, acc_offset, first_column, end_column - first_column,
+                           last=step == len(chunk_steps) - 1)
+            if chunk == 0 and len(chunk_steps) == 1 and plan.fp32_accumulator:
+                grad_e[:rows].copy_(acc[:rows])  # its one step went ahead, not knowing it was the last
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.
