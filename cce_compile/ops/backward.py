@@ -205,10 +205,9 @@ def linear_cross_entropy_backward(
                 positions = (tiles // chunk_tile_rows)[:, None] * logits_tile.block_n
                 bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
 
-        # The first step goes ahead of the host sync (which waits only for the steps' copy, on
-        # a side stream), its kernels sized for any step (programs past its kept tiles or
-        # columns return at once): the GPU works while the host reads back the steps and
-        # enqueues the next.
+        # The first step goes ahead of the host sync, its kernels sized for any step (programs
+        # past its kept tiles or columns return at once): the GPU works while the host reads
+        # back the steps and enqueues the next.
         first_rows = torch.sym_min(chunk_rows, n)
         recompute(capacity, 0, first_rows, 0, v)
         step_gemms(0, 0, 0, first_rows, 0, 0, vocab_tiles, last=False)
