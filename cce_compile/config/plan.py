@@ -115,8 +115,8 @@ def plan_backward(
     if not filtered:
         return plan
     tile = config.grad_logits
-    tile_bytes = tile.block_m * tile.block_n * element_bytes
     rows = -(-bucket // plan.n_chunks)
+    accumulator_bytes = rows * d * 4 if fp32_acc else 0
+    room_slots = int(budget - accumulator_bytes) // (tile.block_m * tile.block_n * element_bytes)
     slab_slots = -(-rows // tile.block_m) * -(-plan.slab_v // tile.block_n)
-    room = int(budget - plan.scratch_bytes(bucket, d, element_bytes) + rows * plan.slab_v * element_bytes)
-    return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room // tile_bytes)))
+    return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room_slots)))
