@@ -121,8 +121,8 @@ def main() -> None:
                              "GEMMs that torch.compile runs instead of cuBLAS)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--scratch-fraction", type=float, default=None,
-                        help="override the backward's scratch budget (config.plan.SCRATCH_FRACTION) to see what "
-                             "fewer, larger steps would gain")
+                        help="override the backward's scratch budget, either mode's (config.plan.SCRATCH_FRACTION, "
+                             "FILTERED_SCRATCH_FRACTION), to see what fewer, larger steps would gain")
     parser.add_argument("--plan", default=None, metavar="CHUNKS,SLAB_V,SLOTS",
                         help="override the backward's plan (config.plan.BackwardPlan; slots: filtered mode's "
                              "scratch tiles, 0 for the slab's)")
@@ -137,7 +137,7 @@ def main() -> None:
         forced = plan.BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
         op_backward.plan_backward = lambda *_: forced
     if args.scratch_fraction is not None:
-        plan.SCRATCH_FRACTION = args.scratch_fraction
+        plan.SCRATCH_FRACTION = plan.FILTERED_SCRATCH_FRACTION = args.scratch_fraction
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = parse_shape(args.shape or ("8192x2304x256000" if cuda else "256x64x1031"))
@@ -152,7 +152,7 @@ def main() -> None:
 
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": plan.SCRATCH_FRACTION,
+                    "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": args.scratch_fraction,
                     "plan": args.plan,
                     "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))

@@ -210,9 +210,9 @@ def linear_cross_entropy_backward(
         # behind it on the same stream, so the GPU still idles while the host works after the
         # sync (~0.65 ms on the H200); a read-back on a side stream would let this step fill
         # that time (e879f3d, reverted until it has run there: docs/performance.md).
-        first_rows = torch.sym_min(chunk_rows, n)
-        recompute(capacity, 0, first_rows, 0, v)
-        step_gemms(0, 0, 0, first_rows, 0, 0, vocab_tiles, last=False)
+        _, first_row, first_rows, first_acc_offset = next(token_chunks())
+        recompute(capacity, first_row, first_row + first_rows, 0, v)
+        step_gemms(0, 0, first_row, first_rows, first_acc_offset, 0, vocab_tiles, last=False)
         steps = steps.on_host()
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)

@@ -170,8 +170,8 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
     tail) a step spans many columns. Packed steps are found on the device, queued behind the
     forward's kernel (still running); the host learns them at Steps.on_host, the backward's
-    one sync, and the GPU idles from there until the first step is enqueued, so the host work
-    between is kept short. Their lists are sized for the most steps packing can make."""
+    one sync, after which the GPU idles until the host enqueues the next step, so the host
+    work between is kept short. Their lists are sized for the most steps packing can make."""
     n_chunks, rows, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
