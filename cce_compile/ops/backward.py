@@ -205,11 +205,10 @@ def linear_cross_entropy_backward(
                 positions = (tiles // chunk_tile_rows)[:, None] * logits_tile.block_n
                 bias_sum.index_add_(0, (positions + in_tile).reshape(-1), tile_sums.reshape(-1))
 
-        # The first step is enqueued before the host sync, its kernels sized for any step
-        # (programs past its kept tiles or columns return at once). The read-back is queued
-        # behind it on the same stream, so the GPU still idles while the host works after the
-        # sync (~0.65 ms on the H200); a read-back on a side stream would let this step fill
-        # that time (e879f3d, reverted until it has run there: docs/performance.md).
+        # The first step is enqueued before the host sync (which waits only for the steps'
+        # copy, on a side stream: filtering.HostCopy), its kernels sized for any step (programs
+        # past its kept tiles or columns return at once): the GPU works on it while the host
+        # reads back the steps and enqueues the next.
         _, first_row, first_rows, first_acc_offset = next(token_chunks())
         recompute(capacity, first_row, first_row + first_rows, 0, v)
         step_gemms(0, 0, first_row, first_rows, first_acc_offset, 0, vocab_tiles, last=False)

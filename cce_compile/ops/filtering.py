@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -128,6 +129,36 @@ path instead. On the H200 (bench at f18b492) the block-sparse backward took abou
 inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
 
 
+@lru_cache(maxsize=None)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the read-back, made on first use."""
+    return torch.cuda.Stream(device)
+
+
+class HostCopy:
+    """A CUDA tensor copied to pinned host memory on a side stream, from the point the current
+    stream has reached when it is made: the current stream goes on with later work (the
+    backward's first step) while the host waits for this copy alone."""
+
+    def __init__(self, values: Tensor) -> None:
+        self.values = values
+        self.done: torch.cuda.Event | None = None
+        if values.is_cuda:
+            stream = side_stream(values.device)
+            stream.wait_stream(torch.cuda.current_stream(values.device))
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.values.copy_(values, non_blocking=True)
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
+            values.record_stream(stream)  # not handed out again before the copy has read it
+
+    def numpy(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values.numpy()
+
+
 @dataclass(frozen=True)
 class Steps:
     """How the filtered backward cuts each token chunk's tile columns into steps.
@@ -140,13 +171,13 @@ class Steps:
     n_steps: int  # steps per chunk in the lists: at least any chunk's (chunks with fewer end in empty ones)
     columns: list[list[tuple[int, int]]] | None  # per chunk, each step's tile columns [first, end)
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
-    unread: Tensor | None = None  # packed, before on_host: [chunk, bounds | kept tiles per column]
+    unread: HostCopy | None = None  # packed, before on_host: [chunk, bounds | kept tiles per column]
 
     def on_host(self) -> "Steps":
         """Packed steps with their columns and kept tiles read back (a host sync); others as they are."""
         if self.unread is None:
             return self
-        read = self.unread.cpu().numpy()
+        read = self.unread.numpy()
         cols = (read.shape[1] - 1) // 2
         bounds, column_counts = read[:, : cols + 1], read[:, cols + 1:]
         chunk_steps = (bounds < cols).sum(axis=1)
@@ -169,9 +200,10 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     depend on the data), or packed steps (eager): consecutive columns share a step while
     their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
     tail) a step spans many columns. Packed steps are found on the device, queued behind the
-    forward's kernel (still running); the host learns them at Steps.on_host, the backward's
-    one sync, after which the GPU idles until the host enqueues the next step, so the host
-    work between is kept short. Their lists are sized for the most steps packing can make."""
+    forward's kernel (still running), and copied to the host on a side stream (HostCopy);
+    the host learns them at Steps.on_host, the backward's one sync, which waits for that copy
+    alone, not for the work queued after it. Their lists are sized for the most steps packing
+    can make."""
     n_chunks, rows, cols = mask.shape
     if not packed:
         spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
@@ -188,7 +220,8 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     # Steps are the distinct values of (kept tiles before a column) // per_step, at most one
     # per column; per_step >= capacity + 1 - rows.
     most_steps = min(cols, rows * cols // (capacity + 1 - rows) + 1)
-    return Steps(bounds[:, : most_steps + 1], most_steps, None, None, torch.cat([bounds, column_counts], dim=1))
+    unread = HostCopy(torch.cat([bounds, column_counts], dim=1))
+    return Steps(bounds[:, : most_steps + 1], most_steps, None, None, unread)
 
 
 def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
