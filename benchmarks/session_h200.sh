@@ -5,13 +5,14 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep)
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
 #   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
+#   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
@@ -61,6 +62,11 @@ for step in $STEPS; do
         --out "$WORK/probe-host.json" > "$WORK/probe-host.log" 2>&1
       echo "host: exit $?"
       cat "$WORK/probe-host.log" ;;
+    wall)
+      timeout 240 python3 benchmarks/probe_wall.py ${WALL_ARGS:-} --out "$WORK/probe-wall.json" \
+        > "$WORK/probe-wall.log" 2>&1
+      echo "wall: exit $?"
+      cat "$WORK/probe-wall.log" ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \

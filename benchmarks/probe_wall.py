@@ -1,0 +1,132 @@
+"""Why the benchmark's wall clock sits above the profile's GPU time (exact mode on the H200).
+
+    PYTHONPATH=$PWD python benchmarks/probe_wall.py --out probe-wall.json
+
+At 6ed39cd exact mode's forward+backward took 4.51 x GEMM in `cce bench` (do_bench, back to
+back) against 4.26 x of summed kernel time in profile_kernels.py, and the forward alone 1.11
+against 1.04 x: ~7% more time with no host sync in the pass to explain it. Candidates: the
+GPU's clock under sustained load (power), or time between kernels. For each shape and mode
+this times, in one process and on the same inputs:
+- `gemm`, `gemm_x4`: one cuBLAS e @ c.T, and four back to back (the exact floor's work) in do_bench;
+- `do_bench`: the pass as the benchmark times it (grads to None, L2 cleared, back to back);
+- `kernels`: the pass's summed kernel time under torch.profiler (what profile_kernels reports);
+- `rested`: single passes after 0.3 s of GPU rest, timed by CUDA events;
+while nvidia-smi samples the SM clock and power every 50 ms (`smi` rows, with each phase's
+start and end on the same clock), so a slower phase can be matched to a lower clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cce_compile  # noqa: E402
+from cce_compile.bench.harness import parse_shape  # noqa: E402
+from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+SMI_REASONS = (",clocks_event_reasons.active", ",clocks_throttle_reasons.active", "")
+"""Why the clock is held down: the field's name depends on the driver's age."""
+
+
+def start_smi(path: Path) -> tuple[subprocess.Popen | None, str]:
+    """nvidia-smi sampling into `path` every 50 ms (None where it cannot run), and its fields."""
+    for reasons in SMI_REASONS:
+        fields = SMI_FIELDS + reasons
+        try:
+            smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-lms", "50"],
+                                   stdout=path.open("w"), stderr=subprocess.STDOUT)
+        except OSError:
+            return None, ""
+        time.sleep(0.5)
+        if smi.poll() is None:
+            return smi, fields
+    return None, ""
+
+
+def kernel_ms(step) -> float:
+    """Summed GPU time of one call of `step`, after a warm-up call."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(event.device_time_total for event in prof.key_averages() if event.device_time_total > 0) / 1e3
+
+
+def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
+    """Median of single calls, each after the GPU has rested `rest_s`."""
+    times = []
+    for _ in range(passes):
+        torch.cuda.synchronize()
+        time.sleep(rest_s)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="8192x2304x256000,8192x4096x128256,16384x896x151936")
+    parser.add_argument("--modes", default="exact,filtered")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    smi, smi_fields = start_smi(args.out.with_suffix(".smi.csv"))
+    report: dict = {"device": torch.cuda.get_device_name(), "smi_fields": smi_fields, "runs": []}
+
+    def phase(run: dict, name: str, measure) -> None:
+        started = time.time()
+        run[name] = {"ms": measure(), "start": started, "end": time.time()}
+        print(f"  {name:9s} {run[name]['ms']:8.3f} ms = {run[name]['ms'] / run['gemm']['ms']:.3f} x GEMM", flush=True)
+
+    for spec in args.shapes.split(","):
+        shape = parse_shape(spec)
+        e, c, targets = lm_like_inputs(shape.n, shape.d, shape.v, torch.bfloat16, "cuda", seed=0)
+        e.requires_grad_()
+        c.requires_grad_()
+        e_plain, c_plain = e.detach(), c.detach()
+        for mode in args.modes.split(","):
+            filter_eps = FILTER_EPS if mode == "filtered" else None
+            run: dict = {"shape": spec, "mode": mode}
+            print(f"{spec} {mode}", flush=True)
+            phase(run, "gemm", lambda: triton.testing.do_bench(lambda: e_plain @ c_plain.T, return_mode="median"))
+            phase(run, "gemm_x4", lambda: triton.testing.do_bench(
+                lambda: [e_plain @ c_plain.T for _ in range(4)], return_mode="median"))
+
+            def step() -> None:
+                cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
+
+            def cleared_step() -> None:
+                e.grad = c.grad = None
+                step()
+
+            phase(run, "kernels", lambda: kernel_ms(cleared_step))
+            phase(run, "rested", lambda: rested_ms(cleared_step))
+            phase(run, "do_bench", lambda: triton.testing.do_bench(
+                step, rep=max(100, 5 * run["rested"]["ms"]), grad_to_none=[e, c], return_mode="median"))
+            phase(run, "rested_2", lambda: rested_ms(cleared_step))
+            report["runs"].append(run)
+            e.grad = c.grad = None
+        torch.cuda.empty_cache()
+    if smi is not None:
+        smi.terminate()
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
