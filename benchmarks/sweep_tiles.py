@@ -50,6 +50,9 @@ GEMM_TILES = [  # the bundled 128 x 128 tiles, then wider N (one A tile read per
     (128, 256, 64, 8, 8, 4),
     (128, 128, 64, 8, 8, 4),
     (128, 64, 64, 8, 4, 4),
+    (128, 128, 64, 8, 4, 4),  # small D (Qwen2.5's 896 = 7 x 128): narrower N, fewer warps
+    (128, 64, 64, 8, 4, 3),
+    (128, 64, 64, 8, 8, 4),
 ]
 
 
