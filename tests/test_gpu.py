@@ -85,16 +85,16 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     """The backward's per-step kernels (pointer and persistent recompute, filtered mode's
     sparse GEMMs) relaunched with an earlier launch's compiled kernel (ops/launch.py) give the
     gradients that launching each through Triton's JIT gives, bit for bit, and relaunches do
-    reuse: exact mode's 2 token chunks (the second ragged) x 16 slabs need 2 variants."""
+    reuse: exact mode's 2 token chunks (the second ragged) x 16 slabs need 2 variants, and a
+    second call of the op none."""
     from cce_compile.config.plan import BackwardPlan
-    from cce_compile.ops import backward
-    from cce_compile.ops.launch import KernelLauncher
+    from cce_compile.ops import backward, launch
 
     e, c, targets = make_inputs("zipf", (3000,), 16000, d, torch.bfloat16, seed=5, device="cuda")
     filter_eps = 2.0**-12 if mode == "filtered" else None
     launchers: list[CountingLauncher] = []
 
-    class CountingLauncher(KernelLauncher):
+    class CountingLauncher(launch.KernelLauncher):
         def __init__(self, kernel, reuse: bool) -> None:
             super().__init__(kernel, reuse and reusing)
             self.launches = 0
@@ -104,27 +104,30 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
             self.launches += 1
             super().__call__(grid, *args, **kwargs)
 
-    def run() -> list[torch.Tensor]:
+    def run() -> tuple[list[torch.Tensor], dict[str, tuple[int, int]]]:
         launchers.clear()
         leaves = [t.detach().clone().requires_grad_() for t in (e, c)]
         cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, filter_eps=filter_eps).backward()
-        return [t.grad for t in leaves]
+        return [t.grad for t in leaves], {it.kernel.fn.__name__: (it.jit_launches, it.launches) for it in launchers}
 
     monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 1024, True))
     monkeypatch.setattr(backward, "KernelLauncher", CountingLauncher)
+    monkeypatch.setattr(launch, "COMPILED", {})
     reusing = True
-    reused = run()
-    counts = {launch.kernel.fn.__name__: (len(launch.compiled), launch.launches) for launch in launchers}
+    reused, first = run()
+    reused_again, second = run()
     reusing = False
-    fresh = run()
-    for got, expected in zip(reused, fresh):
+    fresh, _ = run()
+    for got, again, expected in zip(reused, reused_again, fresh):
         assert torch.equal(got, expected)
+        assert torch.equal(again, expected)
+    assert all(jit == 0 for jit, _ in second.values()), second
     if mode == "exact":
         recompute = "grad_logits_kernel" if d == 896 else "grad_logits_tma_kernel"
-        assert counts[recompute] == (2, 32), counts
+        assert first[recompute] == (2, 32), first
     else:
-        variants, launches = counts["sparse_matmul_kernel"]
-        assert launches >= 4 and variants < launches, counts
+        jit, launches = first["sparse_matmul_kernel"]
+        assert launches >= 4 and jit < launches, first
 
 
 def test_huge_classifier_needs_64bit_offsets() -> None:

@@ -6,7 +6,9 @@ launch a kernel compiled for other arguments."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cce_compile.ops.launch import launch_key
 
@@ -27,11 +29,27 @@ def test_other_scalars_match_by_value() -> None:
     assert launch_key((None, 2.0), {}) == launch_key((None, 2.0), {})
 
 
-def test_tensors_match_by_identity_only() -> None:
-    a = torch.arange(8.0)
-    assert launch_key((a, 1), {}) == launch_key((a, 1), {})
-    assert launch_key((a,), {}) != launch_key((a.clone(),), {})
-    assert launch_key((a,), {}) != launch_key((a[1:],), {})
+def test_tensors_match_by_dtype_device_and_alignment() -> None:
+    a = torch.arange(64.0)
+    assert launch_key((a, 1), {}) == launch_key((a.clone(), 1), {})
+    assert launch_key((a,), {}) == launch_key((a[4:],), {})  # 16 bytes on: still aligned
+    assert launch_key((a,), {}) != launch_key((a[1:],), {})  # the pointer's alignment hint
+    assert launch_key((a,), {}) != launch_key((a.double(),), {})
+    assert launch_key((a,), {}) != launch_key((None,), {})
+
+
+def test_tensor_descriptors_match_by_block_shape_and_classes() -> None:
+    a = torch.zeros(64, 32, dtype=torch.bfloat16)
+    base = launch_key((TensorDescriptor.from_tensor(a, [16, 16]),), {})
+    assert base == launch_key((TensorDescriptor.from_tensor(a.clone(), [16, 16]),), {})
+    assert base != launch_key((TensorDescriptor.from_tensor(a, [32, 16]),), {})
+    assert base != launch_key((TensorDescriptor.from_tensor(a[:33], [16, 16]),), {})  # 33 rows: no hint
+    assert base != launch_key((TensorDescriptor.from_tensor(a.float(), [16, 16]),), {})
+
+
+def test_unknown_arguments_are_refused() -> None:
+    with pytest.raises(TypeError, match="no launch class for a list"):
+        launch_key(([1, 2],), {})
 
 
 def test_constexprs_and_launch_options_are_part_of_the_key() -> None:

@@ -1,4 +1,4 @@
-"""Launching one Triton kernel many times within one op call, at less host time per launch.
+"""Launching one Triton kernel many times, at less host time per launch.
 
 The backward launches its kernels once per slab step: 304 steps on Qwen2.5's shape. Each
 Triton launch binds and specializes every argument (~40 of them) before it finds its compiled
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.library import wrap_triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT32 = range(-(2**31), 2**31)
 INT64 = range(-(2**63), 2**63)
@@ -22,40 +24,57 @@ def integer_class(value: int) -> tuple[bool, bool, bool, bool]:
     return value == 1, value % 16 == 0, value in INT32, value in INT64
 
 
+def argument_class(arg: Any) -> Any:
+    """What Triton specializes one argument on, or finer: integers by integer_class, other
+    scalars by value, tensors by dtype, device and 16-byte alignment, tensor descriptors by
+    their base's class, block shape, padding and the classes of their shape and strides."""
+    if type(arg) is int:
+        return integer_class(arg)
+    if arg is None or isinstance(arg, (bool, float, str)):
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
+    if isinstance(arg, TensorDescriptor):
+        return (argument_class(arg.base), tuple(arg.block_shape), arg.padding,
+                tuple(map(integer_class, arg.shape)), tuple(map(integer_class, arg.strides)))
+    raise TypeError(f"no launch class for a {type(arg).__name__} argument")
+
+
 def launch_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
     """What decides the compiled kernel a launch needs, at least as finely as Triton does:
-    integers by integer_class, other scalars by value, tensors and other objects (tensor
-    descriptors) by identity, and the constexprs and launch options."""
-    return tuple(
-        integer_class(arg) if type(arg) is int
-        else arg if arg is None or isinstance(arg, (bool, float, str))
-        else id(arg)
-        for arg in args
-    ) + tuple(kwargs.items())
+    each argument's class, and the constexprs and launch options."""
+    return tuple(map(argument_class, args)) + tuple(kwargs.items())
+
+
+COMPILED: dict[tuple, Any] = {}
+"""Compiled kernels by (kernel, launch_key), shared by every launcher of the process: an op
+call's first launches reuse what earlier calls compiled (a JIT launch after the filtered
+backward's host sync held its next step back)."""
 
 
 class KernelLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` as `wrap_triton(kernel)[grid]` does
     (what torch.compile traces). With `reuse` (eager CUDA calls) a launch whose launch_key
     matches an earlier one's goes straight to the driver with that launch's compiled kernel,
-    skipping Triton's binding and cache lookup. One launcher serves one op call: it holds the
-    objects its keys name, so no identity is reused while it lives."""
+    skipping Triton's binding and cache lookup. `jit_launches` counts the launches that did not."""
 
     def __init__(self, kernel: Any, reuse: bool) -> None:
         self.kernel = kernel
         self.reuse = reuse
-        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        self.jit_launches = 0
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if not self.reuse:
+            self.jit_launches += 1
             wrap_triton(self.kernel)[grid](*args, **kwargs)
             return
-        key = launch_key(args, kwargs)
-        entry = self.compiled.get(key)
-        if entry is None:
-            self.compiled[key] = (self.kernel[grid](*args, **kwargs), args)
+        key = (self.kernel, launch_key(args, kwargs))
+        compiled = COMPILED.get(key)
+        if compiled is None:
+            self.jit_launches += 1
+            COMPILED[key] = self.kernel[grid](*args, **kwargs)
             return
         # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
         # included (it skips them).
         constexprs = (kwargs[name] for name in self.kernel.arg_names[len(args):])
-        entry[0][(*grid, 1, 1)[:3]](*args, *constexprs)
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
