@@ -80,9 +80,10 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
     grad_hidden = gemm
     if key.mode == "filtered" and wide:
         # The block-sparse dE GEMM reads each kept d-logits tile once per block_n columns of
-        # dE: 256 wide where D is large, 64 wide (more programs) where it is small
-        # (benchmarks/results/sweep-h200-filtered-*.json: 0.07-0.17 x GEMM of fwd+bwd).
-        grad_hidden = TileConfig(128, 256, 64, 8, 8, 4) if key.d >= 2048 else TileConfig(128, 64, 64, 8, 4, 4)
+        # dE: 256 wide where D is large (benchmarks/results/sweep-h200-filtered-*.json:
+        # 0.07-0.17 x GEMM of fwd+bwd), 128 wide with 4 warps where it is small (Qwen2.5's
+        # D = 896 at v14's steps: 2.48 against 2.62 x for 64 wide, sweep-h200-v15-filtered-*).
+        grad_hidden = TileConfig(128, 256, 64, 8, 8, 4) if key.d >= 2048 else TileConfig(128, 128, 64, 8, 4, 4)
     return KernelConfig(
         forward=logits,
         grad_logits=logits,
