@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from cce_compile.ops.launch import launch_key
+from cce_compile.ops.launch import identity_key, launch_key
 
 
 def test_integers_match_by_what_triton_specializes() -> None:
@@ -57,3 +57,15 @@ def test_constexprs_and_launch_options_are_part_of_the_key() -> None:
     assert base == launch_key((48,), {"ACCUMULATE": False, "num_warps": 8})
     assert base != launch_key((32,), {"ACCUMULATE": True, "num_warps": 8})
     assert base != launch_key((32,), {"ACCUMULATE": False, "num_warps": 4})
+
+
+def test_identity_keys_are_no_coarser_than_launch_keys() -> None:
+    """Within one call the launcher looks launches up by identity_key: two launches with
+    equal identity keys must need the same compiled kernel."""
+    a, b = torch.arange(64.0), torch.arange(64.0)[1:]
+    cases = [(a, 32, 0.5, None, True), (a, 48, 0.5, None, True), (b, 32, 0.5, None, True), (a, 1, 0.5, None, False)]
+    for first in cases:
+        for second in cases:
+            if identity_key(first, {}) == identity_key(second, {}):
+                assert launch_key(first, {}) == launch_key(second, {})
+    assert identity_key((a,), {}) != identity_key((a.clone(),), {})

@@ -46,6 +46,17 @@ def launch_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
     return tuple(map(argument_class, args)) + tuple(kwargs.items())
 
 
+def identity_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """launch_key's cheap stand-in within one op call: objects by identity, which the
+    launcher keeps alive, so equal identity keys mean equal launch keys."""
+    return tuple(
+        integer_class(arg) if type(arg) is int
+        else arg if arg is None or isinstance(arg, (bool, float, str))
+        else id(arg)
+        for arg in args
+    ) + tuple(kwargs.items())
+
+
 COMPILED: dict[tuple, Any] = {}
 """Compiled kernels by (kernel, launch_key), shared by every launcher of the process: an op
 call's first launches reuse what earlier calls compiled (a JIT launch after the filtered
@@ -55,26 +66,34 @@ backward's host sync held its next step back)."""
 class KernelLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` as `wrap_triton(kernel)[grid]` does
     (what torch.compile traces). With `reuse` (eager CUDA calls) a launch whose launch_key
-    matches an earlier one's goes straight to the driver with that launch's compiled kernel,
-    skipping Triton's binding and cache lookup. `jit_launches` counts the launches that did not."""
+    matches an earlier one's, in this op call or an earlier, goes straight to the driver with
+    that launch's compiled kernel, skipping Triton's binding and cache lookup; within the call
+    it is found by identity_key, cheaper per step. One launcher serves one op call: it holds
+    the objects its identity keys name. `jit_launches` counts the launches Triton bound."""
 
     def __init__(self, kernel: Any, reuse: bool) -> None:
         self.kernel = kernel
         self.reuse = reuse
         self.jit_launches = 0
+        self.by_identity: dict[tuple, tuple[Any, tuple]] = {}
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if not self.reuse:
             self.jit_launches += 1
             wrap_triton(self.kernel)[grid](*args, **kwargs)
             return
-        key = (self.kernel, launch_key(args, kwargs))
-        compiled = COMPILED.get(key)
-        if compiled is None:
-            self.jit_launches += 1
-            COMPILED[key] = self.kernel[grid](*args, **kwargs)
-            return
+        identity = identity_key(args, kwargs)
+        entry = self.by_identity.get(identity)
+        if entry is None:
+            key = (self.kernel, launch_key(args, kwargs))
+            compiled = COMPILED.get(key)
+            if compiled is None:
+                self.jit_launches += 1
+                COMPILED[key] = self.kernel[grid](*args, **kwargs)
+                self.by_identity[identity] = (COMPILED[key], args)
+                return
+            self.by_identity[identity] = entry = (compiled, args)
         # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
         # included (it skips them).
         constexprs = (kwargs[name] for name in self.kernel.arg_names[len(args):])
-        compiled[(*grid, 1, 1)[:3]](*args, *constexprs)
+        entry[0][(*grid, 1, 1)[:3]](*args, *constexprs)
