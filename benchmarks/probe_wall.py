@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cce_compile  # noqa: E402
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
 
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
 SMI_REASONS = (",clocks_event_reasons.active", ",clocks_throttle_reasons.active", "")
@@ -53,16 +54,6 @@ def start_smi(path: Path) -> tuple[subprocess.Popen | None, str]:
         if smi.poll() is None:
             return smi, fields
     return None, ""
-
-
-def kernel_ms(step) -> float:
-    """Summed GPU time of one call of `step`, after a warm-up call."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.key_averages() if event.device_time_total > 0) / 1e3
 
 
 def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
@@ -115,7 +106,7 @@ def main() -> None:
                 e.grad = c.grad = None
                 step()
 
-            phase(run, "kernels", lambda: kernel_ms(cleared_step))
+            phase(run, "kernels", lambda: sum(t["ms"] for t in kernel_times(cleared_step, 1, True)[0].values()))
             phase(run, "rested", lambda: rested_ms(cleared_step))
             phase(run, "do_bench", lambda: triton.testing.do_bench(
                 step, rep=max(100, 5 * run["rested"]["ms"]), grad_to_none=[e, c], return_mode="median"))

@@ -68,10 +68,12 @@ class BackwardPlan:
         rows = (n + self.n_chunks - 1) // self.n_chunks
         return (rows + block_m - 1) // block_m * block_m
 
+    def accumulator_bytes(self, bucket: int, d: int) -> int:
+        """The fp32 dE accumulator of one token chunk (none for fp32 inputs)."""
+        return -(-bucket // self.n_chunks) * d * 4 if self.fp32_accumulator else 0
+
     def scratch_bytes(self, bucket: int, d: int, element_bytes: int) -> int:
-        rows = -(-bucket // self.n_chunks)
-        acc = rows * d * 4 if self.fp32_accumulator else 0
-        return acc + rows * self.slab_v * element_bytes
+        return self.accumulator_bytes(bucket, d) + -(-bucket // self.n_chunks) * self.slab_v * element_bytes
 
 
 def plan_backward(
@@ -115,8 +117,6 @@ def plan_backward(
     if not filtered:
         return plan
     tile = config.grad_logits
-    rows = -(-bucket // plan.n_chunks)
-    accumulator_bytes = rows * d * 4 if fp32_acc else 0
-    room_slots = int(budget - accumulator_bytes) // (tile.block_m * tile.block_n * element_bytes)
-    slab_slots = -(-rows // tile.block_m) * -(-plan.slab_v // tile.block_n)
+    room_slots = int(budget - plan.accumulator_bytes(bucket, d)) // (tile.block_m * tile.block_n * element_bytes)
+    slab_slots = -(-bucket // plan.n_chunks // tile.block_m) * -(-plan.slab_v // tile.block_n)
     return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room_slots)))

@@ -24,14 +24,16 @@ def integer_class(value: int) -> tuple[bool, bool, bool, bool]:
     return value == 1, value % 16 == 0, value in INT32, value in INT64
 
 
+SCALARS = (int, bool, float, str, type(None))
+"""Arguments classed by value (integers by integer_class), in either key."""
+
+
 def argument_class(arg: Any) -> Any:
     """What Triton specializes one argument on, or finer: integers by integer_class, other
     scalars by value, tensors by dtype, device and 16-byte alignment, tensor descriptors by
     their base's class, block shape, padding and the classes of their shape and strides."""
-    if type(arg) is int:
-        return integer_class(arg)
-    if arg is None or isinstance(arg, (bool, float, str)):
-        return arg
+    if isinstance(arg, SCALARS):
+        return integer_class(arg) if type(arg) is int else arg
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
     if isinstance(arg, TensorDescriptor):
@@ -50,10 +52,7 @@ def identity_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
     """launch_key's cheap stand-in within one op call: objects by identity, which the
     launcher keeps alive, so equal identity keys mean equal launch keys."""
     return tuple(
-        integer_class(arg) if type(arg) is int
-        else arg if arg is None or isinstance(arg, (bool, float, str))
-        else id(arg)
-        for arg in args
+        integer_class(arg) if type(arg) is int else arg if isinstance(arg, SCALARS) else id(arg) for arg in args
     ) + tuple(kwargs.items())
 
 
@@ -89,8 +88,8 @@ class KernelLauncher:
             compiled = COMPILED.get(key)
             if compiled is None:
                 self.jit_launches += 1
-                COMPILED[key] = self.kernel[grid](*args, **kwargs)
-                self.by_identity[identity] = (COMPILED[key], args)
+                COMPILED[key] = compiled = self.kernel[grid](*args, **kwargs)
+                self.by_identity[identity] = (compiled, args)
                 return
             self.by_identity[identity] = entry = (compiled, args)
         # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
