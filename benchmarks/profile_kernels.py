@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--plan", default=None, metavar="CHUNKS,SLAB_V,SLOTS",
                         help="override the backward's plan (config.plan.BackwardPlan; slots: filtered mode's "
                              "scratch tiles, 0 for the slab's)")
+    parser.add_argument("--persistent-min-k-steps", type=int, default=None,
+                        help="override ops.backward.PERSISTENT_MIN_K_STEPS: from how many K steps exact mode's "
+                             "recompute runs persistent")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most host time in one pass (cProfile)")
@@ -136,6 +139,8 @@ def main() -> None:
         n_chunks, slab_v, slots = (int(part) for part in args.plan.split(","))
         forced = plan.BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
         op_backward.plan_backward = lambda *_: forced
+    if args.persistent_min_k_steps is not None:
+        op_backward.PERSISTENT_MIN_K_STEPS = args.persistent_min_k_steps
     if args.scratch_fraction is not None:
         plan.SCRATCH_FRACTION = plan.FILTERED_SCRATCH_FRACTION = args.scratch_fraction
     cuda = torch.cuda.is_available()
@@ -153,7 +158,7 @@ def main() -> None:
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": args.scratch_fraction,
-                    "plan": args.plan,
+                    "plan": args.plan, "persistent_min_k_steps": args.persistent_min_k_steps,
                     "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):

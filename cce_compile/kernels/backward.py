@@ -3,31 +3,33 @@
 import triton
 import triton.language as tl
 
-from .tiles import finish_gemm, grouped_tile, load_tile, logits_tile, logits_tile_tma, mma
+from .tiles import exp_shifted, finish_gemm, grouped_tile, load_tile, logits_tile, logits_tile_tma, mma
 
 
 @triton.jit
 def grad_from_logits(
-    logits, rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+    logits, rows, vocab, row_mask, col_mask, vocab_first, vocab_last, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """d loss / d logits of one tile, zero outside the masks.
+    """d loss / d logits of one tile, whatever it holds outside the masks (callers mask).
 
     With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
         d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j]
     then the soft-cap's chain rule (`logits` are the capped ones). With SCALED (fp16), the
     tile is divided by scale_ptr[0] (the largest coefficient) so small gradients stay in
-    fp16's normal range; the GEMMs multiply it back.
+    fp16's normal range; the GEMMs multiply it back. Every vocab id of the tile lies in
+    [vocab_first, vocab_last]: tiles that no row's target can fall in skip the search for it.
     """
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
     coef_softmax = tl.load(coef_softmax_ptr + rows, mask=row_mask, other=0.0)
-    coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
 
-    softmax = tl.exp(logits - lse[:, None])
-    is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
-    grad = coef_softmax[:, None] * softmax - tl.where(is_target, coef_target[:, None], 0.0)
+    grad = coef_softmax[:, None] * exp_shifted(logits, lse)
+    if tl.max(((targets >= vocab_first) & (targets <= vocab_last)).to(tl.int32), axis=0) > 0:
+        coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
+        is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
+        grad -= tl.where(is_target, coef_target[:, None], 0.0)
     if HAS_SMOOTHING:
         coef_smooth = tl.load(coef_smooth_ptr + rows, mask=row_mask, other=0.0)
         if HAS_WEIGHT:
@@ -38,8 +40,6 @@ def grad_from_logits(
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
-    inside = row_mask[:, None] & col_mask[None, :]
-    grad = tl.where(inside, grad, 0.0)
     if SCALED:
         grad = grad / tl.load(scale_ptr)
     return grad
@@ -85,8 +85,10 @@ def grad_logits_kernel(
     row_mask = rows < row_end
     col_mask = cols < col_end
     vocab = cols
-    if FILTER:
+    vocab_first, vocab_last = col_start + pid_n * BLOCK_N, col_start + pid_n * BLOCK_N + BLOCK_N - 1
+    if FILTER:  # positions in the vocab order: any id
         vocab = tl.load(vocab_order_ptr + cols, mask=col_mask, other=0)
+        vocab_first, vocab_last = 0, 2**31 - 1
 
     logits = logits_tile(
         e_ptr, c_ptr, bias_ptr, rows, vocab, row_mask, col_mask, D,
@@ -94,13 +96,14 @@ def grad_logits_kernel(
         HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
     grad = grad_from_logits(
-        logits, rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+        logits, rows, vocab, row_mask, col_mask, vocab_first, vocab_last, targets_ptr, weight_ptr, lse_ptr,
         coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
         HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
     )
-    if FILTER:
+    if FILTER:  # the sparse GEMMs read whole slots
         out = (grad_logits_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
                + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+        grad = tl.where(row_mask[:, None] & col_mask[None, :], grad, 0.0)
         tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty))
     else:
         out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
@@ -129,8 +132,8 @@ def grad_logits_tma_kernel(
     The descriptors view all of e and c and the whole d-logits buffer (built once per
     backward, not per slab: Python's per-launch cost counts where slabs are many); the
     slab is rows x cols from (row_start, col_start). Rows and columns past it are loaded (the
-    next chunk or slab, or the copy engine's zero fill past the tensors) but masked to zero,
-    and stored only within the buffer, where the GEMMs never read them.
+    next chunk or slab, or the copy engine's zero fill past the tensors), computed unmasked
+    and stored only within the buffer, where neither the GEMMs nor the bias sum read them.
     """
     num_m = tl.cdiv(rows, BLOCK_M)
     num_n = tl.cdiv(cols, BLOCK_N)
@@ -146,7 +149,8 @@ def grad_logits_tma_kernel(
             D, softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         grad = grad_from_logits(
-            logits, row_start + local_rows, vocab, row_mask, col_mask, targets_ptr, weight_ptr, lse_ptr,
+            logits, row_start + local_rows, vocab, row_mask, col_mask, col_start + pid_n * BLOCK_N,
+            col_start + pid_n * BLOCK_N + BLOCK_N - 1, targets_ptr, weight_ptr, lse_ptr,
             coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
             HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
         )

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import grouped_tile, logits_tile, logits_tile_tma
+from .tiles import LOG2E, exp_shifted, grouped_tile, logits_tile, logits_tile_tma
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def lse_forward_kernel(
         new_max = tl.maximum(row_max, tile_row_max)
         # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
+        row_sumexp = row_sumexp * tl.exp2((row_max - shift) * LOG2E) + tl.sum(exp_shifted(logits, shift), axis=1)
         row_max = new_max
 
     out = partial_ptr + pid_s.to(tl.int64) * N + rows
@@ -121,16 +121,22 @@ def lse_forward_tma_kernel(
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
-        hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < tl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
-        tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
+        first_col = pid_n * BLOCK_N
+        hit = row_mask & (targets >= first_col) & (targets < tl.minimum(first_col + BLOCK_N, V))
+        # The epilogue's per-logit work is what costs beside the MMAs: the search for targets
+        # runs only in tiles that hold one (few, under a Zipfian batch), the -inf mask only in
+        # the tile that runs past V.
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
         out = pid_n.to(tl.int64) * N + rows
         if NEED_WEIGHTED_SUM:
             tl.store(tile_weighted_sum_ptr + out, tile_weighted_sum(logits, cols, col_mask, weight_ptr, HAS_WEIGHT),
                      mask=row_mask)
-        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        if first_col + BLOCK_N > V:
+            logits = tl.where(col_mask[None, :], logits, float("-inf"))
         tile_max = tl.max(logits, axis=1)
         if STORE_TILE_MAX:
             tl.store(tile_max_ptr + rows.to(tl.int64) * num_n + pid_n, tile_max, mask=row_mask)
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)  # as in lse_forward_kernel
-        tile_lse = shift + tl.log(tl.sum(tl.exp(logits - shift[:, None]), axis=1))
+        tile_lse = shift + tl.log(tl.sum(exp_shifted(logits, shift), axis=1))
         tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)

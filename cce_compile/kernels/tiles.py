@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -29,6 +31,16 @@ def mma(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def exp_shifted(x, shift):
+    """exp(x - shift[:, None]) in one fused multiply-add and one MUFU.EX2 per element: tl.exp2
+    compiles to ex2.approx.ftz on sm_90, while tl.exp(x - shift) adds a subtract, a multiply
+    and a guard for denormal results (a compare and two predicated multiplies). The logits
+    epilogues run once per logit, beside idle tensor cores, so these count. Results below
+    2**-126 flush to zero: a probability that small changes no sum and no gradient."""
+    return tl.exp2(x * LOG2E - (shift * LOG2E)[:, None])
 
 
 @triton.jit
