@@ -120,20 +120,22 @@ def lse_forward_tma_kernel(
             e_desc, c_desc, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, cols, col_mask, D, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
-        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
-        first_col = pid_n * BLOCK_N
-        hit = row_mask & (targets >= first_col) & (targets < tl.minimum(first_col + BLOCK_N, V))
-        # The epilogue's per-logit work is what costs beside the MMAs: the search for targets
-        # runs only in tiles that hold one (few, under a Zipfian batch), the -inf mask only in
-        # the tile that runs past V.
-        if tl.max(hit.to(tl.int32), axis=0) > 0:
-            tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
         out = pid_n.to(tl.int64) * N + rows
         if NEED_WEIGHTED_SUM:
             tl.store(tile_weighted_sum_ptr + out, tile_weighted_sum(logits, cols, col_mask, weight_ptr, HAS_WEIGHT),
                      mask=row_mask)
-        if first_col + BLOCK_N > V:
-            logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        # Past V the copy engine's zero fill gives logits of 0; masking them is one select per logit,
+        # and it also gives the branch below a copy to read: a branch that reads the dot's result
+        # itself makes ptxas serialize every wgmma of the kernel (0.93 -> 1.24 x GEMM at D = 8192
+        # on the H200).
+        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+        first_col = pid_n * BLOCK_N
+        hit = row_mask & (targets >= first_col) & (targets < tl.minimum(first_col + BLOCK_N, V))
+        # The search for targets, a compare, select and add per logit, only in the tiles that
+        # hold one (few, under a Zipfian batch).
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
         tile_max = tl.max(logits, axis=1)
         if STORE_TILE_MAX:
             tl.store(tile_max_ptr + rows.to(tl.int64) * num_n + pid_n, tile_max, mask=row_mask)
