@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -36,15 +37,18 @@ from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
-SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
+SMI_FIELDS = ("timestamp,clocks.sm,power.draw,temperature.gpu,total_energy_consumption",
+              "timestamp,clocks.sm,power.draw,temperature.gpu")
+"""The energy counter (mJ since the driver loaded) gives joules per phase where the driver has it."""
 SMI_REASONS = (",clocks_event_reasons.active", ",clocks_throttle_reasons.active", "")
 """Why the clock is held down: the field's name depends on the driver's age."""
+TIMED_PHASES = ("gemm", "gemm_x4", "do_bench")
+"""The back-to-back phases, long enough (>= 2 s) for the counter: joules per pass from them."""
 
 
 def start_smi(path: Path) -> tuple[subprocess.Popen | None, str]:
     """nvidia-smi sampling into `path` every 50 ms (None where it cannot run), and its fields."""
-    for reasons in SMI_REASONS:
-        fields = SMI_FIELDS + reasons
+    for fields in (base + reasons for base in SMI_FIELDS for reasons in SMI_REASONS):
         try:
             smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-lms", "50"],
                                    stdout=path.open("w"), stderr=subprocess.STDOUT)
@@ -54,6 +58,43 @@ def start_smi(path: Path) -> tuple[subprocess.Popen | None, str]:
         if smi.poll() is None:
             return smi, fields
     return None, ""
+
+
+def read_smi(path: Path, fields: str) -> list[dict]:
+    """The samples as dicts of floats (time in seconds since the epoch; nvidia-smi prints UTC
+    on the device machine), skipping lines it could not fill."""
+    names = fields.split(",")
+    samples = []
+    for line in path.read_text().splitlines():
+        values = [value.strip() for value in line.split(",")]
+        if len(values) != len(names):
+            continue
+        try:
+            when = datetime.strptime(values[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+            row = {"time": when}
+            for name, value in zip(names[1:], values[1:]):
+                if name in ("clocks.sm", "power.draw", "total_energy_consumption"):
+                    row[name] = float(value.split()[0])
+        except ValueError:
+            continue
+        samples.append(row)
+    return samples
+
+
+def phase_energy(samples: list[dict], phase: dict) -> dict | None:
+    """Median SM clock, mean power and joules per pass (mean power x the phase's time per
+    pass) over the samples inside a phase; the power from the energy counter where there is
+    one (power.draw is a one-second average on recent drivers)."""
+    inside = [row for row in samples if phase["start"] <= row["time"] <= phase["end"]]
+    if len(inside) < 2:
+        return None
+    span = inside[-1]["time"] - inside[0]["time"]
+    if "total_energy_consumption" in inside[0] and span > 0:
+        watts = (inside[-1]["total_energy_consumption"] - inside[0]["total_energy_consumption"]) / 1000 / span
+    else:
+        watts = statistics.mean(row["power.draw"] for row in inside)
+    return {"clock_mhz": statistics.median(row["clocks.sm"] for row in inside), "watts": watts,
+            "joules_per_pass": watts * phase["ms"] / 1000}
 
 
 def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
@@ -74,7 +115,8 @@ def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8192x2304x256000,8192x4096x128256,16384x896x151936")
-    parser.add_argument("--modes", default="exact,filtered")
+    parser.add_argument("--modes", default="exact,filtered", help="exact, filtered, forward (exact, no autograd)")
+    parser.add_argument("--rep-ms", type=float, default=2000.0, help="do_bench's time per back-to-back phase")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     smi, smi_fields = start_smi(args.out.with_suffix(".smi.csv"))
@@ -95,11 +137,16 @@ def main() -> None:
             filter_eps = FILTER_EPS if mode == "filtered" else None
             run: dict = {"shape": spec, "mode": mode}
             print(f"{spec} {mode}", flush=True)
-            phase(run, "gemm", lambda: triton.testing.do_bench(lambda: e_plain @ c_plain.T, return_mode="median"))
+            phase(run, "gemm", lambda: triton.testing.do_bench(
+                lambda: e_plain @ c_plain.T, rep=args.rep_ms, return_mode="median"))
             phase(run, "gemm_x4", lambda: triton.testing.do_bench(
-                lambda: [e_plain @ c_plain.T for _ in range(4)], return_mode="median"))
+                lambda: [e_plain @ c_plain.T for _ in range(4)], rep=args.rep_ms, return_mode="median"))
 
             def step() -> None:
+                if mode == "forward":  # as the benchmark times the forward: no autograd
+                    with torch.no_grad():
+                        cce_compile.linear_cross_entropy(e_plain, c_plain, targets)
+                    return
                 cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
 
             def cleared_step() -> None:
@@ -109,13 +156,28 @@ def main() -> None:
             phase(run, "kernels", lambda: sum(t["ms"] for t in kernel_times(cleared_step, 1, True)[0].values()))
             phase(run, "rested", lambda: rested_ms(cleared_step))
             phase(run, "do_bench", lambda: triton.testing.do_bench(
-                step, rep=max(100, 5 * run["rested"]["ms"]), grad_to_none=[e, c], return_mode="median"))
+                step, rep=max(args.rep_ms, 5 * run["rested"]["ms"]), grad_to_none=[e, c], return_mode="median"))
             phase(run, "rested_2", lambda: rested_ms(cleared_step))
             report["runs"].append(run)
             e.grad = c.grad = None
         torch.cuda.empty_cache()
     if smi is not None:
         smi.terminate()
+        smi.wait()
+        samples = read_smi(args.out.with_suffix(".smi.csv"), smi_fields)
+        print(f"\n{'shape':18s} {'mode':8s} " + " ".join(f"{name:>22s}" for name in TIMED_PHASES)
+              + "   (MHz / W / J per pass)")
+        for run in report["runs"]:
+            cells = []
+            for name in TIMED_PHASES:
+                run[name]["energy"] = phase_energy(samples, run[name])
+                energy = run[name]["energy"]
+                cells.append(f"{energy['clock_mhz']:5.0f} {energy['watts']:5.0f} {energy['joules_per_pass']:7.3f}"
+                             if energy else "-")
+            if run["gemm"]["energy"] and run["do_bench"]["energy"]:
+                run["joules_x_gemm"] = run["do_bench"]["energy"]["joules_per_pass"] / run["gemm"]["energy"]["joules_per_pass"]
+                cells.append(f"pass = {run['joules_x_gemm']:.2f} x the GEMM's joules")
+            print(f"{run['shape']:18s} {run['mode']:8s} " + " ".join(f"{cell:>22s}" for cell in cells))
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
