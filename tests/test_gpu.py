@@ -83,12 +83,13 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     mode: str, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The backward's per-step kernels (pointer and persistent recompute, filtered mode's
-    sparse GEMMs) relaunched with an earlier launch's compiled kernel (ops/launch.py) give the
-    gradients that launching each through Triton's JIT gives, bit for bit, and relaunches do
-    reuse: exact mode's 2 token chunks (the second ragged) x 16 slabs need 2 variants, and a
-    second call of the op none."""
+    sparse GEMMs) and the persistent forward relaunched with an earlier launch's compiled
+    kernel (ops/launch.py) give the gradients that launching each through Triton's JIT gives,
+    bit for bit, and relaunches do reuse: exact mode's 2 token chunks (the second ragged) x 16
+    slabs need 2 variants, and a second call of the op none."""
     from cce_compile.config.plan import BackwardPlan
     from cce_compile.ops import backward, launch
+    from cce_compile.ops import forward as op_forward
 
     e, c, targets = make_inputs("zipf", (3000,), 16000, d, torch.bfloat16, seed=5, device="cuda")
     filter_eps = 2.0**-12 if mode == "filtered" else None
@@ -112,6 +113,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
 
     monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 1024, True))
     monkeypatch.setattr(backward, "KernelLauncher", CountingLauncher)
+    monkeypatch.setattr(op_forward, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(launch, "COMPILED", {})
     reusing = True
     reused, first = run()
@@ -122,6 +124,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
         assert torch.equal(got, expected)
         assert torch.equal(again, expected)
     assert all(jit == 0 for jit, _ in second.values()), second
+    assert first["lse_forward_tma_kernel"] == (1, 1), first
     if mode == "exact":
         recompute = "grad_logits_kernel" if d == 896 else "grad_logits_tma_kernel"
         assert first[recompute] == (2, 32), first
