@@ -81,20 +81,47 @@ def read_smi(path: Path, fields: str) -> list[dict]:
     return samples
 
 
+POWER_WINDOW_S = 1.1
+"""power.draw is an average over the last second on recent drivers (the H200's showed the
+phase before bleeding 1 s into the next): without the energy counter, a phase's power is
+read from its samples after this long."""
+
+
 def phase_energy(samples: list[dict], phase: dict) -> dict | None:
     """Median SM clock, mean power and joules per pass (mean power x the phase's time per
-    pass) over the samples inside a phase; the power from the energy counter where there is
-    one (power.draw is a one-second average on recent drivers)."""
+    pass) over the samples inside a phase: the power from the energy counter where the driver
+    has one, else from power.draw after its averaging window."""
     inside = [row for row in samples if phase["start"] <= row["time"] <= phase["end"]]
-    if len(inside) < 2:
-        return None
-    span = inside[-1]["time"] - inside[0]["time"]
-    if "total_energy_consumption" in inside[0] and span > 0:
+    if len(inside) >= 2 and "total_energy_consumption" in inside[0]:
+        span = inside[-1]["time"] - inside[0]["time"]
         watts = (inside[-1]["total_energy_consumption"] - inside[0]["total_energy_consumption"]) / 1000 / span
     else:
+        inside = [row for row in inside if row["time"] >= phase["start"] + POWER_WINDOW_S]
+        if len(inside) < 2:
+            return None
         watts = statistics.mean(row["power.draw"] for row in inside)
     return {"clock_mhz": statistics.median(row["clocks.sm"] for row in inside), "watts": watts,
-            "joules_per_pass": watts * phase["ms"] / 1000}
+            "joules_per_pass": watts * phase["ms"] / 1000, "samples": len(inside)}
+
+
+def energy_table(report: dict, samples: list[dict]) -> None:
+    """Adds each back-to-back phase's energy to `report` and prints them. The pass's joules
+    are compared with a quarter of gemm_x4's: four GEMMs back to back are the exact floor's
+    work, and a lone GEMM phase idles between calls while do_bench clears the L2."""
+    print(f"\n{'shape':18s} {'mode':8s} " + " ".join(f"{name:>22s}" for name in TIMED_PHASES)
+          + "   (MHz / W / J per pass)")
+    for run in report["runs"]:
+        cells = []
+        for name in TIMED_PHASES:
+            run[name]["energy"] = energy = phase_energy(samples, run[name])
+            cells.append(f"{energy['clock_mhz']:5.0f} {energy['watts']:5.0f} {energy['joules_per_pass']:7.3f}"
+                         if energy else "-")
+        if run["gemm_x4"]["energy"] and run["do_bench"]["energy"]:
+            gemm_joules = run["gemm_x4"]["energy"]["joules_per_pass"] / 4
+            run["joules_x_gemm"] = run["do_bench"]["energy"]["joules_per_pass"] / gemm_joules
+            cells.append(f"pass = {run['joules_x_gemm']:.2f} x a GEMM's joules, "
+                         f"{run['do_bench']['ms'] / run['gemm']['ms']:.2f} x its time")
+        print(f"{run['shape']:18s} {run['mode']:8s} " + " ".join(f"{cell:>22s}" for cell in cells))
 
 
 def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
@@ -118,7 +145,14 @@ def main() -> None:
     parser.add_argument("--modes", default="exact,filtered", help="exact, filtered, forward (exact, no autograd)")
     parser.add_argument("--rep-ms", type=float, default=2000.0, help="do_bench's time per back-to-back phase")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--energy-of", action="store_true",
+                        help="no run: recompute the energy table of --out from it and its .smi.csv")
     args = parser.parse_args()
+    if args.energy_of:
+        report = json.loads(args.out.read_text(encoding="utf-8"))
+        energy_table(report, read_smi(args.out.with_suffix(".smi.csv"), report["smi_fields"]))
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        return
     smi, smi_fields = start_smi(args.out.with_suffix(".smi.csv"))
     report: dict = {"device": torch.cuda.get_device_name(), "smi_fields": smi_fields, "runs": []}
 
@@ -164,20 +198,7 @@ def main() -> None:
     if smi is not None:
         smi.terminate()
         smi.wait()
-        samples = read_smi(args.out.with_suffix(".smi.csv"), smi_fields)
-        print(f"\n{'shape':18s} {'mode':8s} " + " ".join(f"{name:>22s}" for name in TIMED_PHASES)
-              + "   (MHz / W / J per pass)")
-        for run in report["runs"]:
-            cells = []
-            for name in TIMED_PHASES:
-                run[name]["energy"] = phase_energy(samples, run[name])
-                energy = run[name]["energy"]
-                cells.append(f"{energy['clock_mhz']:5.0f} {energy['watts']:5.0f} {energy['joules_per_pass']:7.3f}"
-                             if energy else "-")
-            if run["gemm"]["energy"] and run["do_bench"]["energy"]:
-                run["joules_x_gemm"] = run["do_bench"]["energy"]["joules_per_pass"] / run["gemm"]["energy"]["joules_per_pass"]
-                cells.append(f"pass = {run['joules_x_gemm']:.2f} x the GEMM's joules")
-            print(f"{run['shape']:18s} {run['mode']:8s} " + " ".join(f"{cell:>22s}" for cell in cells))
+        energy_table(report, read_smi(args.out.with_suffix(".smi.csv"), smi_fields))
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
