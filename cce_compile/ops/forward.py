@@ -48,8 +48,7 @@ def linear_cross_entropy_forward(
         tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
         sms = device_limits(e.device)[0]
         # An eager call's launch skips Triton's binding of its ~25 arguments where an earlier
-        # call compiled the same kernel: in Qwen2.5's host-bound passes the GPU idled ~0.25 ms
-        # before this kernel (profile at 6f4a6df).
+        # call compiled the same kernel, as the backward's steps do.
         launch = KernelLauncher(lse_forward_tma_kernel, reuse=e.is_cuda and not INTERPRET)
         launch(
             (min(sms, cdiv(n, tile.block_m) * vocab_tiles),),
