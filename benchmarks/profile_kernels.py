@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--shape", default=None, help="NxDxV [default: 8192x2304x256000 on CUDA, 256x64x1031 on CPU]")
     parser.add_argument("--modes", default="exact,filtered",
                         help="comma-separated: exact, filtered, triton-gemms (exact mode with the Triton gradient "
-                             "GEMMs that torch.compile runs instead of cuBLAS)")
+                             "GEMMs that torch.compile runs instead of cuBLAS), forward (exact mode's forward without "
+                             "autograd, as the benchmark times it)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--scratch-fraction", type=float, default=None,
                         help="override the backward's scratch budget, either mode's (config.plan.SCRATCH_FRACTION, "
@@ -169,6 +170,10 @@ def main() -> None:
             config = dataclasses.replace(config, slab_v=args.slab_v)
 
         def step() -> None:
+            if mode == "forward":
+                with torch.no_grad():
+                    cce_compile.linear_cross_entropy(e.detach(), c.detach(), targets)
+                return
             e.grad = c.grad = None
             cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
 
