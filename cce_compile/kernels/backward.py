@@ -178,10 +178,7 @@ def matmul_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # At least one trip (a K of 0 loads nothing: the masks): where the loop may run zero
-    # times, ptxas finds a path on which the accumulator is defined outside the wgmmas and
-    # serializes every wgmma of the kernel (C7515, where the fp32 result is stored as is: dE).
-    for k in range(0, tl.maximum(tl.cdiv(K, BLOCK_K), 1)):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = load_tile(a_ptr + a_offset, offs_m, offs_k, m_mask, k_mask, stride_am, stride_ak)
@@ -211,8 +208,8 @@ def sparse_matmul_kernel(
     mode's two gradient GEMMs for one backward step (ops/filtering.py's StepLists).
 
     The launch covers m_tiles m tiles from m_tile_offset (dC: those before m_end[m_end_index],
-    the step's end column, read here, so a launch enqueued before the host knows the step's
-    columns can run past them); m tile t walks the entries
+    read here, so a launch enqueued before the host knows the step's columns can run past
+    them); m tile t walks the entries
     [begin[t], begin[t] + count[t]) (begin and count at lists_offset; the entries at
     entries_offset, the step's first), one per kept tile: its slot in `a` and its tile on K.
     - dE (BY_COLUMN false): m tiles are tile rows, an entry's slot and tile column come from
@@ -221,9 +218,7 @@ def sparse_matmul_kernel(
     - dC (BY_COLUMN): m tiles are tile columns, whose slots are contiguous (the entries are
       the slots) and entry_tiles gives each slot's tile row; dC[vocab_order[...]] (+)=
       tiles.T @ e chunk (out's rows scattered through out_index), M = V, K = chunk rows.
-    Out, final: row-major with N columns. ACCUMULATE and SCALED as in finish_gemm; with FINAL
-    (dE, 16-bit) the step that ends at the last tile column (m_end[m_end_index], read here, so
-    a step enqueued before the host knows whether it is its chunk's last) writes `final`. An
+    Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
     accumulating program with no kept tile leaves `out` untouched.
     """
     PARTS: tl.constexpr = TILE_K // BLOCK_K
@@ -241,24 +236,20 @@ def sparse_matmul_kernel(
     begin = entries_offset + tl.load(begin_ptr + lists_offset + m_tile)
     kept = tl.load(count_ptr + lists_offset + m_tile)
     acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
-    # One flat loop over (kept tile, part of it): no branch, so the loads pipeline. At least
-    # one trip, masked where nothing is kept: see matmul_kernel.
-    steps = kept * PARTS
-    for step in range(0, tl.maximum(steps, 1)):
-        live = step < steps
+    # One flat loop over (kept tile, part of it): no branch, so the loads pipeline.
+    for step in range(0, kept * PARTS):
         entry = begin + step // PARTS
         in_tile_k = (step % PARTS) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_tile = tl.load(entry_tiles_ptr + entry, mask=live, other=0)
+        k_tile = tl.load(entry_tiles_ptr + entry)
         if BY_COLUMN:
             slot = entry - entries_offset
             a_offsets = in_tile_k[None, :] * TILE_M + in_tile_m[:, None]
         else:
-            slot = tl.load(entry_slots_ptr + entry, mask=live, other=0)
+            slot = tl.load(entry_slots_ptr + entry)
             a_offsets = in_tile_m[:, None] * TILE_K + in_tile_k[None, :]
-        a = tl.load(a_ptr + slot.to(tl.int64) * TILE + a_offsets, mask=tl.full(a_offsets.shape, 1, tl.int1) & live,
-                    other=0.0)
+        a = tl.load(a_ptr + slot.to(tl.int64) * TILE + a_offsets)
         offs_k = k_tile * TILE_K + in_tile_k
-        k_mask = offs_k < K  # b's rows are real ones where nothing is kept: a is zero there
+        k_mask = offs_k < K
         b_rows = offs_k
         if not BY_COLUMN:
             b_rows = tl.load(b_index_ptr + offs_k, mask=k_mask, other=0)
@@ -267,14 +258,11 @@ def sparse_matmul_kernel(
     out_rows = offs_m.to(tl.int64)
     if BY_COLUMN:
         out_rows = tl.load(out_index_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    final = False
-    if FINAL:
-        final = tl.load(m_end_ptr + m_end_index) >= tl.cdiv(K, TILE_K)
     live_m = M
-    if ACCUMULATE:
-        live_m = tl.where((kept > 0) | final, M, 0)
+    if ACCUMULATE and not FINAL:
+        live_m = tl.where(kept > 0, M, 0)
     out = out_rows[:, None] * N + offs_n.to(tl.int64)[None, :]
     finish_gemm(
         acc, out_ptr + out_offset + out, final_ptr + final_offset + out,
-        (offs_m < live_m)[:, None] & n_mask[None, :], scale_ptr, ACCUMULATE, final, SCALED,
+        (offs_m < live_m)[:, None] & n_mask[None, :], scale_ptr, ACCUMULATE, FINAL, SCALED,
     )

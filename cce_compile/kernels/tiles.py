@@ -64,15 +64,16 @@ def load_tile(ptr, rows, cols, row_mask, col_mask, stride_r, stride_c):
 
 
 @triton.jit
-def finish_gemm(acc, out_ptrs, final_ptrs, mask, scale_ptr, ACCUMULATE: tl.constexpr, final, SCALED: tl.constexpr):
+def finish_gemm(acc, out_ptrs, final_ptrs, mask, scale_ptr,
+                ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr):
     """The gradient GEMMs' epilogue: undo grad_logits_kernel's fp16 scale (SCALED), add what
-    `out` holds (ACCUMULATE), and store to `out`, or in `final`'s dtype to `final` (`final`,
-    a constant or read on the device: dE after its last slab)."""
+    `out` holds (ACCUMULATE), and store to `out`, or in `final`'s dtype to `final` (FINAL:
+    dE after its last slab)."""
     if SCALED:
         acc = acc * tl.load(scale_ptr)
     if ACCUMULATE:
-        acc = acc + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if final:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if FINAL:
         tl.store(final_ptrs, acc.to(final_ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)

@@ -165,17 +165,17 @@ def linear_cross_entropy_backward(
             slot_ids = torch.arange(capacity, device=e.device)
             in_tile = torch.arange(logits_tile.block_n, device=e.device)
 
-        def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns) -> None:
+        def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run
-            past the step's: the GEMMs read its end on the device, dC to stop there and dE to
-            write dE itself at the chunk's last step."""
+            past the step's, whose end the dC GEMM reads on the device; `last`: the chunk's
+            last step, which writes dE itself."""
             step_index = chunk * steps.n_steps + step
-            step_end = chunk * steps.step_bounds.stride(0) + step + 1
             # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
             launch_sparse_matmul(
                 (columns * cdiv(d, dc_tile.block_n),),
                 grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
-                lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns, steps.step_bounds, step_end,
+                lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
+                steps.step_bounds, chunk * steps.step_bounds.stride(0) + step + 1,
                 lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
                 e.stride(0), e.stride(1),
                 BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
@@ -188,10 +188,10 @@ def linear_cross_entropy_backward(
             launch_sparse_matmul(
                 (tile_rows * cdiv(d, de_tile.block_n),),
                 grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
-                lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, step_end,
+                lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
                 lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
                 c.stride(0), c.stride(1),
-                BY_COLUMN=False, ACCUMULATE=step > 0, FINAL=plan.fp32_accumulator, SCALED=scaled,
+                BY_COLUMN=False, ACCUMULATE=step > 0, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
                 TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
                 num_stages=de_tile.num_stages, **flags,
@@ -211,7 +211,7 @@ def linear_cross_entropy_backward(
         # reads back the steps and enqueues the next.
         _, first_row, first_rows, first_acc_offset = next(token_chunks())
         recompute(capacity, first_row, first_row + first_rows, 0, v)
-        step_gemms(0, 0, first_row, first_rows, first_acc_offset, 0, vocab_tiles)
+        step_gemms(0, 0, first_row, first_rows, first_acc_offset, 0, vocab_tiles, last=False)
         steps = steps.on_host()
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
@@ -240,7 +240,10 @@ def linear_cross_entropy_backward(
                     continue  # went ahead of the sync
                 programs = capacity if steps.counts is None else steps.counts[chunk][step]
                 recompute(programs, row_start, row_start + rows, 0, v, chunk * steps.n_steps + step)
-                step_gemms(chunk, step, row_start, rows, acc_offset, first_column, end_column - first_column)
+                step_gemms(chunk, step, row_start, rows, acc_offset, first_column, end_column - first_column,
+                           last=step == len(chunk_steps) - 1)
+            if chunk == 0 and len(chunk_steps) == 1 and plan.fp32_accumulator:
+                grad_e[:rows].copy_(acc[:rows])  # its one step went ahead, not knowing it was the last
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.
