@@ -32,10 +32,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cce_compile  # noqa: E402
 from cce_compile.bench.harness import parse_shape  # noqa: E402
-from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
-from profile_kernels import kernel_times  # noqa: E402
+from cce_compile.bench.inputs import lm_like_inputs  # noqa: E402
+from profile_kernels import kernel_times, pass_step  # noqa: E402
 
 SMI_FIELDS = ("timestamp,clocks.sm,power.draw,temperature.gpu,total_energy_consumption",
               "timestamp,clocks.sm,power.draw,temperature.gpu")
@@ -168,7 +167,6 @@ def main() -> None:
         c.requires_grad_()
         e_plain, c_plain = e.detach(), c.detach()
         for mode in args.modes.split(","):
-            filter_eps = FILTER_EPS if mode == "filtered" else None
             run: dict = {"shape": spec, "mode": mode}
             print(f"{spec} {mode}", flush=True)
             phase(run, "gemm", lambda: triton.testing.do_bench(
@@ -176,22 +174,12 @@ def main() -> None:
             phase(run, "gemm_x4", lambda: triton.testing.do_bench(
                 lambda: [e_plain @ c_plain.T for _ in range(4)], rep=args.rep_ms, return_mode="median"))
 
-            def step() -> None:
-                if mode == "forward":  # as the benchmark times the forward: no autograd
-                    with torch.no_grad():
-                        cce_compile.linear_cross_entropy(e_plain, c_plain, targets)
-                    return
-                cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
-
-            def cleared_step() -> None:
-                e.grad = c.grad = None
-                step()
-
-            phase(run, "kernels", lambda: sum(t["ms"] for t in kernel_times(cleared_step, 1, True)[0].values()))
-            phase(run, "rested", lambda: rested_ms(cleared_step))
+            step = pass_step(mode, e, c, targets)  # gradients cleared first, as grad_to_none does
+            phase(run, "kernels", lambda: sum(t["ms"] for t in kernel_times(step, 1, True)[0].values()))
+            phase(run, "rested", lambda: rested_ms(step))
             phase(run, "do_bench", lambda: triton.testing.do_bench(
                 step, rep=max(args.rep_ms, 5 * run["rested"]["ms"]), grad_to_none=[e, c], return_mode="median"))
-            phase(run, "rested_2", lambda: rested_ms(cleared_step))
+            phase(run, "rested_2", lambda: rested_ms(step))
             report["runs"].append(run)
             e.grad = c.grad = None
         torch.cuda.empty_cache()

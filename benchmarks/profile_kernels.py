@@ -81,6 +81,23 @@ def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, floa
     return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"])), idle_gaps(prof, iters) if cuda else None
 
 
+def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
+    """One pass of `mode` as the benchmark times it: forward+backward from cleared gradients
+    (exact, filtered, triton-gemms: exact mode's path, the backend is set by the caller), or
+    with "forward" the forward alone, without autograd."""
+    filter_eps = FILTER_EPS if mode == "filtered" else None
+
+    def step() -> None:
+        if mode == "forward":
+            with torch.no_grad():
+                cce_compile.linear_cross_entropy(e.detach(), c.detach(), targets)
+            return
+        e.grad = c.grad = None
+        cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
+
+    return step
+
+
 def print_host_profile(step, top: int) -> None:
     """Where one pass spends host time, by Python function (own time): when the host is the
     bottleneck, this names what to cut."""
@@ -168,15 +185,7 @@ def main() -> None:
         config = config_for(e, c, filter_eps or 0.0)
         if args.slab_v is not None:
             config = dataclasses.replace(config, slab_v=args.slab_v)
-
-        def step() -> None:
-            if mode == "forward":
-                with torch.no_grad():
-                    cce_compile.linear_cross_entropy(e.detach(), c.detach(), targets)
-                return
-            e.grad = c.grad = None
-            cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
-
+        step = pass_step(mode, e, c, targets)
         with cce_compile.override_config(config):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)

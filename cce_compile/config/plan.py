@@ -64,16 +64,19 @@ class BackwardPlan:
     fp32_accumulator: bool
     slots: int = 0
 
+    def rows_per_chunk(self, n):
+        """n tokens' share per chunk, rounded up (n may be symbolic under torch.compile)."""
+        return (n + self.n_chunks - 1) // self.n_chunks
+
     def chunk_rows(self, n, block_m: int):
-        rows = (n + self.n_chunks - 1) // self.n_chunks
-        return (rows + block_m - 1) // block_m * block_m
+        return (self.rows_per_chunk(n) + block_m - 1) // block_m * block_m
 
     def accumulator_bytes(self, bucket: int, d: int) -> int:
         """The fp32 dE accumulator of one token chunk (none for fp32 inputs)."""
-        return -(-bucket // self.n_chunks) * d * 4 if self.fp32_accumulator else 0
+        return self.rows_per_chunk(bucket) * d * 4 if self.fp32_accumulator else 0
 
     def scratch_bytes(self, bucket: int, d: int, element_bytes: int) -> int:
-        return self.accumulator_bytes(bucket, d) + -(-bucket // self.n_chunks) * self.slab_v * element_bytes
+        return self.accumulator_bytes(bucket, d) + self.rows_per_chunk(bucket) * self.slab_v * element_bytes
 
 
 def plan_backward(
@@ -118,5 +121,5 @@ def plan_backward(
         return plan
     tile = config.grad_logits
     room_slots = int(budget - plan.accumulator_bytes(bucket, d)) // (tile.block_m * tile.block_n * element_bytes)
-    slab_slots = -(-bucket // plan.n_chunks // tile.block_m) * -(-plan.slab_v // tile.block_n)
+    slab_slots = -(-plan.rows_per_chunk(bucket) // tile.block_m) * -(-plan.slab_v // tile.block_n)
     return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room_slots)))

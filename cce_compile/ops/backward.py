@@ -28,7 +28,8 @@ from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from .cpu_path import backward_cpu
 from .dispatch import (
-    INTERPRET, cdiv, config_for, device_limits, kernel_flags, stages_beside_output, tensor_descriptors_fit, use_triton,
+    cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
+    use_triton,
 )
 from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
 from .launch import KernelLauncher
@@ -114,7 +115,7 @@ def linear_cross_entropy_backward(
     flags = kernel_flags(e)
     eager_cuda = e.is_cuda and not is_fake(e)
     # Eager CUDA calls relaunch each step's kernels without Triton's per-launch binding.
-    reuse = eager_cuda and not INTERPRET
+    reuse = relaunches_directly(e)
     launch_grad_logits = KernelLauncher(grad_logits_kernel, reuse)
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
     persistent = False  # decided with the dense path's buffer, below

@@ -28,6 +28,12 @@ def use_triton(e: Tensor) -> bool:
     return INTERPRET and e.device.type == "cpu" and not is_fake(e)
 
 
+def relaunches_directly(e: Tensor) -> bool:
+    """Whether the op's KernelLaunchers reuse compiled kernels (ops/launch.py): eager CUDA calls.
+    Traced calls must go through wrap_triton, and the interpreter compiles nothing."""
+    return e.is_cuda and not is_fake(e) and not INTERPRET
+
+
 def problem_key(e: Tensor, c: Tensor, filter_eps: float) -> ProblemKey:
     device = "cuda" if e.is_cuda else ("interpreter" if INTERPRET else "cpu")
     return ProblemKey(

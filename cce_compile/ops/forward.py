@@ -9,7 +9,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from .cpu_path import forward_cpu
-from .dispatch import INTERPRET, cdiv, config_for, device_limits, kernel_flags, tensor_descriptors_fit, use_triton
+from .dispatch import (
+    cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton,
+)
 from .filtering import in_vocab_order, vocab_order
 from .launch import KernelLauncher
 from .loss_terms import token_loss
@@ -49,7 +51,7 @@ def linear_cross_entropy_forward(
         sms = device_limits(e.device)[0]
         # An eager call's launch skips Triton's binding of its ~25 arguments where an earlier
         # call compiled the same kernel, as the backward's steps do.
-        launch = KernelLauncher(lse_forward_tma_kernel, reuse=e.is_cuda and not INTERPRET)
+        launch = KernelLauncher(lse_forward_tma_kernel, relaunches_directly(e))
         launch(
             (min(sms, cdiv(n, tile.block_m) * vocab_tiles),),
             TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
