@@ -77,6 +77,39 @@ def test_tensor_descriptor_kernels_match_the_pointer_kernels(
         assert relative_error(got, expected) < 2e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [896, 1000])
+def test_warp_specialized_forward_matches_the_tma_kernel(
+    dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gluon forward (short K, plain exact mode) against lse_forward_tma_kernel on ragged
+    rows and vocabulary, a K tail (D = 1000) and ignored tokens: the same fp32 math over other
+    tiles, so loss and lse agree to fp32 rounding."""
+    from cce_compile.ops import forward
+
+    e, c, targets = make_inputs("zipf", (3001,), 50001, d, dtype, seed=7, device="cuda")
+    targets[::11] = -100
+    original = forward.forward_warp_specialized
+    taken: list[bool] = []
+
+    def spy(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        taken.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(forward, "forward_warp_specialized", spy)
+    with torch.no_grad():
+        loss = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
+        ws_loss, ws_lse, _, _ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+        assert taken == [True, True]
+        monkeypatch.setattr(forward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
+        tma_loss, tma_lse, _, _ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    assert taken == [True, True]
+    torch.testing.assert_close(ws_lse, tma_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ws_loss, tma_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ws_loss)
+    assert torch.all(ws_loss[::11] == 0)
+
+
 @pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize(("mode", "d"), [("exact", 896), ("exact", 4096), ("filtered", 896)])
 def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
@@ -112,6 +145,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
         return [t.grad for t in leaves], {it.kernel.fn.__name__: (it.jit_launches, it.launches) for it in launchers}
 
     monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 1024, True))
+    monkeypatch.setattr(op_forward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)  # its Gluon kernel has no launcher
     monkeypatch.setattr(backward, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(op_forward, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(launch, "COMPILED", {})

@@ -28,7 +28,9 @@ from triton.compiler import ASTSource
 from cce_compile.config.kernel_config import TileConfig
 from cce_compile.kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from cce_compile.kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
+from cce_compile.kernels.forward_ws import lse_forward_ws_kernel
 from cce_compile.ops.dispatch import stages_beside_output
+from cce_compile.ops.forward import WARP_SPECIALIZED_TILE
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ONE = "one"
@@ -167,6 +169,32 @@ PERSISTENT = {
 }
 
 
+H200_SHARED_MEMORY_PER_SM = 233472
+"""An SM's shared memory on an H100/H200 (cudaDevAttrMaxSharedMemoryPerMultiprocessor), of
+which the driver reserves 1 KiB per resident program."""
+
+
+def compile_warp_specialized_forward() -> Any:
+    """lse_forward_ws_kernel as the op launches it: bf16 descriptors of the op's tile, two
+    programs per SM (maxnreg 128)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tile = WARP_SPECIALIZED_TILE
+
+    def descriptor(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, tile.block_k], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {tile.block_k}],{layout!r}>"
+
+    signature = {"e_desc": descriptor(tile.block_m), "c_desc": descriptor(tile.block_n), "targets_ptr": "*i64",
+                 "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32",
+                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
+    source = GluonASTSource(fn=lse_forward_ws_kernel, signature=signature,
+                            constexprs={(8,): tile.group_m, (9,): tile.num_stages},
+                            attrs={(index,): [["tt.divisibility", 16]] for index in range(2, 8)})
+    return triton.compile(source, target=HOPPER, options={"num_warps": tile.num_warps, "maxnreg": 128})
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict[str, bool]]:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
@@ -196,6 +224,14 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
     }
 
 
+def test_warp_specialized_forward_fits_two_programs_per_sm(compiled: dict[str, dict[str, bool]]) -> None:
+    """The Gluon forward (kernels/forward_ws.py) at the op's tile: bulk tensor copies into
+    wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM."""
+    assert compiled["lse_forward_ws_kernel"] == {
+        "bulk tensor copies": True, "wgmma": True, "two fit an SM": True, "bare exps": True, "wgmma pipelined": True,
+    }
+
+
 if __name__ == "__main__":
     found = {name: load_kinds(compile_for_hopper(kernel, args)) for name, (kernel, args) in GEMMS.items()}
     for name, (kernel, args) in LOGITS.items():
@@ -209,4 +245,10 @@ if __name__ == "__main__":
             "fits": tma.metadata.shared <= H200_SHARED_MEMORY, "bare exps": bare_exps(tma.asm["ptx"]),
             "wgmma pipelined": wgmma_pipelined(tma.asm["ptx"]),
         }
+    ws = compile_warp_specialized_forward()
+    found["lse_forward_ws_kernel"] = {
+        "bulk tensor copies": "cp.async.bulk.tensor" in ws.asm["ptx"], "wgmma": "wgmma.mma_async" in ws.asm["ptx"],
+        "two fit an SM": 2 * (ws.metadata.shared + 1024) <= H200_SHARED_MEMORY_PER_SM,
+        "bare exps": bare_exps(ws.asm["ptx"]), "wgmma pipelined": wgmma_pipelined(ws.asm["ptx"]),
+    }
     print(json.dumps(found))

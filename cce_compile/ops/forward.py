@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..config.kernel_config import TileConfig
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
+from ..kernels.forward_ws import lse_forward_ws_kernel
 from .cpu_path import forward_cpu
 from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton,
@@ -15,6 +19,16 @@ from .dispatch import (
 from .filtering import in_vocab_order, vocab_order
 from .launch import KernelLauncher
 from .loss_terms import token_loss
+
+WARP_SPECIALIZED_TILE = TileConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=4, num_stages=3)
+"""lse_forward_ws_kernel's tile, two programs per SM (benchmarks/results/probe-forward-ws-h200.json,
+Qwen2.5's 16384 x 896 x 151936: 1.14 x GEMM against 1.18 with group_m 8, 1.21-1.23 at one
+program per SM with 4-6 stages, 1.59 on 64 x 128 tiles)."""
+
+WARP_SPECIALIZED_MAX_K_STEPS = 16
+"""The plain exact forward runs lse_forward_ws_kernel where a tile's dot takes at most this
+many K steps (D <= 1024): at D = 896 it took 1.14 x GEMM against lse_forward_tma_kernel's 1.21,
+at D = 2304-8192 it lost (1.20-1.30 against 1.06-1.10). Between 1024 and 2304 unmeasured."""
 
 
 @triton_op("cce::linear_cross_entropy_forward", mutates_args=())
@@ -25,8 +39,9 @@ def linear_cross_entropy_forward(
     """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_max, vocab_order).
 
     loss and lse are fp32. `softcap` 0 means none. 16-bit inputs whose rows suit tensor
-    descriptors run the persistent lse_forward_tma_kernel, others lse_forward_kernel (vocab
-    splits). With filter_eps > 0 (filtered mode) the forward also returns what the backward
+    descriptors run the persistent lse_forward_tma_kernel (on a Hopper GPU with D <= 1024 and
+    no bias, soft-cap, weights, smoothing or filter, the warp-specialized lse_forward_ws_kernel),
+    others lse_forward_kernel (vocab splits). With filter_eps > 0 (filtered mode) the forward also returns what the backward
     filters with (ops/filtering.py): the vocabulary order and, on the Triton path, each row's
     largest logit per vocab tile of that order; otherwise both are empty.
     """
@@ -39,7 +54,11 @@ def linear_cross_entropy_forward(
     vocab_tiles = cdiv(v, tile.block_n)
     on_triton = use_triton(e)
     tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
-    if on_triton and tensor_descriptors_fit(e, c):
+    plain = bias is None and weight is None and softcap == 0.0 and not need_weighted_sum and not filtered
+    if plain and warp_specialized_fits(e, c):
+        tile_lse, target_logit = forward_warp_specialized(e, c, targets)
+        lse, weighted_sum = torch.logsumexp(tile_lse, dim=0), None
+    elif on_triton and tensor_descriptors_fit(e, c):
         # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
         # by position in it); the copy of c is freed when the forward returns.
         c_walk, bias_walk, weight_walk, targets_walk = (
@@ -93,3 +112,36 @@ def linear_cross_entropy_forward(
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
     return loss, lse, tile_max, order
 
+
+def warp_specialized_fits(e: Tensor, c: Tensor) -> bool:
+    """Whether lse_forward_ws_kernel takes this forward: an eager call on a Hopper GPU (the
+    kernel is Gluon, with wgmma), inputs that suit tensor descriptors, a short K loop."""
+    return (
+        relaunches_directly(e) and torch.cuda.get_device_capability(e.device)[0] == 9
+        and tensor_descriptors_fit(e, c) and cdiv(e.shape[1], WARP_SPECIALIZED_TILE.block_k) <= WARP_SPECIALIZED_MAX_K_STEPS
+    )
+
+
+def forward_warp_specialized(
+    e: Tensor, c: Tensor, targets: Tensor, tile: TileConfig = WARP_SPECIALIZED_TILE, programs_per_sm: int = 2,
+) -> tuple[Tensor, Tensor]:
+    """(tile_lse (vocab tiles, N), target_logit (N,)) from lse_forward_ws_kernel; the tile and
+    programs per SM are the probe's knobs (benchmarks/probe_forward_ws.py)."""
+    n, v = e.shape[0], c.shape[0]
+    element = gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(t: Tensor, rows: int) -> GluonDescriptor:
+        block = [rows, tile.block_k]
+        return GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, element))
+
+    tile_lse = torch.empty((cdiv(v, tile.block_n), n), dtype=torch.float32, device=e.device)
+    target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
+    programs = min(programs_per_sm * device_limits(e.device)[0], cdiv(n, tile.block_m) * cdiv(v, tile.block_n))
+    # Two programs of 8 warps (the producer's warpgroup included) fill the register file at 128
+    # registers a thread; the consumer takes what the producer's 24 leave (232).
+    lse_forward_ws_kernel[(programs,)](
+        descriptor(e, tile.block_m), descriptor(c, tile.block_n), targets, tile_lse, target_logit, n, v, e.shape[1],
+        GROUP_M=tile.group_m, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        maxnreg=128 if programs_per_sm == 2 else 168,
+    )
+    return tile_lse, target_logit

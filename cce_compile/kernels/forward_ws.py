@@ -1,0 +1,127 @@
+"""Forward kernel in Gluon for short K: a producer warp and a consumer warpgroup per program,
+two programs per SM.
+
+lse_forward_tma_kernel runs one 8-warp program per SM whose two warpgroups share each
+128 x 256 tile: both run their MMAs, then both the softmax epilogue (an ex2 per logit at 16 a
+clock, ~2000 cycles a tile) with the tensor cores idle. Where K is short that idle share is
+large: at D = 896 (14 K steps a tile) the forward took 1.21 x a cuBLAS GEMM on the H200. Here
+each program's producer warp streams K steps through a ring of shared-memory stages with the
+copy engine and its consumer warpgroup runs a 128 x 128 tile's MMAs from it, then the
+epilogue; two programs share each SM, so one's MMAs run while the other's epilogue does
+(benchmarks/results/probe-forward-ws-h200.json: 1.14 x at D = 896; at D >= 2304, where the
+epilogue is a small share, the 128 x 256 kernel stays faster: 1.10 against 1.20-1.30 x).
+Two consumer warpgroups in one program (CUTLASS's ping-pong) faulted on the H200 (Triton 3.6).
+
+Exact mode's plain forward only (no bias, soft-cap, class weights or label smoothing): per
+tile the rows' log-sum-exp over its columns into tile_lse[tile column, row], and the target's
+logit where the target falls in the tile.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+"""The copy engine's global-to-shared load: async_copy_global_to_shared up to Triton 3.6,
+async_load (same arguments) after."""
+
+
+@gluon.jit
+def program_tile(step, num_m, num_n, GROUP_M: gl.constexpr):
+    """The program's step-th tile as (row block, vocab tile), grouped as tiles.grouped_tile
+    orders them, so concurrent programs share operands in L2."""
+    tile = gl.program_id(0) + step * gl.num_programs(0)
+    in_group = GROUP_M * num_n
+    first_m = tile // in_group * GROUP_M
+    group_m = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + tile % in_group % group_m, tile % in_group // group_m
+
+
+@gluon.jit
+def load_operands(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr,
+                  N, V, D, GROUP_M: gl.constexpr):
+    """The producer warp: every K step of every tile of the program, in order, into the ring."""
+    BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = e_desc.block_type.shape[1]
+    STAGES: gl.constexpr = e_ring.type.shape[0]
+    num_m = gl.cdiv(N, BLOCK_M)
+    num_n = gl.cdiv(V, BLOCK_N)
+    k_steps = gl.cdiv(D, BLOCK_K)
+    slot = 0
+    for step in range(gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))):
+        pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
+        for k in range(k_steps):
+            stage = slot % STAGES
+            # Barriers start as if phase 1 had completed: the first pass over the ring waits for nothing.
+            mbarrier.wait(free.index(stage), (slot // STAGES & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), e_desc.block_type.nbytes + c_desc.block_type.nbytes)
+            tma_load(e_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(stage), e_ring.index(stage))
+            tma_load(c_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(stage), c_ring.index(stage))
+            slot += 1
+
+
+@gluon.jit
+def consume_tiles(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr,
+                  N, V, D, GROUP_M: gl.constexpr):
+    """The consumer warpgroup: each tile's MMAs from the ring (a stage freed once its wgmma has
+    retired), then the tile's softmax statistics."""
+    BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = e_desc.block_type.shape[1]
+    STAGES: gl.constexpr = e_ring.type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_m = gl.cdiv(N, BLOCK_M)
+    num_n = gl.cdiv(V, BLOCK_N)
+    k_steps = gl.cdiv(D, BLOCK_K)
+    slot = 0
+    for step in range(gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))):
+        pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
+        # Made per tile, not carried from the last: a carried accumulator would stay live
+        # beside the epilogue's logits (256 registers, spilled).
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+        for k in range(k_steps):
+            stage = slot % STAGES
+            mbarrier.wait(ready.index(stage), slot // STAGES & 1)
+            acc = warpgroup_mma(e_ring.index(stage), c_ring.index(stage).permute((1, 0)), acc, use_acc=k > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(free.index((slot + STAGES - 1) % STAGES), pred=k > 0)
+            slot += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(free.index((slot + STAGES - 1) % STAGES))
+
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        row_mask = rows < N
+        # Past V the copy engine's zero fill gives logits of 0.
+        logits = gl.where((cols < V)[None, :], acc, float("-inf"))
+        targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
+        hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
+        if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
+            is_target = cols[None, :] == targets[:, None]
+            gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
+        tile_max = gl.max(logits, axis=1)
+        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max) * LOG2E  # all masked: shift by 0
+        sum_exp = gl.sum(gl.exp2(logits * LOG2E - shift[:, None]), axis=1)
+        gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, (shift + gl.log2(sum_exp)) / LOG2E, mask=row_mask)
+
+
+@gluon.jit
+def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, N, V, D,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Launched with num_warps=4 (the consumer; the producer is a one-warp worker) and
+    maxnreg=128, so two programs fit an SM: the consumer takes what the producer's 24
+    registers a thread leave."""
+    e_ring = gl.allocate_shared_memory(e_desc.dtype, [STAGES] + e_desc.block_type.shape, e_desc.layout)
+    c_ring = gl.allocate_shared_memory(c_desc.dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    args = (e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr, N, V, D, GROUP_M)
+    gl.warp_specialize([(consume_tiles, args), (load_operands, args)], [1], [24])
