@@ -8,7 +8,7 @@ large: at D = 896 (14 K steps a tile) the forward took 1.21 x a cuBLAS GEMM on t
 each program's producer warp streams K steps through a ring of shared-memory stages with the
 copy engine and its consumer warpgroup runs a 128 x 128 tile's MMAs from it, then the
 epilogue; two programs share each SM, so one's MMAs run while the other's epilogue does
-(benchmarks/results/probe-forward-ws-h200.json: 1.14 x at D = 896; at D >= 2304, where the
+(benchmarks/results/probe-forward-ws-h200*.json: 1.14 x at D = 896; at D >= 2304, where the
 epilogue is a small share, the 128 x 256 kernel stays faster: 1.10 against 1.20-1.30 x).
 Two consumer warpgroups in one program (CUTLASS's ping-pong) faulted on the H200 (Triton 3.6).
 
@@ -40,6 +40,15 @@ def program_tile(step, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def program_extent(e_desc, c_desc, N, V, D):
+    """(row blocks, vocab tiles, K steps per tile, tiles of this program)."""
+    num_m = gl.cdiv(N, e_desc.block_type.shape[0])
+    num_n = gl.cdiv(V, c_desc.block_type.shape[0])
+    return num_m, num_n, gl.cdiv(D, e_desc.block_type.shape[1]), gl.cdiv(num_m * num_n - gl.program_id(0),
+                                                                          gl.num_programs(0))
+
+
+@gluon.jit
 def load_operands(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr,
                   N, V, D, GROUP_M: gl.constexpr):
     """The producer warp: every K step of every tile of the program, in order, into the ring."""
@@ -47,11 +56,9 @@ def load_operands(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = e_desc.block_type.shape[1]
     STAGES: gl.constexpr = e_ring.type.shape[0]
-    num_m = gl.cdiv(N, BLOCK_M)
-    num_n = gl.cdiv(V, BLOCK_N)
-    k_steps = gl.cdiv(D, BLOCK_K)
+    num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, N, V, D)
     slot = 0
-    for step in range(gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))):
+    for step in range(steps):
         pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
         for k in range(k_steps):
             stage = slot % STAGES
@@ -70,15 +77,12 @@ def consume_tiles(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile
     retired), then the tile's softmax statistics."""
     BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = e_desc.block_type.shape[1]
     STAGES: gl.constexpr = e_ring.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    num_m = gl.cdiv(N, BLOCK_M)
-    num_n = gl.cdiv(V, BLOCK_N)
-    k_steps = gl.cdiv(D, BLOCK_K)
+    num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, N, V, D)
     slot = 0
-    for step in range(gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))):
+    for step in range(steps):
         pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
         # Made per tile, not carried from the last: a carried accumulator would stay live
         # beside the epilogue's logits (256 registers, spilled).

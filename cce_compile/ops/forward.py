@@ -21,14 +21,15 @@ from .launch import KernelLauncher
 from .loss_terms import token_loss
 
 WARP_SPECIALIZED_TILE = TileConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=4, num_stages=3)
-"""lse_forward_ws_kernel's tile, two programs per SM (benchmarks/results/probe-forward-ws-h200.json,
-Qwen2.5's 16384 x 896 x 151936: 1.14 x GEMM against 1.18 with group_m 8, 1.21-1.23 at one
-program per SM with 4-6 stages, 1.59 on 64 x 128 tiles)."""
+"""lse_forward_ws_kernel's tile, two programs per SM. On the H200, Qwen2.5's 16384 x 896 x 151936
+(benchmarks/results/probe-forward-ws-h200*.json, two runs): 1.14-1.15 x GEMM against 1.17-1.18
+with group_m 8 and 1.14 with 32, 1.20-1.23 at one program per SM with 4-6 stages, 1.59 on
+64 x 128 tiles; lse_forward_tma_kernel 1.21 in the same runs."""
 
 WARP_SPECIALIZED_MAX_K_STEPS = 16
 """The plain exact forward runs lse_forward_ws_kernel where a tile's dot takes at most this
 many K steps (D <= 1024): at D = 896 it took 1.14 x GEMM against lse_forward_tma_kernel's 1.21,
-at D = 2304-8192 it lost (1.20-1.30 against 1.06-1.10). Between 1024 and 2304 unmeasured."""
+at D = 2304-8192 it lost (1.09-1.30 against 1.06-1.10). Between 1024 and 2304 unmeasured."""
 
 
 @triton_op("cce::linear_cross_entropy_forward", mutates_args=())
