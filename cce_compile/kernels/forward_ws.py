@@ -21,7 +21,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+from .tiles import exp_shifted, grouped_tile
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 """The copy engine's global-to-shared load: async_copy_global_to_shared up to Triton 3.6,
@@ -30,13 +30,9 @@ async_load (same arguments) after."""
 
 @gluon.jit
 def program_tile(step, num_m, num_n, GROUP_M: gl.constexpr):
-    """The program's step-th tile as (row block, vocab tile), grouped as tiles.grouped_tile
-    orders them, so concurrent programs share operands in L2."""
-    tile = gl.program_id(0) + step * gl.num_programs(0)
-    in_group = GROUP_M * num_n
-    first_m = tile // in_group * GROUP_M
-    group_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + tile % in_group % group_m, tile % in_group // group_m
+    """The program's step-th tile as (row block, vocab tile), in the Triton kernels' grouped order
+    (concurrent programs share operands in L2)."""
+    return grouped_tile(gl.program_id(0) + step * gl.num_programs(0), num_m, num_n, GROUP_M)
 
 
 @gluon.jit
@@ -109,9 +105,9 @@ def consume_tiles(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile
             is_target = cols[None, :] == targets[:, None]
             gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
         tile_max = gl.max(logits, axis=1)
-        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max) * LOG2E  # all masked: shift by 0
-        sum_exp = gl.sum(gl.exp2(logits * LOG2E - shift[:, None]), axis=1)
-        gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, (shift + gl.log2(sum_exp)) / LOG2E, mask=row_mask)
+        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
+        tile_lse = shift + gl.log(gl.sum(exp_shifted(logits, shift), axis=1))
+        gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, tile_lse, mask=row_mask)
 
 
 @gluon.jit

@@ -85,6 +85,13 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
+@lru_cache(maxsize=None)
+def runs_wgmma(device: torch.device) -> bool:
+    """Whether the GPU is a Hopper (sm_90), whose wgmma the Gluon forward is written in; asked
+    once per device, not per call."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def stages_beside_output(tile: TileConfig, element_bytes: int, shared_memory: int) -> int:
     """The tile's pipeline stages, as many as fit in `shared_memory` beside the output tile
     that a tensor-descriptor store stages there (1 KiB left for barriers)."""

@@ -14,7 +14,8 @@ from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from ..kernels.forward_ws import lse_forward_ws_kernel
 from .cpu_path import forward_cpu
 from .dispatch import (
-    cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton,
+    cdiv, config_for, device_limits, kernel_flags, relaunches_directly, runs_wgmma, tensor_descriptors_fit,
+    use_triton,
 )
 from .filtering import in_vocab_order, vocab_order
 from .launch import KernelLauncher
@@ -118,7 +119,7 @@ def warp_specialized_fits(e: Tensor, c: Tensor) -> bool:
     """Whether lse_forward_ws_kernel takes this forward: an eager call on a Hopper GPU (the
     kernel is Gluon, with wgmma), inputs that suit tensor descriptors, a short K loop."""
     return (
-        relaunches_directly(e) and torch.cuda.get_device_capability(e.device)[0] == 9
+        relaunches_directly(e) and runs_wgmma(e.device)
         and tensor_descriptors_fit(e, c) and cdiv(e.shape[1], WARP_SPECIALIZED_TILE.block_k) <= WARP_SPECIALIZED_MAX_K_STEPS
     )
 
