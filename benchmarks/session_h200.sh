@@ -13,6 +13,8 @@
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
+#   AB_ARGS="--switch ..."        ab: ab_switch.py (a module switch's values alternated, one process)
+#   TEST_ARGS="-k ..."            tests: pytest's selection [the whole GPU suite]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
@@ -38,7 +40,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$
 for step in $STEPS; do
   case "$step" in
     tests)
-      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py > "$WORK/gpu-tests.log" 2>&1
+      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_ARGS:-} > "$WORK/gpu-tests.log" 2>&1
       echo "exit $?" >> "$WORK/gpu-tests.log"
       tail -n 2 "$WORK/gpu-tests.log" ;;
     profile)
@@ -67,6 +69,10 @@ for step in $STEPS; do
         > "$WORK/probe-wall.log" 2>&1
       echo "wall: exit $?"
       cat "$WORK/probe-wall.log" ;;
+    ab)
+      timeout 300 python3 benchmarks/ab_switch.py ${AB_ARGS:?set AB_ARGS} > "$WORK/ab.log" 2>&1
+      echo "ab: exit $?"
+      grep -A20 "^medians" "$WORK/ab.log" ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \

@@ -68,7 +68,8 @@ def block_sparse_backwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def descriptor_fits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """One entry per choice the op makes between its tensor-descriptor and pointer kernels
     (forward, then backward), with the persistent recompute allowed at any K length so the
-    tests' small D reaches it."""
+    tests' small D reaches it, and the Gluon kernels for short K off (their own tests compare
+    them with the tensor-descriptor kernels)."""
     from cce_compile.ops import backward, forward
 
     fits: list[bool] = []
@@ -80,4 +81,6 @@ def descriptor_fits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     for module in (forward, backward):
         monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
     monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
     return fits

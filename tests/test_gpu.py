@@ -110,12 +110,54 @@ def test_warp_specialized_forward_matches_the_tma_kernel(
     assert torch.all(ws_loss[::11] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [896, 1000])
+def test_warp_specialized_recompute_matches_the_tma_kernel(
+    dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gluon recompute (short K, plain exact mode) against grad_logits_tma_kernel over two
+    token chunks (the second ragged) x seven slabs (the last ragged, not a tile multiple), a K
+    tail (D = 1000) and ignored tokens: the same d logits up to the dots' order of summation,
+    so the gradients agree far inside the bf16 tolerance."""
+    from cce_compile.config.plan import BackwardPlan
+    from cce_compile.kernels.backward import grad_logits_tma_kernel
+    from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel
+    from cce_compile.ops import backward, launch
+
+    e, c, targets = make_inputs("zipf", (3001,), 50001, d, dtype, seed=7, device="cuda")
+    targets[::11] = -100
+    launched: list[object] = []
+
+    class SpyingLauncher(launch.KernelLauncher):
+        def __call__(self, grid, *args, **kwargs) -> None:
+            launched.append(self.kernel)
+            super().__call__(grid, *args, **kwargs)
+
+    def run() -> list[torch.Tensor]:
+        launched.clear()
+        leaves = [t.detach().clone().requires_grad_() for t in (e, c)]
+        (cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets) * loss_scale(dtype)).backward()
+        return [t.grad for t in leaves]
+
+    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 8192, True))
+    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)
+    monkeypatch.setattr(backward, "KernelLauncher", SpyingLauncher)
+    warp_specialized = run()
+    assert launched == [grad_logits_ws_kernel] * 14
+    monkeypatch.setattr(backward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
+    persistent = run()
+    assert launched == [grad_logits_tma_kernel] * 14
+    for got, expected in zip(warp_specialized, persistent):
+        assert torch.isfinite(got).all()
+        assert relative_error(got, expected) < 1e-3
+
+
 @pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize(("mode", "d"), [("exact", 896), ("exact", 4096), ("filtered", 896)])
 def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     mode: str, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The backward's per-step kernels (pointer and persistent recompute, filtered mode's
+    """The backward's per-step kernels (the Gluon and the persistent recompute, filtered mode's
     sparse GEMMs) and the persistent forward relaunched with an earlier launch's compiled
     kernel (ops/launch.py) give the gradients that launching each through Triton's JIT gives,
     bit for bit, and relaunches do reuse: exact mode's 2 token chunks (the second ragged) x 16
@@ -160,7 +202,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     assert all(jit == 0 for jit, _ in second.values()), second
     assert first["lse_forward_tma_kernel"] == (1, 1), first
     if mode == "exact":
-        recompute = "grad_logits_kernel" if d == 896 else "grad_logits_tma_kernel"
+        recompute = "grad_logits_ws_kernel" if d == 896 else "grad_logits_tma_kernel"
         assert first[recompute] == (2, 32), first
     else:
         jit, launches = first["sparse_matmul_kernel"]

@@ -28,9 +28,9 @@ from triton.compiler import ASTSource
 from cce_compile.config.kernel_config import TileConfig
 from cce_compile.kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from cce_compile.kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
-from cce_compile.kernels.forward_ws import lse_forward_ws_kernel
+from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel, lse_forward_ws_kernel
 from cce_compile.ops.dispatch import stages_beside_output
-from cce_compile.ops.forward import WARP_SPECIALIZED_TILE
+from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ONE = "one"
@@ -174,25 +174,35 @@ H200_SHARED_MEMORY_PER_SM = 233472
 which the driver reserves 1 KiB per resident program."""
 
 
-def compile_warp_specialized_forward() -> Any:
-    """lse_forward_ws_kernel as the op launches it: bf16 descriptors of the op's tile, two
+def compile_warp_specialized(kernel: Any, pointers: dict[str, str], integers: list[str], constexprs: dict[str, Any],
+                              descriptors: dict[str, int]) -> Any:
+    """A Gluon kernel (kernels/warp_specialized.py) as the op launches it: bf16 descriptors of
+    `descriptors`' row counts by the tile's K step, pointers and integers 16-aligned, two
     programs per SM (maxnreg 128)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    tile = WARP_SPECIALIZED_TILE
-
     def descriptor(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, tile.block_k], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {tile.block_k}],{layout!r}>"
+        block = [rows, WARP_SPECIALIZED_TILE.block_k]
+        return f"tensordesc<bf16[{rows}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
-    signature = {"e_desc": descriptor(tile.block_m), "c_desc": descriptor(tile.block_n), "targets_ptr": "*i64",
-                 "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32",
-                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
-    source = GluonASTSource(fn=lse_forward_ws_kernel, signature=signature,
-                            constexprs={(8,): tile.group_m, (9,): tile.num_stages},
-                            attrs={(index,): [["tt.divisibility", 16]] for index in range(2, 8)})
-    return triton.compile(source, target=HOPPER, options={"num_warps": tile.num_warps, "maxnreg": 128})
+    kinds = {name: descriptor(rows) for name, rows in descriptors.items()} | pointers | dict.fromkeys(integers, "i32")
+    signature = {param.name: kinds.get(param.name, "constexpr") for param in kernel.params}
+    names = list(signature)
+    source = GluonASTSource(
+        fn=kernel, signature=signature, constexprs={(names.index(name),): value for name, value in constexprs.items()},
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in [*pointers, *integers]},
+    )
+    return triton.compile(source, target=HOPPER, options={"num_warps": 4, "maxnreg": 128})
+
+
+def warp_specialized_kinds(compiled: Any) -> dict[str, bool]:
+    ptx = compiled.asm["ptx"]
+    return {
+        "bulk tensor copies": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx,
+        "two fit an SM": 2 * (compiled.metadata.shared + 1024) <= H200_SHARED_MEMORY_PER_SM,
+        "bare exps": bare_exps(ptx), "wgmma pipelined": wgmma_pipelined(ptx),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +234,12 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
     }
 
 
-def test_warp_specialized_forward_fits_two_programs_per_sm(compiled: dict[str, dict[str, bool]]) -> None:
-    """The Gluon forward (kernels/forward_ws.py) at the op's tile: bulk tensor copies into
-    wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM."""
-    assert compiled["lse_forward_ws_kernel"] == {
+@pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel"])
+def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
+    """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
+    wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM (the
+    recompute's with its half tile staged for the store)."""
+    assert compiled[name] == {
         "bulk tensor copies": True, "wgmma": True, "two fit an SM": True, "bare exps": True, "wgmma pipelined": True,
     }
 
@@ -245,10 +257,18 @@ if __name__ == "__main__":
             "fits": tma.metadata.shared <= H200_SHARED_MEMORY, "bare exps": bare_exps(tma.asm["ptx"]),
             "wgmma pipelined": wgmma_pipelined(tma.asm["ptx"]),
         }
-    ws = compile_warp_specialized_forward()
-    found["lse_forward_ws_kernel"] = {
-        "bulk tensor copies": "cp.async.bulk.tensor" in ws.asm["ptx"], "wgmma": "wgmma.mma_async" in ws.asm["ptx"],
-        "two fit an SM": 2 * (ws.metadata.shared + 1024) <= H200_SHARED_MEMORY_PER_SM,
-        "bare exps": bare_exps(ws.asm["ptx"]), "wgmma pipelined": wgmma_pipelined(ws.asm["ptx"]),
-    }
+    tile = WARP_SPECIALIZED_TILE
+    found["lse_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
+        lse_forward_ws_kernel, {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32"},
+        ["N", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
+        {"e_desc": tile.block_m, "c_desc": tile.block_n},
+    ))
+    found["grad_logits_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
+        grad_logits_ws_kernel,
+        {"targets_ptr": "*i64", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
+         "scale_ptr": "*fp32"},
+        ["row_start", "rows", "col_start", "cols", "D"],
+        {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False},
+        {"e_desc": tile.block_m, "c_desc": tile.block_n, "grad_logits_desc": tile.block_m},
+    ))
     print(json.dumps(found))

@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..config.kernel_config import TileConfig
 from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
+from ..kernels.warp_specialized import grad_logits_ws_kernel
 from .cpu_path import backward_cpu
 from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
@@ -34,6 +35,10 @@ from .dispatch import (
 from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
+from .warp_specialized import (
+    WARP_SPECIALIZED_TILE, gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of,
+    warp_specialized_fits,
+)
 
 PERSISTENT_MIN_K_STEPS = 32
 """The recompute runs persistent (grad_logits_tma_kernel) where a tile's dot takes at least
@@ -47,6 +52,12 @@ def recompute_is_persistent(d: int, tile: TileConfig) -> bool:
     """Whether exact mode's recompute takes grad_logits_tma_kernel (where tensor descriptors
     fit): the op and the tuner ask the same question."""
     return cdiv(d, tile.block_k) >= PERSISTENT_MIN_K_STEPS
+
+WARP_SPECIALIZED_MAX_K_STEPS = 16
+"""Exact mode's plain recompute (no bias, soft-cap, weights or smoothing) runs
+grad_logits_ws_kernel where a tile's dot takes at most this many K steps (D <= 1024), as the
+forward does: at D = 896 grad_logits_kernel took 1.54 x GEMM (the persistent
+grad_logits_tma_kernel 1.38-1.63)."""
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
@@ -118,11 +129,21 @@ def linear_cross_entropy_backward(
     reuse = relaunches_directly(e)
     launch_grad_logits = KernelLauncher(grad_logits_kernel, reuse)
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
-    persistent = False  # decided with the dense path's buffer, below
+    persistent = warp_specialized = False  # decided with the dense path's buffer, below
 
     def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
-        grad_logits_tma_kernel for the slab where tensor descriptors fit and the K loop is long."""
+        for the slab where tensor descriptors fit, grad_logits_ws_kernel where the K loop is
+        short (plain loss) and grad_logits_tma_kernel where it is long."""
+        if warp_specialized:
+            rows, cols = row_end - row_start, col_end - col_start
+            launch_grad_logits(
+                (programs_for(e.device, tiles_of(rows, cols)),), *descriptors, targets, lse,
+                coef_softmax, coef_target, scale, row_start, rows, col_start, cols, d,
+                GROUP_M=WARP_SPECIALIZED_TILE.group_m, STAGES=WARP_SPECIALIZED_TILE.num_stages, SCALED=scaled,
+                **launch_options(),
+            )
+            return
         if persistent:
             launch_grad_logits(
                 (min(programs, sms),), *descriptors, bias, targets, weight, lse,
@@ -220,7 +241,14 @@ def linear_cross_entropy_backward(
             del grad_logits  # and with it the step computed ahead (the dense path rewrites all)
     if not filtered:
         grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
-        persistent = recompute_is_persistent(d, logits_tile) and tensor_descriptors_fit(e, c, grad_logits)
+        plain = bias is None and weight is None and softcap == 0.0 and not has_smoothing
+        warp_specialized = plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c, grad_logits)
+        persistent = (not warp_specialized and recompute_is_persistent(d, logits_tile)
+                      and tensor_descriptors_fit(e, c, grad_logits))
+    if warp_specialized:
+        launch_grad_logits = KernelLauncher(grad_logits_ws_kernel, reuse)
+        tile = WARP_SPECIALIZED_TILE  # d logits stored in half tiles (kernels/warp_specialized.py)
+        descriptors = (*operand_descriptors(e, c, tile), gluon_descriptor(grad_logits, [tile.block_m, tile.block_n // 2]))
     if persistent:
         launch_grad_logits = KernelLauncher(grad_logits_tma_kernel, reuse)
         sms, shared_memory = device_limits(e.device)

@@ -5,27 +5,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import TileConfig
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
-from ..kernels.forward_ws import lse_forward_ws_kernel
+from ..kernels.warp_specialized import lse_forward_ws_kernel
 from .cpu_path import forward_cpu
-from .dispatch import (
-    cdiv, config_for, device_limits, kernel_flags, relaunches_directly, runs_wgmma, tensor_descriptors_fit,
-    use_triton,
-)
+from .dispatch import cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton
 from .filtering import in_vocab_order, vocab_order
 from .launch import KernelLauncher
 from .loss_terms import token_loss
-
-WARP_SPECIALIZED_TILE = TileConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=4, num_stages=3)
-"""lse_forward_ws_kernel's tile, two programs per SM. On the H200, Qwen2.5's 16384 x 896 x 151936
-(benchmarks/results/probe-forward-ws-h200*.json, two runs): 1.14-1.15 x GEMM against 1.17-1.18
-with group_m 8 and 1.14 with 32, 1.20-1.23 at one program per SM with 4-6 stages, 1.59 on
-64 x 128 tiles; lse_forward_tma_kernel 1.21 in the same runs."""
+from .warp_specialized import (
+    PROGRAMS_PER_SM, WARP_SPECIALIZED_TILE, launch_options, operand_descriptors, programs_for, tiles_of,
+    warp_specialized_fits,
+)
 
 WARP_SPECIALIZED_MAX_K_STEPS = 16
 """The plain exact forward runs lse_forward_ws_kernel where a tile's dot takes at most this
@@ -57,7 +50,7 @@ def linear_cross_entropy_forward(
     on_triton = use_triton(e)
     tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
     plain = bias is None and weight is None and softcap == 0.0 and not need_weighted_sum and not filtered
-    if plain and warp_specialized_fits(e, c):
+    if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
         tile_lse, target_logit = forward_warp_specialized(e, c, targets)
         lse, weighted_sum = torch.logsumexp(tile_lse, dim=0), None
     elif on_triton and tensor_descriptors_fit(e, c):
@@ -115,35 +108,16 @@ def linear_cross_entropy_forward(
     return loss, lse, tile_max, order
 
 
-def warp_specialized_fits(e: Tensor, c: Tensor) -> bool:
-    """Whether lse_forward_ws_kernel takes this forward: an eager call on a Hopper GPU (the
-    kernel is Gluon, with wgmma), inputs that suit tensor descriptors, a short K loop."""
-    return (
-        relaunches_directly(e) and runs_wgmma(e.device)
-        and tensor_descriptors_fit(e, c) and cdiv(e.shape[1], WARP_SPECIALIZED_TILE.block_k) <= WARP_SPECIALIZED_MAX_K_STEPS
-    )
-
-
 def forward_warp_specialized(
-    e: Tensor, c: Tensor, targets: Tensor, tile: TileConfig = WARP_SPECIALIZED_TILE, programs_per_sm: int = 2,
+    e: Tensor, c: Tensor, targets: Tensor, tile: TileConfig = WARP_SPECIALIZED_TILE, per_sm: int = PROGRAMS_PER_SM,
 ) -> tuple[Tensor, Tensor]:
     """(tile_lse (vocab tiles, N), target_logit (N,)) from lse_forward_ws_kernel; the tile and
     programs per SM are the probe's knobs (benchmarks/probe_forward_ws.py)."""
     n, v = e.shape[0], c.shape[0]
-    element = gl.bfloat16 if e.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(t: Tensor, rows: int) -> GluonDescriptor:
-        block = [rows, tile.block_k]
-        return GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, element))
-
     tile_lse = torch.empty((cdiv(v, tile.block_n), n), dtype=torch.float32, device=e.device)
     target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
-    programs = min(programs_per_sm * device_limits(e.device)[0], cdiv(n, tile.block_m) * cdiv(v, tile.block_n))
-    # Two programs of 8 warps (the producer's warpgroup included) fill the register file at 128
-    # registers a thread; the consumer takes what the producer's 24 leave (232).
-    lse_forward_ws_kernel[(programs,)](
-        descriptor(e, tile.block_m), descriptor(c, tile.block_n), targets, tile_lse, target_logit, n, v, e.shape[1],
-        GROUP_M=tile.group_m, STAGES=tile.num_stages, num_warps=tile.num_warps,
-        maxnreg=128 if programs_per_sm == 2 else 168,
+    lse_forward_ws_kernel[(programs_for(e.device, tiles_of(n, v, tile), per_sm),)](
+        *operand_descriptors(e, c, tile), targets, tile_lse, target_logit, n, v, e.shape[1],
+        GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
     )
     return tile_lse, target_logit

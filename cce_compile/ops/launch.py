@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.library import wrap_triton
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT32 = range(-(2**31), 2**31)
@@ -30,14 +31,15 @@ SCALARS = (int, bool, float, str, type(None))
 
 def argument_class(arg: Any) -> Any:
     """What Triton specializes one argument on, or finer: integers by integer_class, other
-    scalars by value, tensors by dtype, device and 16-byte alignment, tensor descriptors by
-    their base's class, block shape, padding and the classes of their shape and strides."""
+    scalars by value, tensors by dtype, device and 16-byte alignment, tensor descriptors (Triton's
+    and Gluon's) by kind, their base's class, block shape, padding, shared-memory layout (Gluon's)
+    and the classes of their shape and strides."""
     if isinstance(arg, SCALARS):
         return integer_class(arg) if type(arg) is int else arg
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
-    if isinstance(arg, TensorDescriptor):
-        return (argument_class(arg.base), tuple(arg.block_shape), arg.padding,
+    if isinstance(arg, (TensorDescriptor, GluonDescriptor)):
+        return (type(arg), argument_class(arg.base), tuple(arg.block_shape), arg.padding, repr(getattr(arg, "layout", None)),
                 tuple(map(integer_class, arg.shape)), tuple(map(integer_class, arg.strides)))
     raise TypeError(f"no launch class for a {type(arg).__name__} argument")
 

@@ -1,0 +1,69 @@
+"""A/B of a module-level switch in one process: the benchmark's timing of exact mode, with
+the switch at each value in turn, alternating, so machine drift and clocks fall on both.
+
+    PYTHONPATH=$PWD python benchmarks/ab_switch.py \\
+        --switch cce_compile.ops.backward.WARP_SPECIALIZED_MAX_K_STEPS=0,16 \\
+        --shapes qwen2.5-0.5b,gemma2-2b --rounds 2 --impls cce_exact
+
+Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that run's
+GEMM), then the medians per value. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cce_compile.bench import harness, peers  # noqa: E402
+
+
+def parse_switch(spec: str) -> tuple[object, str, list[int]]:
+    """'package.module.NAME=0,16' -> (module, NAME, [0, 16])."""
+    target, values = spec.split("=")
+    module_name, attribute = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attribute):
+        raise SystemExit(f"--switch: {module_name} has no {attribute}")
+    return module, attribute, [int(value) for value in values.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", required=True, help="module.ATTRIBUTE=value,value,... (integers)")
+    parser.add_argument("--shapes", default="qwen2.5-0.5b")
+    parser.add_argument("--impls", default="cce_exact")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rep-ms", type=float, default=300.0)
+    args = parser.parse_args()
+    module, attribute, values = parse_switch(args.switch)
+    shapes = [harness.parse_shape(spec) for spec in args.shapes.split(",")]
+    impls = peers.resolve_impls(args.impls.split(","))
+    settings = harness.Settings(warmup_ms=25.0, rep_ms=args.rep_ms, input_sets=2, budget_s=None, uniform_all=False)
+    timed: dict[tuple[int, str, str], list[tuple[float, float, float]]] = {}
+    for round_index in range(1, args.rounds + 1):
+        for value in values:
+            setattr(module, attribute, value)
+            for run in harness.run_benchmark(shapes, ["lm_like"], impls, settings):
+                for result in run.impls:
+                    if result.status != "ok":
+                        print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: {result.reason}")
+                        continue
+                    timed.setdefault((value, run.shape.label, result.label), []).append(
+                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms))
+                    print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: "
+                          f"fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.3f} x GEMM), "
+                          f"fwd {result.fwd_ms:.2f} ms, err dE {result.rel_err_de:.1e} dC {result.rel_err_dc:.1e}",
+                          flush=True)
+    print("medians:")
+    for (value, shape, label), rows in timed.items():
+        ratio, fwd_bwd, fwd = (statistics.median(column) for column in zip(*rows))
+        print(f"  {attribute}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), fwd {fwd:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
