@@ -14,7 +14,7 @@
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
 #   AB_ARGS="--switch ..."        ab: ab_switch.py (a module switch's values alternated, one process)
-#   TEST_ARGS="-k ..."            tests: pytest's selection [the whole GPU suite]
+#   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$
 for step in $STEPS; do
   case "$step" in
     tests)
-      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_ARGS:-} > "$WORK/gpu-tests.log" 2>&1
+      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} > "$WORK/gpu-tests.log" 2>&1
       echo "exit $?" >> "$WORK/gpu-tests.log"
       tail -n 2 "$WORK/gpu-tests.log" ;;
     profile)
