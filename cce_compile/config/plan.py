@@ -35,10 +35,6 @@ the 1.10 x memory bound."""
 
 MIN_CHUNK_ROWS = 256
 
-SLAB_GRANULE = 512
-"""Slabs are multiples of this many columns (of every logits tile's width), or config.slab_v
-where that is narrower."""
-
 
 def n_bucket(n) -> int:
     """Smallest power of two >= n (n may be a SymInt: each comparison is a range guard)."""
@@ -87,8 +83,7 @@ def plan_backward(
     bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
 ) -> BackwardPlan:
     """The plan whose scratch fits SCRATCH_FRACTION of the gradients (or SCRATCH_FLOOR_BYTES)
-    with the least accumulator traffic; per token count, the widest slab that fits, within
-    config.slab_v, in multiples of 512 (SLAB_GRANULE).
+    with the least accumulator traffic; slabs within config.slab_v and at least 512 wide.
     Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
     accumulator leaves (up to MAX_SLOTS; never fewer than the slab's tiles).
 
@@ -97,10 +92,7 @@ def plan_backward(
     re-writes dC). Per element of the N x V x D product that is 8 / slab_v + 2 * element_bytes /
     chunk_rows bytes; a short K also spends a GEMM's epilogue on little work (measured on the
     H200: dE over 2048-column slabs cost 1.21 x GEMM against 0.92 x for dC over 8192 rows).
-    Slabs of any multiple of 512, not only powers of two, take fewer steps where the budget
-    falls between two (Qwen2.5: 2048-row chunks x 5120-column slabs, 240 steps, where 4096
-    made 304; each step is three launches). Ties go to fewer token chunks; when nothing
-    fits, the smallest plan tried."""
+    Ties go to fewer token chunks; when nothing fits, the smallest plan tried."""
     grad_bytes = (bucket * d + v * d + v) * element_bytes
     budget = max((FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION) * grad_bytes, SCRATCH_FLOOR_BYTES)
     fp32_acc = element_bytes < 4
@@ -108,17 +100,21 @@ def plan_backward(
     best: BackwardPlan | None = None
     best_traffic = float("inf")
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
-    granule = min(SLAB_GRANULE, widest)
     n_chunks = 1
     while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
         rows = -(-bucket // n_chunks)
-        room = budget - BackwardPlan(n_chunks, 0, fp32_acc).accumulator_bytes(bucket, d)
-        slab = max(granule, min(widest, int(room // (rows * element_bytes)) // granule * granule))
-        plan = smallest = BackwardPlan(n_chunks, slab, fp32_acc)
-        if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
-            traffic = 8 / slab + 2 * element_bytes / rows
-            if traffic < best_traffic:
-                best, best_traffic = plan, traffic
+        slab = widest
+        while True:
+            plan = BackwardPlan(n_chunks, slab, fp32_acc)
+            smallest = plan
+            if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
+                traffic = 8 / slab + 2 * element_bytes / rows
+                if traffic < best_traffic:
+                    best, best_traffic = plan, traffic
+                break
+            if slab <= 512:
+                break
+            slab //= 2
         n_chunks *= 2
     plan = best if best is not None else smallest
     if not filtered:
