@@ -19,7 +19,8 @@ from cce_compile.config import sources
 from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
 from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
 from cce_compile.config.resolve import ProblemKey
-from cce_compile.ops import backward, dispatch
+from cce_compile.ops import backward, dispatch, forward
+from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE
 
 PLANNING_SHARED_MEMORY = 232448
 """Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
@@ -68,6 +69,15 @@ class Problem:
         splits, and exact mode's recompute clamps its stages (where its K loop is long enough)."""
         return dispatch.descriptor_rows_fit(self.element_bytes, self.d)
 
+    def warp_specialized(self, kernel: str) -> bool:
+        """Whether, on a Hopper GPU, an eager call runs this logits kernel as a Gluon kernel of
+        fixed tile (ops/warp_specialized.py): exact mode's plain loss, 16-bit, short K; the
+        config's tile is then not launched."""
+        max_k_steps = {"forward": forward.WARP_SPECIALIZED_MAX_K_STEPS,
+                       "grad_logits": backward.WARP_SPECIALIZED_MAX_K_STEPS}.get(kernel, 0)
+        return (self.mode == "exact" and self.persistent_logits
+                and -(-self.d // WARP_SPECIALIZED_TILE.block_k) <= max_k_steps)
+
     def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
         """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
         return {
@@ -80,10 +90,11 @@ class Problem:
 
 @dataclass(frozen=True)
 class Limits:
-    """What a tile must fit on the target GPU."""
+    """What a tile must fit on the target GPU; `hopper`: whether it runs the Gluon kernels."""
 
     shared_memory_bytes: int
     element_bytes: int
+    hopper: bool = False
 
     def fits(self, tile: TileConfig) -> bool:
         registers = tile.block_m * tile.block_n // (32 * tile.num_warps)
@@ -144,20 +155,26 @@ class KernelSpace:
                 yield candidate
 
     def launches(self, config: KernelConfig) -> tuple[object, ...]:
-        """What this kernel's launches depend on: its tile (with the stages it launches with)
-        and the effective vocab split (the pointer forward) or backward plan (grad_logits)."""
+        """What this kernel's launches depend on: its tile (with the stages it launches with;
+        none where a Gluon kernel runs its own) and the effective vocab split (the pointer
+        forward) or backward plan (grad_logits)."""
         tile = getattr(config, self.kernel)
         p = self.problem
+        if self.limits.hopper and p.warp_specialized(self.kernel):
+            tile = None  # the Gluon kernel's own tile runs, whatever the config's
         if self.kernel == "forward":
             if p.persistent_logits:
                 return (tile,)
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
+            plan = plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config, p.mode == "filtered")
+            if tile is None:  # the d-logits buffer still has the config's chunk rows
+                return (plan, plan.chunk_rows(p.n, config.grad_logits.block_m))
             if p.mode == "exact" and p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
                 stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
                 tile = replace(tile, num_stages=stages)
-            return (tile, plan_backward(n_bucket(p.n), p.v, p.d, p.element_bytes, config, p.mode == "filtered"))
+            return (tile, plan)
         return (tile,)
 
     def size(self, start: KernelConfig) -> int:
@@ -190,8 +207,9 @@ def kernel_spaces(problem: Problem, device: str, limits: Limits) -> list[KernelS
 
 
 def device_limits(problem: Problem) -> Limits:
-    """This GPU's opt-in shared memory per block; the H100/H200 value off the GPU."""
-    shared = PLANNING_SHARED_MEMORY
-    if torch.cuda.is_available():
-        shared = sources.local_platform("cuda").shared_memory_bytes
-    return Limits(shared, problem.element_bytes)
+    """This GPU's opt-in shared memory per block (the H100/H200 value off the GPU) and whether
+    it is a Hopper."""
+    if not torch.cuda.is_available():
+        return Limits(PLANNING_SHARED_MEMORY, problem.element_bytes)
+    shared = sources.local_platform("cuda").shared_memory_bytes
+    return Limits(shared, problem.element_bytes, hopper=dispatch.runs_wgmma(torch.device("cuda", torch.cuda.current_device())))
