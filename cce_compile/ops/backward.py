@@ -2,7 +2,8 @@
 
 Triton path, per token chunk and vocab slab (sizes from config.plan, within the scratch
 budget): grad_logits_kernel recomputes the slab's logits into d logits (input dtype; for
-16-bit inputs with long K loops grad_logits_tma_kernel, persistent on tensor descriptors),
+16-bit inputs with long K loops grad_logits_tma_kernel, persistent on tensor descriptors; with
+short ones on a Hopper GPU, for the plain loss, the warp-specialized Gluon grad_logits_ws_kernel),
 then matmul_kernel (or cuBLAS in eager calls) does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
@@ -56,8 +57,9 @@ def recompute_is_persistent(d: int, tile: TileConfig) -> bool:
 WARP_SPECIALIZED_MAX_K_STEPS = 16
 """Exact mode's plain recompute (no bias, soft-cap, weights or smoothing) runs
 grad_logits_ws_kernel where a tile's dot takes at most this many K steps (D <= 1024), as the
-forward does: at D = 896 grad_logits_kernel took 1.54 x GEMM (the persistent
-grad_logits_tma_kernel 1.38-1.63)."""
+forward does. On the H200 at D = 896 (Qwen2.5, benchmarks/results/*-v18-*): 1.20 x GEMM
+against grad_logits_kernel's 1.54 (the persistent grad_logits_tma_kernel's 1.38-1.63); the
+pass 5.21 -> 4.88 x. Longer K unmeasured for it (the Gluon forward lost from D = 2304)."""
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
