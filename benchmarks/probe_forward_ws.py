@@ -1,4 +1,4 @@
-"""Probe: the warp-specialized Gluon forward (kernels/forward_ws.py) against lse_forward_tma_kernel.
+"""Probe: the warp-specialized Gluon forward (kernels/warp_specialized.py) against lse_forward_tma_kernel.
 
     PYTHONPATH=$PWD python benchmarks/probe_forward_ws.py --out probe-forward-ws.json
 
