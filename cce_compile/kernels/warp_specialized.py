@@ -94,6 +94,17 @@ def tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout: gl.constexp
     return acc, slot
 
 
+@gluon.jit
+def next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps, GROUP_M: gl.constexpr,
+              mma_layout: gl.constexpr):
+    """The consumer's step-th tile: (row block, vocab tile, its fp32 e @ c.T, the tile's row
+    indices from the row block's first, the ring slot after it)."""
+    pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
+    acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
+    rows = pid_m * e_ring.type.shape[1] + gl.arange(0, e_ring.type.shape[1], layout=gl.SliceLayout(1, mma_layout))
+    return pid_m, pid_n, acc, rows, slot
+
+
 @gluon.constexpr_function
 def mma_layout_for(block_n):
     """The consumer warpgroup's wgmma accumulator layout for tiles block_n wide."""
@@ -119,15 +130,13 @@ def forward_tiles(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile
                   N, V, D, GROUP_M: gl.constexpr):
     """The forward's consumer: per tile the rows' log-sum-exp over its columns into
     tile_lse[tile column, row], and the target's logit where the target falls in the tile."""
-    BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
     mma_layout: gl.constexpr = mma_layout_for(BLOCK_N)
     num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, N, V, D)
     slot = 0
     for step in range(steps):
-        pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
-        acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        pid_m, pid_n, acc, rows, slot = next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps,
+                                                  GROUP_M, mma_layout)
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         row_mask = rows < N
         # Past V the copy engine's zero fill gives logits of 0.
@@ -174,9 +183,8 @@ def grad_logits_tiles(e_desc, c_desc, grad_logits_desc, e_ring, c_ring, ready, f
     num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, rows, cols, D)
     slot = 0
     for step in range(steps):
-        pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
-        acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
-        local_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        pid_m, pid_n, acc, local_rows, slot = next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps,
+                                                        GROUP_M, mma_layout)
         row_mask = local_rows < rows
         token = row_start + local_rows
         lse = gl.load(lse_ptr + token, mask=row_mask, other=0.0)
