@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import lm_like_inputs  # noqa: E402
 from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel  # noqa: E402
-from cce_compile.ops import warp_specialized as ws  # noqa: E402
+from cce_compile.ops.backward import recompute_descriptors, recompute_warp_specialized  # noqa: E402
 from cce_compile.ops.forward import linear_cross_entropy_forward  # noqa: E402
 from cce_compile.ops.launch import KernelLauncher  # noqa: E402
+from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE  # noqa: E402
 
 # (group_m, programs per SM); the op's first
 VARIANTS = [(16, 2), (8, 2), (32, 2), (4, 2), (16, 1)]
@@ -45,7 +47,6 @@ def main() -> None:
         _, lse, _, _ = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
     coef = torch.full((n,), 1.0 / n, device="cuda")
     rows = args.chunk_rows
-    tile = ws.WARP_SPECIALIZED_TILE
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")  # noqa: E731
     results = []
     for slab in (int(width) for width in args.slabs.split(",")):
@@ -57,17 +58,16 @@ def main() -> None:
             for c_slab, out_slab in views:
                 torch.mm(e[:rows], c_slab.T, out=out_slab)
 
-        descriptors = (*ws.operand_descriptors(e, c, tile), ws.gluon_descriptor(out, [tile.block_m, tile.block_n // 2]))
+        descriptors = recompute_descriptors(e, c, out)
         row = {"slab": slab, "chunk_rows": rows, "gemms_ms": bench(gemms), "variants": []}
         for group_m, per_sm in VARIANTS:
             launch = KernelLauncher(grad_logits_ws_kernel, True)
+            variant = replace(WARP_SPECIALIZED_TILE, group_m=group_m)
 
             def recompute() -> None:
                 for start in starts:
-                    cols = min(slab, v - start)
-                    launch((ws.programs_for(e.device, ws.tiles_of(rows, cols), per_sm),), *descriptors, targets, lse,
-                           coef, coef, lse, 0, rows, start, cols, d, GROUP_M=group_m, STAGES=tile.num_stages,
-                           SCALED=False, **ws.launch_options(per_sm))
+                    recompute_warp_specialized(launch, descriptors, targets, lse, coef, coef, lse, False,
+                                               0, rows, start, min(slab, v - start), variant, per_sm)
 
             ms = bench(recompute)
             row["variants"].append({"group_m": group_m, "per_sm": per_sm, "ms": ms})

@@ -94,17 +94,6 @@ def tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout: gl.constexp
     return acc, slot
 
 
-@gluon.jit
-def next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps, GROUP_M: gl.constexpr,
-              mma_layout: gl.constexpr):
-    """The consumer's step-th tile: (row block, vocab tile, its fp32 e @ c.T, the tile's row
-    indices from the row block's first, the ring slot after it)."""
-    pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
-    acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
-    rows = pid_m * e_ring.type.shape[1] + gl.arange(0, e_ring.type.shape[1], layout=gl.SliceLayout(1, mma_layout))
-    return pid_m, pid_n, acc, rows, slot
-
-
 @gluon.constexpr_function
 def mma_layout_for(block_n):
     """The consumer warpgroup's wgmma accumulator layout for tiles block_n wide."""
@@ -126,30 +115,40 @@ def allocate_ring(e_desc, c_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def forward_tiles(e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr,
-                  N, V, D, GROUP_M: gl.constexpr):
-    """The forward's consumer: per tile the rows' log-sum-exp over its columns into
-    tile_lse[tile column, row], and the target's logit where the target falls in the tile."""
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
-    mma_layout: gl.constexpr = mma_layout_for(BLOCK_N)
-    num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, N, V, D)
+def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D,
+                  GROUP_M: gl.constexpr, epilogue_args):
+    """The consumer warpgroup: each of the program's tiles from the ring, then
+    epilogue(acc, row block, vocab tile, the tile's row indices, epilogue_args)."""
+    mma_layout: gl.constexpr = mma_layout_for(c_desc.block_type.shape[0])
+    num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, rows, cols, D)
+    BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
     slot = 0
     for step in range(steps):
-        pid_m, pid_n, acc, rows, slot = next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps,
-                                                  GROUP_M, mma_layout)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        row_mask = rows < N
-        # Past V the copy engine's zero fill gives logits of 0.
-        logits = gl.where((cols < V)[None, :], acc, float("-inf"))
-        targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
-        hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
-        if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
-            is_target = cols[None, :] == targets[:, None]
-            gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
-        tile_max = gl.max(logits, axis=1)
-        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
-        tile_lse = shift + gl.log(gl.sum(exp_shifted(logits, shift), axis=1))
-        gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, tile_lse, mask=row_mask)
+        pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
+        acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
+        tile_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        epilogue(acc, pid_m, pid_n, tile_rows, epilogue_args)
+
+
+@gluon.jit
+def forward_epilogue(acc, pid_m, pid_n, rows, args):
+    """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
+    row], and the target's logit where the target falls in the tile."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, N, V = args
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    row_mask = rows < N
+    # Past V the copy engine's zero fill gives logits of 0.
+    logits = gl.where((cols < V)[None, :], acc, float("-inf"))
+    targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
+    if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
+        is_target = cols[None, :] == targets[:, None]
+        gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
+    tile_max = gl.max(logits, axis=1)
+    shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
+    tile_lse = shift + gl.log(gl.sum(exp_shifted(logits, shift), axis=1))
+    gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, tile_lse, mask=row_mask)
 
 
 @gluon.jit
@@ -160,55 +159,48 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
     registers a thread leave."""
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
     gl.warp_specialize([
-        (forward_tiles, (e_desc, c_desc, e_ring, c_ring, ready, free, targets_ptr, tile_lse_ptr, target_logit_ptr,
-                         N, V, D, GROUP_M)),
+        (consume_tiles, (forward_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, N, V, D, GROUP_M,
+                         (targets_ptr, tile_lse_ptr, target_logit_ptr, N, V))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, 0, N, 0, V, D, GROUP_M)),
     ], [1], [24])
 
 
 @gluon.jit
-def grad_logits_tiles(e_desc, c_desc, grad_logits_desc, e_ring, c_ring, ready, free, out_half,
-                      targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
-                      row_start, rows, col_start, cols, D, GROUP_M: gl.constexpr, SCALED: gl.constexpr):
-    """The recompute's consumer: per tile d loss / d logits = coef_softmax * softmax - coef_target
-    at the target (kernels/backward.grad_from_logits without its options), stored in the input
-    dtype at (row - row_start, col - col_start) of the d-logits buffer by the copy engine, a
-    half tile at a time through `out_half` (a whole tile's staging would leave the ring two
-    stages in the shared memory two programs share). Rows and columns past the slab are
-    computed and stored within the buffer, where the GEMMs do not read them."""
-    BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[0]
+def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
+    """The recompute's: d loss / d logits = coef_softmax * softmax - coef_target at the target
+    (kernels/backward.grad_from_logits without its options), stored in the input dtype at
+    (row - row_start, col - col_start) of the d-logits buffer by the copy engine, a half tile at
+    a time through `out_half` (a whole tile's staging would leave the ring two stages in the
+    shared memory two programs share). Rows and columns past the slab are computed and stored
+    within the buffer, where the GEMMs do not read them."""
+    (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
+     row_start, rows, col_start, SCALED) = args
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
     HALF_N: gl.constexpr = BLOCK_N // 2
-    mma_layout: gl.constexpr = mma_layout_for(BLOCK_N)
-    num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, rows, cols, D)
-    slot = 0
-    for step in range(steps):
-        pid_m, pid_n, acc, local_rows, slot = next_tile(step, e_ring, c_ring, ready, free, slot, num_m, num_n, k_steps,
-                                                        GROUP_M, mma_layout)
-        row_mask = local_rows < rows
-        token = row_start + local_rows
-        lse = gl.load(lse_ptr + token, mask=row_mask, other=0.0)
-        coef_softmax = gl.load(coef_softmax_ptr + token, mask=row_mask, other=0.0)
-        grad = coef_softmax[:, None] * exp_shifted(acc, lse)
-        targets = gl.load(targets_ptr + token, mask=row_mask, other=-1)
-        first_vocab = col_start + pid_n * BLOCK_N
-        hit = (targets >= first_vocab) & (targets < first_vocab + BLOCK_N)
-        if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
-            coef_target = gl.load(coef_target_ptr + token, mask=row_mask, other=0.0)
-            vocab = first_vocab + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-            grad -= gl.where(vocab[None, :] == targets[:, None], coef_target[:, None], 0.0)
-        if SCALED:  # fp16: kernels/backward.grad_from_logits says why
-            grad = grad / gl.load(scale_ptr)
-        left, right = gl.split(gl.permute(gl.reshape(grad.to(out_half.dtype), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
-        tma.store_wait(0)  # the last tile's right half has left the staging buffer
-        out_half.store(left)
-        fence_async_shared()
-        tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_half)
-        tma.store_wait(0)
-        out_half.store(right)
-        fence_async_shared()
-        tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N + HALF_N], out_half)
+    row_mask = local_rows < rows
+    token = row_start + local_rows
+    lse = gl.load(lse_ptr + token, mask=row_mask, other=0.0)
+    coef_softmax = gl.load(coef_softmax_ptr + token, mask=row_mask, other=0.0)
+    grad = coef_softmax[:, None] * exp_shifted(acc, lse)
+    targets = gl.load(targets_ptr + token, mask=row_mask, other=-1)
+    first_vocab = col_start + pid_n * BLOCK_N
+    hit = (targets >= first_vocab) & (targets < first_vocab + BLOCK_N)
+    if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
+        coef_target = gl.load(coef_target_ptr + token, mask=row_mask, other=0.0)
+        vocab = first_vocab + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        grad -= gl.where(vocab[None, :] == targets[:, None], coef_target[:, None], 0.0)
+    if SCALED:  # fp16: kernels/backward.grad_from_logits says why
+        grad = grad / gl.load(scale_ptr)
+    left, right = gl.split(gl.permute(gl.reshape(grad.to(out_half.dtype), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
+    tma.store_wait(0)  # the last tile's right half has left the staging buffer
+    out_half.store(left)
+    fence_async_shared()
+    tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_half)
     tma.store_wait(0)
+    out_half.store(right)
+    fence_async_shared()
+    tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N + HALF_N], out_half)
 
 
 @gluon.jit
@@ -222,8 +214,9 @@ def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr
     out_half = gl.allocate_shared_memory(grad_logits_desc.dtype, grad_logits_desc.block_type.shape,
                                          grad_logits_desc.layout)
     gl.warp_specialize([
-        (grad_logits_tiles, (e_desc, c_desc, grad_logits_desc, e_ring, c_ring, ready, free, out_half,
-                             targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
-                             row_start, rows, col_start, cols, D, GROUP_M, SCALED)),
+        (consume_tiles, (grad_logits_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D, GROUP_M,
+                         (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
+                          scale_ptr, row_start, rows, col_start, SCALED))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, col_start, cols, D, GROUP_M)),
     ], [1], [24])
+    tma.store_wait(0)  # the consumer's last d-logits store has left shared memory

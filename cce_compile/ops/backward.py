@@ -37,8 +37,8 @@ from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lis
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
-    WARP_SPECIALIZED_TILE, gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of,
-    warp_specialized_fits,
+    PROGRAMS_PER_SM, WARP_SPECIALIZED_TILE, gluon_descriptor, launch_options, operand_descriptors, plain_loss,
+    programs_for, tiles_of, warp_specialized_fits,
 )
 
 PERSISTENT_MIN_K_STEPS = 32
@@ -138,12 +138,9 @@ def linear_cross_entropy_backward(
         for the slab where tensor descriptors fit, grad_logits_ws_kernel where the K loop is
         short (plain loss) and grad_logits_tma_kernel where it is long."""
         if warp_specialized:
-            rows, cols = row_end - row_start, col_end - col_start
-            launch_grad_logits(
-                (programs_for(e.device, tiles_of(rows, cols)),), *descriptors, targets, lse,
-                coef_softmax, coef_target, scale, row_start, rows, col_start, cols, d,
-                GROUP_M=WARP_SPECIALIZED_TILE.group_m, STAGES=WARP_SPECIALIZED_TILE.num_stages, SCALED=scaled,
-                **launch_options(),
+            recompute_warp_specialized(
+                launch_grad_logits, descriptors, targets, lse, coef_softmax, coef_target, scale, scaled,
+                row_start, row_end - row_start, col_start, col_end - col_start,
             )
             return
         if persistent:
@@ -243,14 +240,13 @@ def linear_cross_entropy_backward(
             del grad_logits  # and with it the step computed ahead (the dense path rewrites all)
     if not filtered:
         grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
-        plain = bias is None and weight is None and softcap == 0.0 and not has_smoothing
-        warp_specialized = plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c, grad_logits)
+        warp_specialized = (plain_loss(bias, weight, softcap, label_smoothing)
+                            and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c, grad_logits))
         persistent = (not warp_specialized and recompute_is_persistent(d, logits_tile)
                       and tensor_descriptors_fit(e, c, grad_logits))
     if warp_specialized:
         launch_grad_logits = KernelLauncher(grad_logits_ws_kernel, reuse)
-        tile = WARP_SPECIALIZED_TILE  # d logits stored in half tiles (kernels/warp_specialized.py)
-        descriptors = (*operand_descriptors(e, c, tile), gluon_descriptor(grad_logits, [tile.block_m, tile.block_n // 2]))
+        descriptors = recompute_descriptors(e, c, grad_logits)
     if persistent:
         launch_grad_logits = KernelLauncher(grad_logits_tma_kernel, reuse)
         sms, shared_memory = device_limits(e.device)
@@ -354,3 +350,24 @@ def gradient_gemms_in_cublas(on_cuda: bool, dtype: torch.dtype, filtered: bool) 
     in exact mode. fp16's d-logits are scaled (which the Triton GEMMs undo) and filtered
     mode's GEMMs are block-sparse, so those stay Triton; the tuner asks the same question."""
     return on_cuda and dtype != torch.float16 and not filtered and GEMM_BACKEND == "cublas"
+
+
+def recompute_descriptors(e: Tensor, c: Tensor, grad_logits: Tensor, tile: TileConfig = WARP_SPECIALIZED_TILE) -> tuple:
+    """grad_logits_ws_kernel's descriptors, made once per backward: e and c in the tile's K
+    steps, the d-logits buffer in the half tiles its epilogue stores (kernels/warp_specialized.py)."""
+    return (*operand_descriptors(e, c, tile), gluon_descriptor(grad_logits, [tile.block_m, tile.block_n // 2]))
+
+
+def recompute_warp_specialized(
+    launch: KernelLauncher, descriptors: tuple, targets: Tensor, lse: Tensor, coef_softmax: Tensor,
+    coef_target: Tensor, scale: Tensor, scaled: bool, row_start: int, rows: int, col_start: int, cols: int,
+    tile: TileConfig = WARP_SPECIALIZED_TILE, per_sm: int = PROGRAMS_PER_SM,
+) -> None:
+    """One slab's d logits (rows x cols from (row_start, col_start)) by grad_logits_ws_kernel
+    into the buffer recompute_descriptors describes; the tile and programs per SM are the
+    probe's knobs (benchmarks/probe_recompute_ws.py)."""
+    launch(
+        (programs_for(lse.device, tiles_of(rows, cols, tile), per_sm),), *descriptors, targets, lse,
+        coef_softmax, coef_target, scale, row_start, rows, col_start, cols, descriptors[0].shape[1],  # D
+        GROUP_M=tile.group_m, STAGES=tile.num_stages, SCALED=scaled, **launch_options(per_sm),
+    )

@@ -87,7 +87,7 @@ def device_limits(device: torch.device) -> tuple[int, int]:
 
 @lru_cache(maxsize=None)
 def runs_wgmma(device: torch.device) -> bool:
-    """Whether the GPU is a Hopper (sm_90), whose wgmma the Gluon forward is written in; asked
+    """Whether the GPU is a Hopper (sm_90), whose wgmma the Gluon kernels are written in; asked
     once per device, not per call."""
     return torch.cuda.get_device_capability(device)[0] == 9
 

@@ -16,7 +16,7 @@ from .filtering import in_vocab_order, vocab_order
 from .launch import KernelLauncher
 from .loss_terms import token_loss
 from .warp_specialized import (
-    PROGRAMS_PER_SM, WARP_SPECIALIZED_TILE, launch_options, operand_descriptors, programs_for, tiles_of,
+    PROGRAMS_PER_SM, WARP_SPECIALIZED_TILE, launch_options, operand_descriptors, plain_loss, programs_for, tiles_of,
     warp_specialized_fits,
 )
 
@@ -49,7 +49,7 @@ def linear_cross_entropy_forward(
     vocab_tiles = cdiv(v, tile.block_n)
     on_triton = use_triton(e)
     tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
-    plain = bias is None and weight is None and softcap == 0.0 and not need_weighted_sum and not filtered
+    plain = plain_loss(bias, weight, softcap, label_smoothing) and not filtered
     if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
         tile_lse, target_logit = forward_warp_specialized(e, c, targets)
         lse, weighted_sum = torch.logsumexp(tile_lse, dim=0), None

@@ -22,14 +22,26 @@ PROGRAMS_PER_SM = 2
 thread: the consumer takes what the producer's 24 leave (232)."""
 
 
+def plain_loss(bias: Tensor | None, weight: Tensor | None, softcap: float, label_smoothing: float) -> bool:
+    """Whether the loss is the one the Gluon kernels compute: no bias, class weights, soft-cap
+    or label smoothing."""
+    return bias is None and weight is None and softcap == 0.0 and label_smoothing == 0.0
+
+
+def short_k(d: int, max_k_steps: int) -> bool:
+    """Whether a tile's dot over hidden size d takes at most max_k_steps K steps of the Gluon
+    tile (each op measured its own limit); the op and the tuner ask the same question."""
+    return cdiv(d, WARP_SPECIALIZED_TILE.block_k) <= max_k_steps
+
+
 def warp_specialized_fits(max_k_steps: int, *tensors: Tensor) -> bool:
     """Whether a Gluon kernel can take a call on these tensors (e first): an eager call on a
     Hopper GPU (the kernels are Gluon, with wgmma), tensors that suit tensor descriptors, a
-    tile's dot in at most max_k_steps K steps (each op measured its own limit)."""
+    short K loop."""
     e = tensors[0]
     return (
         relaunches_directly(e) and runs_wgmma(e.device) and tensor_descriptors_fit(*tensors)
-        and cdiv(e.shape[1], WARP_SPECIALIZED_TILE.block_k) <= max_k_steps
+        and short_k(e.shape[1], max_k_steps)
     )
 
 

@@ -20,7 +20,7 @@ from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig,
 from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
 from cce_compile.config.resolve import ProblemKey
 from cce_compile.ops import backward, dispatch, forward
-from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE
+from cce_compile.ops.warp_specialized import short_k
 
 PLANNING_SHARED_MEMORY = 232448
 """Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
@@ -75,8 +75,7 @@ class Problem:
         config's tile is then not launched."""
         max_k_steps = {"forward": forward.WARP_SPECIALIZED_MAX_K_STEPS,
                        "grad_logits": backward.WARP_SPECIALIZED_MAX_K_STEPS}.get(kernel, 0)
-        return (self.mode == "exact" and self.persistent_logits
-                and -(-self.d // WARP_SPECIALIZED_TILE.block_k) <= max_k_steps)
+        return self.mode == "exact" and self.persistent_logits and short_k(self.d, max_k_steps)
 
     def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
         """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
