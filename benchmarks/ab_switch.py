@@ -5,8 +5,11 @@ the switch at each value in turn, alternating, so machine drift and clocks fall 
         --switch cce_compile.ops.backward.WARP_SPECIALIZED_MAX_K_STEPS=0,16 \\
         --shapes qwen2.5-0.5b,gemma2-2b --rounds 2 --impls cce_exact
 
-Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that run's
-GEMM), then the medians per value. CUDA only.
+    PYTHONPATH=$PWD python benchmarks/ab_switch.py --plans 2x4096,4x4096 --shapes gemma2-2b
+
+`--plans` forces the backward's plan (token chunks x slab columns; exact mode) instead of a
+switch. Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that
+run's GEMM, memory x the gradients), then the medians per value. CUDA only.
 """
 
 from __future__ import annotations
@@ -20,49 +23,63 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cce_compile.bench import harness, peers  # noqa: E402
+from cce_compile.config.plan import BackwardPlan  # noqa: E402
+from cce_compile.ops import backward as op_backward  # noqa: E402
 
 
-def parse_switch(spec: str) -> tuple[object, str, list[int]]:
-    """'package.module.NAME=0,16' -> (module, NAME, [0, 16])."""
+def parse_switch(spec: str) -> tuple[object, str, dict[str, object]]:
+    """'package.module.NAME=0,16' -> (module, NAME, {"0": 0, "16": 16})."""
     target, values = spec.split("=")
     module_name, attribute = target.rsplit(".", 1)
     module = importlib.import_module(module_name)
     if not hasattr(module, attribute):
         raise SystemExit(f"--switch: {module_name} has no {attribute}")
-    return module, attribute, [int(value) for value in values.split(",")]
+    return module, attribute, {value: int(value) for value in values.split(",")}
+
+
+def parse_plans(spec: str) -> tuple[object, str, dict[str, object]]:
+    """'2x4096,4x4096' -> the backward's plan_backward, replaced by one returning each plan."""
+    plans = {}
+    for label in spec.split(","):
+        n_chunks, slab_v = (int(part) for part in label.split("x"))
+        plans[label] = lambda *_, forced=BackwardPlan(n_chunks, slab_v, fp32_accumulator=True): forced
+    return op_backward, "plan_backward", plans
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", required=True, help="module.ATTRIBUTE=value,value,... (integers)")
+    choice = parser.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--switch", help="module.ATTRIBUTE=value,value,... (integers)")
+    choice.add_argument("--plans", help="CHUNKSxSLAB_V,... forced backward plans (16-bit inputs)")
     parser.add_argument("--shapes", default="qwen2.5-0.5b")
     parser.add_argument("--impls", default="cce_exact")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=300.0)
     args = parser.parse_args()
-    module, attribute, values = parse_switch(args.switch)
+    module, attribute, values = parse_switch(args.switch) if args.switch else parse_plans(args.plans)
     shapes = [harness.parse_shape(spec) for spec in args.shapes.split(",")]
     impls = peers.resolve_impls(args.impls.split(","))
     settings = harness.Settings(warmup_ms=25.0, rep_ms=args.rep_ms, input_sets=2, budget_s=None, uniform_all=False)
-    timed: dict[tuple[int, str, str], list[tuple[float, float, float]]] = {}
+    timed: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
     for round_index in range(1, args.rounds + 1):
-        for value in values:
-            setattr(module, attribute, value)
+        for value, setting in values.items():
+            setattr(module, attribute, setting)
             for run in harness.run_benchmark(shapes, ["lm_like"], impls, settings):
                 for result in run.impls:
                     if result.status != "ok":
                         print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: {result.reason}")
                         continue
                     timed.setdefault((value, run.shape.label, result.label), []).append(
-                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms))
+                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms, result.memory_x_grads))
                     print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: "
                           f"fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.3f} x GEMM), "
-                          f"fwd {result.fwd_ms:.2f} ms, err dE {result.rel_err_de:.1e} dC {result.rel_err_dc:.1e}",
-                          flush=True)
+                          f"fwd {result.fwd_ms:.2f} ms, memory {result.memory_x_grads:.3f} x grads, "
+                          f"err dE {result.rel_err_de:.1e} dC {result.rel_err_dc:.1e}", flush=True)
     print("medians:")
     for (value, shape, label), rows in timed.items():
-        ratio, fwd_bwd, fwd = (statistics.median(column) for column in zip(*rows))
-        print(f"  {attribute}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), fwd {fwd:.2f} ms")
+        ratio, fwd_bwd, fwd, memory = (statistics.median(column) for column in zip(*rows))
+        print(f"  {attribute}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), "
+              f"fwd {fwd:.2f} ms, memory {memory:.3f} x grads")
 
 
 if __name__ == "__main__":

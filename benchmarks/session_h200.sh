@@ -13,7 +13,8 @@
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
-#   AB_ARGS="--switch ..."        ab: ab_switch.py (a module switch's values alternated, one process)
+#   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
+#                                 process per ';'-separated argument set; AB_TIMEOUT_S=300 each)
 #   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
@@ -40,7 +41,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$
 for step in $STEPS; do
   case "$step" in
     tests)
-      timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} > "$WORK/gpu-tests.log" 2>&1
+      timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} > "$WORK/gpu-tests.log" 2>&1
       echo "exit $?" >> "$WORK/gpu-tests.log"
       tail -n 2 "$WORK/gpu-tests.log" ;;
     profile)
@@ -70,9 +71,12 @@ for step in $STEPS; do
       echo "wall: exit $?"
       cat "$WORK/probe-wall.log" ;;
     ab)
-      timeout 300 python3 benchmarks/ab_switch.py ${AB_ARGS:?set AB_ARGS} > "$WORK/ab.log" 2>&1
-      echo "ab: exit $?"
-      grep -A20 "^medians" "$WORK/ab.log" ;;
+      IFS=';' read -ra ab_runs <<< "${AB_ARGS:?set AB_ARGS}"
+      for index in "${!ab_runs[@]}"; do
+        timeout "${AB_TIMEOUT_S:-300}" python3 benchmarks/ab_switch.py ${ab_runs[$index]} > "$WORK/ab-$index.log" 2>&1
+        echo "ab ${ab_runs[$index]}: exit $?"
+        grep -A20 "^medians" "$WORK/ab-$index.log"
+      done ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \
