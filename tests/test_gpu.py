@@ -111,13 +111,13 @@ def test_warp_specialized_forward_matches_the_tma_kernel(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [896, 1000])
+@pytest.mark.parametrize("d", [896, 1000, 4000])
 def test_warp_specialized_recompute_matches_the_tma_kernel(
     dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Gluon recompute (short K, plain exact mode) against grad_logits_tma_kernel over two
-    token chunks (the second ragged) x seven slabs (the last ragged, not a tile multiple), a K
-    tail (D = 1000) and ignored tokens: the same d logits up to the dots' order of summation,
+    token chunks (the second ragged) x seven slabs (the last ragged, not a tile multiple), K
+    tails (D = 1000, and 4000 near the longest K it takes) and ignored tokens: the same d logits up to the dots' order of summation,
     so the gradients agree far inside the bf16 tolerance."""
     from cce_compile.config.plan import BackwardPlan
     from cce_compile.kernels.backward import grad_logits_tma_kernel

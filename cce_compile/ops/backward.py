@@ -54,12 +54,15 @@ def recompute_is_persistent(d: int, tile: TileConfig) -> bool:
     fit): the op and the tuner ask the same question."""
     return cdiv(d, tile.block_k) >= PERSISTENT_MIN_K_STEPS
 
-WARP_SPECIALIZED_MAX_K_STEPS = 16
+WARP_SPECIALIZED_MAX_K_STEPS = 64
 """Exact mode's plain recompute (no bias, soft-cap, weights or smoothing) runs
-grad_logits_ws_kernel where a tile's dot takes at most this many K steps (D <= 1024), as the
-forward does. On the H200 at D = 896 (Qwen2.5, benchmarks/results/*-v18-*): 1.20 x GEMM
-against grad_logits_kernel's 1.54 (the persistent grad_logits_tma_kernel's 1.38-1.63); the
-pass 5.21 -> 4.88 x. Longer K unmeasured for it (the Gluon forward lost from D = 2304)."""
+grad_logits_ws_kernel where a tile's dot takes at most this many K steps (D <= 4096). On the
+H200 at D = 896 (Qwen2.5, benchmarks/results/*-v18-*): 1.20 x GEMM against grad_logits_kernel's
+1.54; the pass 5.21 -> 4.88 x. Against the persistent grad_logits_tma_kernel, alternated in one
+process (ab-h200-v19-recompute-ws.log): the pass 4.315 -> 4.297 x at D = 2304 (4 rounds of 4),
+4.318 -> 4.261 at 4096 (3 of 3), but 4.227 -> 4.292 at 8192 (128 steps), where the 128 x 128
+tile's extra operand traffic outweighs the overlapped epilogue (the Gluon forward loses from
+D = 2304 already: its epilogue is a smaller share of its tile's time than the recompute's)."""
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
