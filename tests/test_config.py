@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from cce_compile.config.kernel_config import ConfigError, KernelConfig
 from cce_compile.config.plan import (
     FILTERED_SCRATCH_FRACTION, SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward,
 )
+from cce_compile.config.resolve import ProblemKey, heuristic_config
 
 
 def test_round_trip_through_json() -> None:
@@ -64,6 +66,21 @@ def test_filtered_slots_fill_their_own_budget(n: int, d: int, v: int) -> None:
     exact_slots = -(-n_bucket(n) // exact.n_chunks // tile.block_m) * (exact.slab_v // tile.block_n)
     assert exact_slots < filtered.slots
     assert exact.slots == 0
+
+
+@pytest.mark.parametrize("n", [4096, 16384])
+@pytest.mark.parametrize(("d", "v"), [(2304, 256000), (4096, 128256), (896, 151936), (8192, 128256)])
+def test_untuned_exact_plans_take_the_least_traffic_within_the_budget(n: int, d: int, v: int) -> None:
+    """Where no config was tuned, exact mode's slab cap leaves the plan to the traffic model:
+    the same plan as with no cap at all, and wider slabs than 4096 where they fit (Gemma-2
+    and Llama-3, which won on the H200 at the power limit). Filtered mode keeps 4096."""
+    bucket = n_bucket(n)
+    config = heuristic_config(ProblemKey("cuda", v, d, "bfloat16", bucket, "exact"))
+    uncapped = plan_backward(bucket, v, d, 2, replace(config, slab_v=65536))
+    assert plan_backward(bucket, v, d, 2, config) == uncapped
+    if d in (2304, 4096):
+        assert uncapped.slab_v > 4096
+    assert heuristic_config(ProblemKey("cuda", v, d, "bfloat16", bucket, "filtered")).slab_v == 4096
 
 
 def test_small_problems_take_a_few_large_slab_steps() -> None:

@@ -67,6 +67,16 @@ def active_override() -> KernelConfig | None:
     return getattr(_local, "override", None)
 
 
+HEURISTIC_EXACT_SLAB_V = 16384
+"""Exact mode's slab cap where nothing was tuned: wide enough that config.plan's traffic model
+picks the plan within the scratch budget. Back to back at the H200's 700 W limit the plan with
+the least dE-accumulator and dC traffic won or tied on every shape tried (ab_switch.py --plans,
+benchmarks/results/ab-h200-plans-*.log): Gemma-2 2 x 8192 against the 4096 cap's 2 x 4096 4.34
+against 4.41 x GEMM, and at N = 16384 4 x 8192 against 4 x 4096 4.37 against 4.49; Llama-3 at
+N = 16384 8 x 16384 against 4 x 4096 4.40 against 4.49 (and its tuned N = 8192 config took
+16384); 4096 x 8192 x 128256 level; Qwen2.5's plan is the same under either cap."""
+
+
 def heuristic_config(key: ProblemKey) -> KernelConfig:
     """A sound config with no measurement behind it: the last rung of the ladder."""
     if key.device != "cuda":
@@ -89,9 +99,10 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
         grad_logits=logits,
         grad_classifier=gemm,
         grad_hidden=grad_hidden,
-        slab_v=4096,
+        slab_v=HEURISTIC_EXACT_SLAB_V if key.mode == "exact" else 4096,
         vocab_splits=_vocab_splits(key.n_bucket, block_m=128),
     )
+
 
 
 def _vocab_splits(n_bucket: int, block_m: int, programs_wanted: int = 4 * 132) -> int:
