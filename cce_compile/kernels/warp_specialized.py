@@ -11,8 +11,10 @@ shared-memory stages with the copy engine and its consumer warpgroup runs a 128 
 MMAs from it, then the epilogue; two programs share each SM, so one's MMAs run while the
 other's epilogue does (benchmarks/results/probe-forward-ws-h200*.json: the forward 1.14 x at
 D = 896; at D >= 2304, where the epilogue is a small share, the 128 x 256 kernel stays faster:
-1.10 against 1.20-1.30 x; the recompute 1.54 -> 1.20 x at D = 896, *-v18-*). Two consumer warpgroups in one program (CUTLASS's ping-pong)
-faulted on the H200 (Triton 3.6).
+1.10 against 1.20-1.30 x). The recompute, whose epilogue is a larger share of its tile, gains
+further: 1.54 -> 1.20 x at D = 896 (*-v18-*), and it beats the persistent kernel up to
+D = 4096 (ab-h200-v19-recompute-ws.log). Two consumer warpgroups in one program (CUTLASS's
+ping-pong) faulted on the H200 (Triton 3.6).
 
 Both serve exact mode's plain loss only (no bias, soft-cap, class weights or label smoothing).
 A kernel's tiles cover rows [row_start, row_start + rows) of e and vocab rows [col_start,
