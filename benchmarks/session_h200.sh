@@ -18,8 +18,9 @@
 #   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
-# About 2.5 min of tests, 20-40 s per profiled shape and mode, 4 min of benchmark: the whole
-# takes ~8.5 min of a call's 10, plus the machine's start.
+# About 4 min of tests on a fresh machine (cold compile cache), 20-40 s per profiled shape and
+# mode, 3.5 min of benchmark (BENCH_BUDGET_S=200): tests and bench fill ~7.5 min of a call's 10,
+# plus the machine's start; leave the profiles to another call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
