@@ -7,8 +7,9 @@ the switch at each value in turn, alternating, so machine drift and clocks fall 
 
     PYTHONPATH=$PWD python benchmarks/ab_switch.py --plans 2x4096,4x4096 --shapes gemma2-2b
 
-`--plans` forces the backward's plan (token chunks x slab columns; exact mode) instead of a
-switch. Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that
+A switch may be a config constant (`cce_compile.config.resolve.HEURISTIC_*`, for shapes with no
+tuned config): resolutions are forgotten at each switch. `--plans` forces the backward's plan
+(token chunks x slab columns; exact mode) instead of a switch. Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that
 run's GEMM, memory x the gradients), then the medians per value. CUDA only.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cce_compile.bench import harness, peers  # noqa: E402
+from cce_compile.config import resolve  # noqa: E402
 from cce_compile.config.plan import BackwardPlan  # noqa: E402
 from cce_compile.ops import backward as op_backward  # noqa: E402
 
@@ -64,6 +66,7 @@ def main() -> None:
     for round_index in range(1, args.rounds + 1):
         for value, setting in values.items():
             setattr(module, attribute, setting)
+            resolve.reset()  # configs are resolved once per process: a switched heuristic takes effect
             for run in harness.run_benchmark(shapes, ["lm_like"], impls, settings):
                 for result in run.impls:
                     if result.status != "ok":

@@ -77,6 +77,14 @@ N = 16384 8 x 16384 against 4 x 4096 4.40 against 4.49 (and its tuned N = 8192 c
 16384); 4096 x 8192 x 128256 level; Qwen2.5's plan is the same under either cap."""
 
 
+HEURISTIC_LOGITS_GROUP_M = 8
+"""The logits kernels' grouping where nothing was tuned. The tuned H200 configs took 16 for the
+forward at N = 8192 (1% over 8 in the tuner's short runs); untuned N = 16384 ran the forward at
+1.19-1.21 x GEMM against 1.11-1.16 tuned (docs/performance.md, v19), and a group of group_m row
+blocks reads C once, so at large N a small group re-reads C from HBM many times. Not yet A/B'd
+(benchmarks/ab_switch.py --switch cce_compile.config.resolve.HEURISTIC_LOGITS_GROUP_M=8,16,32)."""
+
+
 def heuristic_config(key: ProblemKey) -> KernelConfig:
     """A sound config with no measurement behind it: the last rung of the ladder."""
     if key.device != "cuda":
@@ -86,7 +94,7 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
     # Measured on an H200 (bf16; docs/performance.md): 128 x 256 logits tiles, 4 stages.
     wide = key.dtype != "float32"
     gemm = TileConfig(128, 128, 64 if wide else 32, 8, 8, 3)
-    logits = TileConfig(128, 256, 64, 8, 8, 4) if wide else gemm
+    logits = TileConfig(128, 256, 64, HEURISTIC_LOGITS_GROUP_M, 8, 4) if wide else gemm
     grad_hidden = gemm
     if key.mode == "filtered" and wide:
         # The block-sparse dE GEMM reads each kept d-logits tile once per block_n columns of
