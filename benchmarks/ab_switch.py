@@ -9,8 +9,9 @@ the switch at each value in turn, alternating, so machine drift and clocks fall 
 
 A switch may be a config constant (`cce_compile.config.resolve.HEURISTIC_*`, for shapes with no
 tuned config): resolutions are forgotten at each switch. `--plans` forces the backward's plan
-(token chunks x slab columns; exact mode) instead of a switch. Prints one line per (round, value, shape, impl) as the benchmark logs it (ms and x that
-run's GEMM, memory x the gradients), then the medians per value. CUDA only.
+(token chunks x slab columns; exact mode) instead of a switch. Prints one line per (round,
+value, shape, impl) as the benchmark logs it (ms and x that run's GEMM, memory x the
+gradients), then the medians per value. CUDA only.
 """
 
 from __future__ import annotations

@@ -112,7 +112,6 @@ def heuristic_config(key: ProblemKey) -> KernelConfig:
     )
 
 
-
 def _vocab_splits(n_bucket: int, block_m: int, programs_wanted: int = 4 * 132) -> int:
     """Enough vocab splits that the forward has a few waves of programs on an H100/H200."""
     row_blocks = max(1, n_bucket // block_m)
