@@ -117,8 +117,9 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
 ) -> None:
     """The Gluon recompute (short K, plain exact mode) against grad_logits_tma_kernel over two
     token chunks (the second ragged) x seven slabs (the last ragged, not a tile multiple), K
-    tails (D = 1000, and 4000 near the longest K it takes) and ignored tokens: the same d logits up to the dots' order of summation,
-    so the gradients agree far inside the bf16 tolerance."""
+    tails (D = 1000, and 4000 near the longest K it takes) and ignored tokens: the same d
+    logits up to the dots' order of summation, so the gradients agree far inside the bf16
+    tolerance."""
     from cce_compile.config.plan import BackwardPlan
     from cce_compile.kernels.backward import grad_logits_tma_kernel
     from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel
@@ -157,8 +158,8 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
 def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     mode: str, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The backward's per-step kernels (the Gluon recompute, the persistent one at D = 8192, filtered mode's
-    sparse GEMMs) and the forward (Gluon or persistent) relaunched with an earlier launch's compiled
+    """The backward's per-step kernels (the Gluon recompute, the persistent one at D = 8192,
+    filtered mode's sparse GEMMs) and the forward (Gluon or persistent) relaunched with an earlier launch's compiled
     kernel (ops/launch.py) give the gradients that launching each through Triton's JIT gives,
     bit for bit, and relaunches do reuse: exact mode's 2 token chunks (the second ragged) x 16
     slabs need 2 variants, and a second call of the op none."""

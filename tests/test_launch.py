@@ -47,6 +47,16 @@ def test_tensor_descriptors_match_by_block_shape_and_classes() -> None:
     assert base != launch_key((TensorDescriptor.from_tensor(a.float(), [16, 16]),), {})
 
 
+def test_gluon_descriptors_match_by_block_shape_and_layout() -> None:
+    from cce_compile.ops.warp_specialized import gluon_descriptor
+
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    base = launch_key((gluon_descriptor(a, [128, 64]),), {})
+    assert base == launch_key((gluon_descriptor(a.clone(), [128, 64]),), {})
+    assert base != launch_key((gluon_descriptor(a, [128, 32]),), {})  # another block and swizzle
+    assert base != launch_key((TensorDescriptor.from_tensor(a, [128, 64]),), {})
+
+
 def test_unknown_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="no launch class for a list"):
         launch_key(([1, 2],), {})

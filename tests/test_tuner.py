@@ -4,11 +4,10 @@ and into a database; the CLI; the candidate pruning."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

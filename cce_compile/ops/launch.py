@@ -39,7 +39,7 @@ def argument_class(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
     if isinstance(arg, (TensorDescriptor, GluonDescriptor)):
-        return (type(arg), argument_class(arg.base), tuple(arg.block_shape), arg.padding, repr(getattr(arg, "layout", None)),
+        return (type(arg), argument_class(arg.base), tuple(arg.block_shape), arg.padding, getattr(arg, "layout", None),
                 tuple(map(integer_class, arg.shape)), tuple(map(integer_class, arg.strides)))
     raise TypeError(f"no launch class for a {type(arg).__name__} argument")
 
