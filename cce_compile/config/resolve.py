@@ -77,12 +77,12 @@ N = 16384 8 x 16384 against 4 x 4096 4.40 against 4.49 (and its tuned N = 8192 c
 16384); 4096 x 8192 x 128256 level; Qwen2.5's plan is the same under either cap."""
 
 
-HEURISTIC_LOGITS_GROUP_M = 8
-"""The logits kernels' grouping where nothing was tuned. The tuned H200 configs took 16 for the
-forward at N = 8192 (1% over 8 in the tuner's short runs); untuned N = 16384 ran the forward at
-1.19-1.21 x GEMM against 1.11-1.16 tuned (docs/performance.md, v19), and a group of group_m row
-blocks reads C once, so at large N a small group re-reads C from HBM many times. Not yet A/B'd
-(benchmarks/ab_switch.py --switch cce_compile.config.resolve.HEURISTIC_LOGITS_GROUP_M=8,16,32)."""
+HEURISTIC_LOGITS_GROUP_M = 16
+"""The logits kernels' grouping where nothing was tuned. A group of group_m row blocks reads C
+once, so at large N a small group re-reads C from HBM many times. Alternated at N = 16384 (no
+tuned config; benchmarks/results/ab-h200-v20-heuristic-group-m.log), forward 8 -> 16 -> 32:
+Llama-3 30.47 -> 28.66 -> 28.73 ms, Gemma-2 34.15 -> 32.42 -> 32.25 ms (1.22 -> 1.14-1.16 x
+GEMM, as tuned N = 8192 runs); the tuned H200 configs took 16 as well."""
 
 
 def heuristic_config(key: ProblemKey) -> KernelConfig:
