@@ -7,9 +7,13 @@ the switch at each value in turn, alternating, so machine drift and clocks fall 
 
     PYTHONPATH=$PWD python benchmarks/ab_switch.py --plans 2x4096,4x4096 --shapes gemma2-2b
 
+    PYTHONPATH=$PWD python benchmarks/ab_switch.py --config forward.group_m=16,32 --shapes gemma2-2b
+
 A switch may be a config constant (`cce_compile.config.resolve.HEURISTIC_*`, for shapes with no
-tuned config): resolutions are forgotten at each switch. `--plans` forces the backward's plan
-(token chunks x slab columns; exact mode) instead of a switch. Prints one line per (round,
+tuned config): resolutions are forgotten at each switch. It may name a field of a frozen
+dataclass constant (`cce_compile.ops.backward.WARP_SPECIALIZED_TILE.group_m=16,32`). `--plans`
+forces the backward's plan (token chunks x slab columns; exact mode) instead of a switch;
+`--config` changes one field of every resolved config, tuned ones included. Prints one line per (round,
 value, shape, impl) as the benchmark logs it (ms and x that run's GEMM, memory x the
 gradients), then the medians per value. CUDA only.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -28,16 +33,42 @@ from cce_compile.bench import harness, peers  # noqa: E402
 from cce_compile.config import resolve  # noqa: E402
 from cce_compile.config.plan import BackwardPlan  # noqa: E402
 from cce_compile.ops import backward as op_backward  # noqa: E402
+from cce_compile.ops import dispatch  # noqa: E402
 
 
 def parse_switch(spec: str) -> tuple[object, str, dict[str, object]]:
-    """'package.module.NAME=0,16' -> (module, NAME, {"0": 0, "16": 16})."""
+    """'package.module.NAME=0,16' -> (module, NAME, {"0": 0, "16": 16}); a field of a frozen
+    dataclass constant, 'package.module.TILE.group_m=16,32', gives copies of the constant."""
     target, values = spec.split("=")
-    module_name, attribute = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
+    path, attribute = target.rsplit(".", 1)
+    try:
+        module, field = importlib.import_module(path), None
+    except ModuleNotFoundError:
+        field = attribute
+        path, attribute = path.rsplit(".", 1)
+        module = importlib.import_module(path)
     if not hasattr(module, attribute):
-        raise SystemExit(f"--switch: {module_name} has no {attribute}")
-    return module, attribute, {value: int(value) for value in values.split(",")}
+        raise SystemExit(f"--switch: {path} has no {attribute}")
+    if field is None:
+        return module, attribute, {value: int(value) for value in values.split(",")}
+    constant = getattr(module, attribute)
+    return module, attribute, {value: replace(constant, **{field: int(value)}) for value in values.split(",")}
+
+
+def parse_config(spec: str) -> tuple[object, str, dict[str, object]]:
+    """'forward.group_m=16,32' -> the op's config resolution, replaced by one that changes
+    that field of whatever config the ladder resolves (a tuned shape's bundled config too)."""
+    target, values = spec.split("=")
+    kernel, field = target.split(".")
+    resolved = dispatch.resolve_config
+
+    def with_field(value: int):
+        def resolve_with_field(key):
+            config = resolved(key)
+            return replace(config, **{kernel: replace(getattr(config, kernel), **{field: value})})
+        return resolve_with_field
+
+    return dispatch, "resolve_config", {value: with_field(int(value)) for value in values.split(",")}
 
 
 def parse_plans(spec: str) -> tuple[object, str, dict[str, object]]:
@@ -54,12 +85,16 @@ def main() -> None:
     choice = parser.add_mutually_exclusive_group(required=True)
     choice.add_argument("--switch", help="module.ATTRIBUTE=value,value,... (integers)")
     choice.add_argument("--plans", help="CHUNKSxSLAB_V,... forced backward plans (16-bit inputs)")
+    choice.add_argument("--config", help="KERNEL.FIELD=value,... a field of the resolved config (e.g. forward.group_m)")
     parser.add_argument("--shapes", default="qwen2.5-0.5b")
     parser.add_argument("--impls", default="cce_exact")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=300.0)
     args = parser.parse_args()
-    module, attribute, values = parse_switch(args.switch) if args.switch else parse_plans(args.plans)
+    if args.switch:
+        module, attribute, values = parse_switch(args.switch)
+    else:
+        module, attribute, values = parse_config(args.config) if args.config else parse_plans(args.plans)
     shapes = [harness.parse_shape(spec) for spec in args.shapes.split(",")]
     impls = peers.resolve_impls(args.impls.split(","))
     settings = harness.Settings(warmup_ms=25.0, rep_ms=args.rep_ms, input_sets=2, budget_s=None, uniform_all=False)

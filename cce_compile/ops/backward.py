@@ -140,10 +140,10 @@ def linear_cross_entropy_backward(
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
         for the slab where tensor descriptors fit, grad_logits_ws_kernel where the K loop is
         short (plain loss) and grad_logits_tma_kernel where it is long."""
-        if warp_specialized:
+        if warp_specialized:  # the tile named, not defaulted: benchmarks/ab_switch.py switches it
             recompute_warp_specialized(
                 launch_grad_logits, descriptors, targets, lse, coef_softmax, coef_target, scale, scaled,
-                row_start, row_end - row_start, col_start, col_end - col_start,
+                row_start, row_end - row_start, col_start, col_end - col_start, WARP_SPECIALIZED_TILE,
             )
             return
         if persistent:
@@ -249,7 +249,7 @@ def linear_cross_entropy_backward(
                       and tensor_descriptors_fit(e, c, grad_logits))
     if warp_specialized:
         launch_grad_logits = KernelLauncher(grad_logits_ws_kernel, reuse)
-        descriptors = recompute_descriptors(e, c, grad_logits)
+        descriptors = recompute_descriptors(e, c, grad_logits, WARP_SPECIALIZED_TILE)
     if persistent:
         launch_grad_logits = KernelLauncher(grad_logits_tma_kernel, reuse)
         sms, shared_memory = device_limits(e.device)

@@ -51,7 +51,8 @@ def linear_cross_entropy_forward(
     tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
     plain = plain_loss(bias, weight, softcap, label_smoothing) and not filtered
     if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
-        tile_lse, target_logit = forward_warp_specialized(e, c, targets)
+        # The tile named, not defaulted: benchmarks/ab_switch.py switches it.
+        tile_lse, target_logit = forward_warp_specialized(e, c, targets, WARP_SPECIALIZED_TILE)
         lse, weighted_sum = torch.logsumexp(tile_lse, dim=0), None
     elif on_triton and tensor_descriptors_fit(e, c):
         # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
