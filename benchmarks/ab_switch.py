@@ -13,8 +13,8 @@ A switch may be a config constant (`cce_compile.config.resolve.HEURISTIC_*`, for
 tuned config): resolutions are forgotten at each switch. It may name a field of a frozen
 dataclass constant (`cce_compile.ops.backward.WARP_SPECIALIZED_TILE.group_m=16,32`). `--plans`
 forces the backward's plan (token chunks x slab columns; exact mode) instead of a switch;
-`--config` changes one field of every resolved config, tuned ones included. Prints one line per (round,
-value, shape, impl) as the benchmark logs it (ms and x that run's GEMM, memory x the
+`--config` changes one field of every resolved config, tuned ones included. Prints one line per
+(round, value, shape, impl) as the benchmark logs it (ms and x that run's GEMM, memory x the
 gradients), then the medians per value. CUDA only.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
