@@ -91,10 +91,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=300.0)
     args = parser.parse_args()
-    if args.switch:
-        module, attribute, values = parse_switch(args.switch)
-    else:
-        module, attribute, values = parse_config(args.config) if args.config else parse_plans(args.plans)
+    spec_parsers = {"switch": parse_switch, "config": parse_config, "plans": parse_plans}
+    option = next(name for name in spec_parsers if getattr(args, name))
+    module, attribute, values = spec_parsers[option](getattr(args, option))
     shapes = [harness.parse_shape(spec) for spec in args.shapes.split(",")]
     impls = peers.resolve_impls(args.impls.split(","))
     settings = harness.Settings(warmup_ms=25.0, rep_ms=args.rep_ms, input_sets=2, budget_s=None, uniform_all=False)

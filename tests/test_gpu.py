@@ -159,10 +159,10 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     mode: str, d: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The backward's per-step kernels (the Gluon recompute, the persistent one at D = 8192,
-    filtered mode's sparse GEMMs) and the forward (Gluon or persistent) relaunched with an earlier launch's compiled
-    kernel (ops/launch.py) give the gradients that launching each through Triton's JIT gives,
-    bit for bit, and relaunches do reuse: exact mode's 2 token chunks (the second ragged) x 16
-    slabs need 2 variants, and a second call of the op none."""
+    filtered mode's sparse GEMMs) and the forward (Gluon or persistent) relaunched with an
+    earlier launch's compiled kernel (ops/launch.py) give the gradients that launching each
+    through Triton's JIT gives, bit for bit, and relaunches do reuse: exact mode's 2 token
+    chunks (the second ragged) x 16 slabs need 2 variants, and a second call of the op none."""
     from cce_compile.config.plan import BackwardPlan
     from cce_compile.ops import backward, launch
     from cce_compile.ops import forward as op_forward

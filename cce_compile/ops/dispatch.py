@@ -75,11 +75,10 @@ def tensor_descriptors_fit(*tensors: Tensor) -> bool:
 
 
 @lru_cache(maxsize=None)
-@lru_cache(maxsize=None)
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(programs a persistent kernel launches, shared memory one program may opt into): one
     program per SM on a GPU; under the interpreter a few, so the loop over tiles runs more
-    than once, and no memory limit. Asked once per device: the Gluon recompute asks per slab."""
+    than once, and no memory limit. Cached per device: the Gluon recompute asks per slab."""
     if device.type != "cuda":
         return 3, 1 << 30
     props = torch.cuda.get_device_properties(device)
