@@ -15,6 +15,10 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 NAME="${NAME:-bench-h200}"
 BUDGET_S="${BUDGET_S:-390}"
+# Another set of shapes, inputs or impls (e.g. a survey of shapes with no bundled config):
+SHAPES="${BENCH_SHAPES:-gemma2-2b,llama3-8b,qwen2.5-0.5b,large-d}"
+KINDS="${BENCH_KINDS:-lm_like,uniform}"
+IMPLS="${BENCH_IMPLS:+--impls $BENCH_IMPLS}"
 mkdir -p "$OUT" benchmarks/results
 
 source benchmarks/device_env.sh
@@ -24,7 +28,7 @@ python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "
 
 status=0
 python3 -m cce_compile.cli.bench --name "$NAME" --out "$OUT" --budget-s "$BUDGET_S" \
-  --shapes gemma2-2b,llama3-8b,qwen2.5-0.5b,large-d --kinds lm_like,uniform 2>&1 | tee "$OUT/$NAME.log" || status=$?
+  --shapes "$SHAPES" --kinds "$KINDS" $IMPLS 2>&1 | tee "$OUT/$NAME.log" || status=$?
 
 if [ "$(realpath "$OUT")" != "$(realpath benchmarks/results)" ]; then
   for ext in json md png log; do

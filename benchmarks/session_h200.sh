@@ -8,7 +8,8 @@
 #   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
-#   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this
+#   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this (BENCH_SHAPES,
+#                                 BENCH_KINDS, BENCH_IMPLS, BENCH_NAME: its other shapes, inputs, impls)
 #   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
@@ -52,10 +53,10 @@ for step in $STEPS; do
         echo "profile $shape: exit $?"
       done ;;
     bench)
-      OUT="$WORK" BUDGET_S="$BENCH_BUDGET_S" timeout $((BENCH_BUDGET_S + 90)) bash benchmarks/run_h200.sh \
+      OUT="$WORK" NAME="${BENCH_NAME:-bench-h200}" BUDGET_S="$BENCH_BUDGET_S" timeout $((BENCH_BUDGET_S + 90)) bash benchmarks/run_h200.sh \
         > "$WORK/bench-run.log" 2>&1
       echo "bench: exit $?"
-      grep "lm_like" "$WORK/bench-h200.md" 2>/dev/null | head -n 8 ;;
+      grep "lm_like" "$WORK/${BENCH_NAME:-bench-h200}.md" 2>/dev/null | head -n 40 ;;
     tune)
       OUT="$WORK/tune" MODE="${TUNE_MODE:-exact}" BUDGET_S="${TUNE_BUDGET_S:-30}" SHAPES="$SHAPES" \
         bash benchmarks/tune_h200.sh > "$WORK/tune.log" 2>&1
