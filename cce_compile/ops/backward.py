@@ -60,7 +60,8 @@ grad_logits_ws_kernel where a tile's dot takes at most this many K steps (D <= 4
 H200 at D = 896 (Qwen2.5, benchmarks/results/*-v18-*): 1.20 x GEMM against grad_logits_kernel's
 1.54; the pass 5.21 -> 4.88 x. Against the persistent grad_logits_tma_kernel, alternated in one
 process (ab-h200-v19-recompute-ws.log): the pass 4.315 -> 4.297 x at D = 2304 (4 rounds of 4),
-4.318 -> 4.261 at 4096 (3 of 3), but 4.227 -> 4.292 at 8192 (128 steps), where the 128 x 128
+4.318 -> 4.261 at 4096 (3 of 3), but 4.227 -> 4.292 at 8192 (128 steps) and 4.555 -> 4.608
+at 5120 (80 steps, 8192 x 5120 x 152064, ab-h200-v21-recompute-ws-d5120.log), where the 128 x 128
 tile's extra operand traffic outweighs the overlapped epilogue (the Gluon forward loses from
 D = 2304 already: its epilogue is a smaller share of its tile's time than the recompute's)."""
 

@@ -23,7 +23,9 @@ from .warp_specialized import (
 WARP_SPECIALIZED_MAX_K_STEPS = 16
 """The plain exact forward runs lse_forward_ws_kernel where a tile's dot takes at most this
 many K steps (D <= 1024): at D = 896 it took 1.14 x GEMM against lse_forward_tma_kernel's 1.21,
-at D = 2304-8192 it lost (1.09-1.30 against 1.06-1.10). Between 1024 and 2304 unmeasured."""
+at D = 2304-8192 it lost (1.09-1.30 against 1.06-1.10), and at 1536 and 2048 too (32 steps,
+alternated in one process, ab-h200-v21-forward-ws-mid-d.log: forward 14.0 -> 14.6 ms at
+16384 x 1536 x 151936, 14.7 -> 16.2 ms at 16384 x 2048 x 128256, 7.2 -> 8.0 at N = 8192)."""
 
 
 @triton_op("cce::linear_cross_entropy_forward", mutates_args=())
