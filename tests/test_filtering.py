@@ -19,8 +19,8 @@ def test_kept_tile_mask_is_the_dense_softmax_test(forward_block_n: int) -> None:
     """From the forward's per-row tile maxima and lse: exactly the (16 x 32) tiles, in
     vocab-order positions, where some row's softmax reaches eps or a row's target falls
     (ignored targets keep nothing by themselves). Forward tiles wider than the backward's
-    decide the softmax test for all the backward tiles inside them (never fewer kept).
-    N and V are ragged."""
+    decide for all the backward tiles inside them, targets included (never fewer kept, and
+    what is skipped is whole forward tiles). N and V are ragged."""
     n, v, block_m, block_n = 70, 300, 16, 32
     e, c, targets = make_inputs("zipf", (n,), v, 24, torch.float32, seed=7)
     e = e * 3.0  # a sharp softmax, so that most tiles drop
@@ -43,7 +43,7 @@ def test_kept_tile_mask_is_the_dense_softmax_test(forward_block_n: int) -> None:
     target_hit = torch.zeros_like(softmax_hit)
     valid = targets >= 0
     target_hit[valid.nonzero().flatten(), torch.argsort(order)[targets[valid]]] = True
-    expected = tiles(softmax_hit, max(block_n, forward_block_n)) | tiles(target_hit, block_n)
+    expected = tiles(softmax_hit | target_hit, max(block_n, forward_block_n))
     assert mask.dtype == torch.int8 and mask.shape == expected.shape
     assert torch.equal(mask.bool(), expected)
     assert expected.sum() >= 5 and (~expected).sum() >= 2, "the case should keep some tiles and drop others"

@@ -73,8 +73,9 @@ def test_filtered_forward_through_tensor_descriptors(
     label_smoothing: float, softcap: float, descriptor_fits: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Filtered mode's forward on 16-bit inputs walks a copy of c in vocab order with the
-    persistent kernel (filtering.in_vocab_order): the loss, lse and tile maxima (by position in
-    the order) of the pointer kernel, which gathers c's rows through the order; with a bias,
+    persistent kernel (filtering.in_vocab_order): the loss, lse and tile maxima and log-sum-exps
+    (by position in the order) of the pointer kernel, which gathers c's rows through the order
+    and sums each tile's exps at its running maximum; with a bias,
     class weights under label smoothing, and ignored targets, whose positions stay outside."""
     from cce_compile.ops import forward
 
@@ -88,7 +89,7 @@ def test_filtered_forward_through_tensor_descriptors(
     assert descriptor_fits == [True]
     monkeypatch.setattr(forward, "tensor_descriptors_fit", lambda *tensors: False)
     through_pointers = forward.linear_cross_entropy_forward(*args)
-    assert through_descriptors[2].shape == (253, through_descriptors[2].shape[1]) and through_descriptors[2].numel()
+    assert through_descriptors[2].shape == (2, 253, through_descriptors[2].shape[2]) and through_descriptors[2].numel()
     for got, expected in zip(through_descriptors, through_pointers):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -149,6 +150,49 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
     assert not torch.equal(cpu[1], exact[1]), "no tile was filtered: the test shows nothing"
     for kernel_grad, cpu_grad in zip(kernels, cpu):
         assert relative_error(kernel_grad, cpu_grad) < 1e-5
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("steps", ["packed", "slabs"])
+def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the skipped tiles hold real mass (an LM-like head whose rows share a mean, and
+    a coarse filter_eps, 2^-7: at this size 2^-12 skips nothing): the kernels put back each
+    skipped tile's row sums from the forward's tile log-sum-exps, the CPU path from the
+    recomputed softmax, and the two agree, bias, class weights and label smoothing included;
+    without it the gradients move by far more. Equal forward and backward tile widths, so
+    the two paths skip the same tiles."""
+    from cce_compile.ops import backward as op_backward
+    from cce_compile.ops import cpu_path, dispatch, filtering
+
+    if steps == "slabs":
+        monkeypatch.setattr(op_backward, "filtered_steps",
+                            lambda mask, capacity, slab_tiles, packed: filtering.filtered_steps(
+                                mask, capacity, slab_tiles, packed=False))
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+    e, c, targets = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(4000, generator=g) * 0.1
+    weight = torch.rand(4000, generator=g) + 0.5
+    options = {"label_smoothing": 0.05, "reduction": "sum"}
+
+    def grads(interpret: bool):
+        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(config):
+            cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2], weight=weight,
+                                             filter_eps=2.0**-7, **options).backward()
+        return [t.grad for t in leaves]
+
+    kernels, cpu = grads(True), grads(False)
+    for kernel_grad, cpu_grad in zip(kernels, cpu):
+        assert relative_error(kernel_grad, cpu_grad) < 1e-5
+    monkeypatch.setattr(op_backward, "skipped_tile_d_logits", lambda tile_lse, *_: torch.zeros_like(tile_lse))
+    monkeypatch.setattr(cpu_path, "_tile_row_means", lambda x, block_n: torch.zeros_like(x))
+    for without in (grads(True), grads(False)):
+        assert relative_error(without[0], kernels[0]) > 1e-2, "the skipped tiles held little: the test shows nothing"
+        for corrected, dropped in zip(kernels[1:], without[1:]):
+            assert relative_error(dropped, corrected) > 1e-4
 
 
 def lm_like_tile_mask(tile_rows: int, tile_columns: int, seed: int) -> torch.Tensor:

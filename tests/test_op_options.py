@@ -117,6 +117,30 @@ def test_out_of_range_target_is_a_clear_error_on_cpu() -> None:
         cce_compile.linear_cross_entropy(e, c, targets)
 
 
+def test_filtered_mode_puts_back_what_it_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an LM-like head whose rows share a mean direction (cce_compile.bench.inputs), the
+    tiles filtered mode skips hold part of each row's softmax mass; dropping it outright
+    biases dE by that mass times the mean (~5% here). Put back as each skipped tile's row
+    sums, the gradients stay within issue 5's 1e-2 of exact mode's and several times closer
+    than without (the CPU path, which recomputes the softmax it filters)."""
+    from cce_compile.ops import cpu_path
+
+    e, c, targets = make_inputs("zipf", (256,), 32768, 256, torch.float32, seed=2)
+
+    def grads(filter_eps: float | None) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        cce_compile.linear_cross_entropy(*leaves, targets, filter_eps=filter_eps).backward()
+        return [t.grad for t in leaves]
+
+    exact, filtered = grads(None), grads(2.0**-12)
+    monkeypatch.setattr(cpu_path, "_tile_row_means", lambda x, block_n: torch.zeros_like(x))
+    dropped = grads(2.0**-12)
+    for exact_grad, filtered_grad, dropped_grad in zip(exact, filtered, dropped):
+        assert relative_error(filtered_grad, exact_grad) < 1e-2
+    assert relative_error(dropped[0], exact[0]) > 3e-2, "the skipped tiles held little: the test shows nothing"
+    assert relative_error(dropped[0], exact[0]) > 4 * relative_error(filtered[0], exact[0])
+
+
 def test_filtered_mode_is_close_and_exact_is_default() -> None:
     """filter_eps drops only tiles whose |softmax - onehot| is tiny, so on a peaked softmax
     the gradient stays close; without it every entry contributes."""

@@ -16,7 +16,13 @@ more (see `softmax_stats`; at small D the boosts' cross-talk widens the bulk):
 - about 0.02-0.1% of softmax entries above 2**-12 (a few tens per row), mostly on the
   frequent tokens; at small V the same few tens per row are a larger fraction;
 - the entries above 2**-12 are spread over many 128x128 tiles unless the vocabulary is
-  sorted by mean logit, which gathers the frequent tokens into few column blocks.
+  sorted by mean logit, which gathers the frequent tokens into few column blocks;
+- the rows of c share a mean direction (half a row's own norm), as a trained head's do. The
+  softmax never sees it (it shifts a row's logits alike), a gradient does: dE = sum_j p_ij
+  c_j - c_target carries it times the softmax mass, so a filter that drops the tail's mass
+  (10-20% of a row's) errs by that mass times the mean. Without it the tail's c_j cancel and
+  such a filter looks 10-20 x more accurate than it is (Apple's filtered dE: ~1e-2 here
+  without the mean, 1.6-2.2e-1 on ../shared/reference/anchors-h200.md's inputs).
 
 Everything is drawn from one generator seeded with `seed` on `device`, so a seed gives the
 same inputs on the same device; no value is zero.
@@ -46,6 +52,7 @@ _BULK_STD = 1.0  # tau: spread of the logits that neither prior nor context expl
 _COMPETITORS = 4
 _COMPETITOR_BOOST = 6.0
 _BOOST_STD = 2.5  # per-row spread of target and competitor boosts: a skewed loss distribution
+_MEAN_DIRECTION_NORM = 0.5  # |mean of c's rows| over a row's own norm (~1)
 _CALIBRATION_ROWS = 256
 _BISECTION_STEPS = 30
 
@@ -107,9 +114,10 @@ def lm_like_inputs(
     """(e, c, targets) with a Zipfian, peaked softmax; see the module docstring for the model.
 
     Built in float32 on `device` and cast to `dtype` at the end. c_j = g_j + alpha log p_j /
-    sqrt(D) u with g_j ~ N(0, I/D) orthogonal to a shared unit direction u; e_i = tau h_i +
-    sqrt(D) u plus boosts along g_k / |g_k|^2, which raise logit k by the boost exactly.
-    Only a 256-row subsample's logits are ever formed (for the calibration).
+    sqrt(D) u + m with g_j ~ N(0, I/D) orthogonal to a shared unit direction u and a shared
+    mean m (norm 0.5); e_i = tau h_i + sqrt(D) u plus boosts along g_k / |g_k|^2, which raise
+    logit k by the boost exactly (m adds e_i . m to all of row i's logits, which the softmax
+    ignores). Only a 256-row subsample's logits are ever formed (for the calibration).
     """
     gen = _seeded(device, seed)
     ranks = torch.arange(v, device=device, dtype=torch.float64)
@@ -138,6 +146,8 @@ def lm_like_inputs(
     base = e[:sub] @ c.T
     b0 = _calibrate_boost(base, target_dir[:sub] @ c.T, targets[:sub], spread[:sub], target_loss)
     e += (b0 + spread)[:, None] * target_dir
+    mean_direction = torch.randn(d, generator=gen, device=device)
+    c += _MEAN_DIRECTION_NORM / mean_direction.norm() * mean_direction
     return e.to(dtype), c.to(dtype), targets
 
 

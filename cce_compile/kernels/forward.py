@@ -40,8 +40,9 @@ def lse_forward_kernel(
     this split, and (NEED_WEIGHTED_SUM) sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
     column, so nothing is ever read at a target index.
     With FILTER (filtered mode), columns are positions in `vocab_order`, and each row's
-    largest logit per vocab tile goes to tile_max[row, tile]: the backward skips the tiles
-    where it is far below the row's lse.
+    largest logit per vocab tile goes to tile_max[0, row, tile], its log-sum-exp over the tile
+    to tile_max[1, row, tile]: the backward skips the tiles where the largest is far below the
+    row's lse, and restores the mass of those it skips from the second.
     """
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,13 +71,16 @@ def lse_forward_kernel(
             weighted_sum += tile_weighted_sum(logits, vocab, col_mask, weight_ptr, HAS_WEIGHT)
         logits = tl.where(col_mask[None, :], logits, float("-inf"))
         tile_row_max = tl.max(logits, axis=1)
-        if FILTER:
-            live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
-            tl.store(tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile, tile_row_max, mask=live)
         new_max = tl.maximum(row_max, tile_row_max)
         # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sumexp = row_sumexp * tl.exp2((row_max - shift) * LOG2E) + tl.sum(exp_shifted(logits, shift), axis=1)
+        tile_sumexp = tl.sum(exp_shifted(logits, shift), axis=1)
+        if FILTER:
+            live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
+            at = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile
+            tl.store(at, tile_row_max, mask=live)
+            tl.store(at + N * stride_tile_max, shift + tl.log(tile_sumexp), mask=live)
+        row_sumexp = row_sumexp * tl.exp2((row_max - shift) * LOG2E) + tile_sumexp
         row_max = new_max
 
     out = partial_ptr + pid_s.to(tl.int64) * N + rows
@@ -106,7 +110,8 @@ def lse_forward_tma_kernel(
     falls in the tile (one tile per row, so no two programs write a row; out-of-range targets
     match none), with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum, and with
     STORE_TILE_MAX (filtered mode, whose op hands it the vocabulary already in vocab order)
-    the rows' largest logit to tile_max[row, tile column].
+    the rows' largest logit to tile_max[0, row, tile column] and their tile_lse to
+    tile_max[1, row, tile column].
     """
     num_m = tl.cdiv(N, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -137,8 +142,10 @@ def lse_forward_tma_kernel(
         if tl.max(hit.to(tl.int32), axis=0) > 0:
             tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
         tile_max = tl.max(logits, axis=1)
-        if STORE_TILE_MAX:
-            tl.store(tile_max_ptr + rows.to(tl.int64) * num_n + pid_n, tile_max, mask=row_mask)
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)  # as in lse_forward_kernel
         tile_lse = shift + tl.log(tl.sum(exp_shifted(logits, shift), axis=1))
         tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
+        if STORE_TILE_MAX:
+            at = tile_max_ptr + rows.to(tl.int64) * num_n + pid_n
+            tl.store(at, tile_max, mask=row_mask)
+            tl.store(at + N * num_n, tile_lse, mask=row_mask)

@@ -10,7 +10,8 @@ never more than the slab's logits in memory. Filtered mode walks the vocabulary 
 forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.py keeps
 from the forward's tile maxima, into a compact buffer (one slot per kept tile); the two
 GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
-steps in one launch (step_lists_kernel). In eager calls a step spans as many vocab tiles as
+steps in one launch (step_lists_kernel), and the tiles it skips keep their row sums (dE's
+accumulator starts from them, dC's rows get them by vocab tile: kernels/dropped_tiles.py). In eager calls a step spans as many vocab tiles as
 its kept tiles fill the scratch (few, full steps where the vocabulary's tail is mostly
 dropped); traced calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs
 the dense path.
@@ -27,13 +28,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..config.kernel_config import TileConfig
 from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
+from ..kernels.dropped_tiles import add_tile_rows_kernel, tile_row_sums_kernel
 from ..kernels.warp_specialized import grad_logits_ws_kernel
 from .cpu_path import backward_cpu
 from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, step_lists
+from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, skipped_tile_d_logits, step_lists
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -73,12 +75,12 @@ GEMM_BACKEND = "cublas"
 @triton_op("cce::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
-    bias: Tensor | None, weight: Tensor | None, lse: Tensor, tile_max: Tensor, vocab_order: Tensor,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, tile_stats: Tensor, vocab_order: Tensor,
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias.
 
-    tile_max and vocab_order are the forward's (empty in exact mode)."""
+    tile_stats and vocab_order are the forward's (empty in exact mode)."""
     n, d = e.shape
     v = c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -109,15 +111,23 @@ def linear_cross_entropy_backward(
     packed = filtered and not is_fake(e)
     capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
-        if tile_max.shape != (n, cdiv(v, config.forward.block_n)):
-            raise ValueError("tile_max: filtered mode needs the forward's (N, vocab tiles) tile maxima")
-        mask = chunk_tile_mask(
-            kept_tile_mask(tile_max, lse, targets, vocab_order, filter_eps,
-                           config.forward.block_n, logits_tile.block_m, logits_tile.block_n),
-            plan.n_chunks, chunk_tile_rows,
-        )
+        forward_n = config.forward.block_n
+        if tile_stats.shape != (2, n, cdiv(v, forward_n)):
+            raise ValueError("tile_stats: filtered mode needs the forward's (2, N, vocab tiles) tile statistics")
+        kept = kept_tile_mask(tile_stats[0], lse, targets, vocab_order, filter_eps,
+                              forward_n, logits_tile.block_m, logits_tile.block_n)
+        mask = chunk_tile_mask(kept, plan.n_chunks, chunk_tile_rows)
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
+        # What the skipped tiles put back (skipped_tile_d_logits): c summed per forward tile, and
+        # per tile what each of its columns gets in dC and dbias, summed over the token chunks.
+        forward_tiles = tile_stats.shape[2]
+        c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
+        wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
+            c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
+        )
+        grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
+        grad_bias_per_tile = torch.zeros((forward_tiles,), dtype=torch.float32, device=e.device)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
@@ -195,6 +205,17 @@ def linear_cross_entropy_backward(
             past the step's, whose end the dC GEMM reads on the device; `last`: the chunk's
             last step, which writes dE itself."""
             step_index = chunk * steps.n_steps + step
+            if step == 0:  # the chunk's skipped tiles: dE's accumulator starts from their sums
+                row_end = row_start + rows
+                skipped = skipped_tile_d_logits(
+                    tile_stats[1, row_start:row_end], lse[row_start:row_end],
+                    kept[row_start // logits_tile.block_m:cdiv(row_end, logits_tile.block_m)],
+                    coef_softmax[row_start:row_end], coef_smooth[row_start:row_end] if has_smoothing else None,
+                    weight, vocab_order, forward_n, logits_tile.block_m, logits_tile.block_n,
+                )
+                torch.mm(skipped, c_tile_sums, out=acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end])
+                grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
+                grad_bias_per_tile.add_(skipped.sum(dim=0))
             # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
             launch_sparse_matmul(
                 (columns * cdiv(d, dc_tile.block_n),),
@@ -216,7 +237,7 @@ def linear_cross_entropy_backward(
                 lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
                 lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
                 c.stride(0), c.stride(1),
-                BY_COLUMN=False, ACCUMULATE=step > 0, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
+                BY_COLUMN=False, ACCUMULATE=True, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
                 TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
                 num_stages=de_tile.num_stages, **flags,
@@ -275,6 +296,13 @@ def linear_cross_entropy_backward(
                            last=step == len(chunk_steps) - 1)
             if chunk == 0 and len(chunk_steps) == 1 and plan.fp32_accumulator:
                 grad_e[:rows].copy_(acc[:rows])  # its one step went ahead, not knowing it was the last
+        # The skipped tiles' share of dC, added to each column of theirs (and of dbias).
+        wrap_triton(add_tile_rows_kernel)[(cdiv(v, 64), cdiv(d, 64))](
+            grad_c, vocab_order, grad_c_per_tile, v, d, grad_c.stride(0), grad_c.stride(1),
+            TILE_N=config.forward.block_n, BLOCK_P=64, BLOCK_D=64,
+        )
+        if bias is not None:
+            bias_sum[:v] += grad_bias_per_tile.repeat_interleave(forward_n)[:v]
     else:
         # A traced call (torch.compile) keeps the Triton GEMMs, whose whole-buffer mutations
         # Inductor handles without copies.

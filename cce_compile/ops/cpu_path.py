@@ -57,6 +57,17 @@ def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: in
     return keep[row0 % block_m: row0 % block_m + rows, col0 % block_n: col0 % block_n + cols]
 
 
+def _tile_row_means(x: Tensor, block_n: int) -> Tensor:
+    """Each row's mean over each block_n-column tile (the last may be short), repeated over
+    the tile's columns."""
+    rows, cols = x.shape
+    pad = (-cols) % block_n
+    sums = torch.nn.functional.pad(x, (0, pad)).reshape(rows, -1, block_n).sum(dim=2)
+    widths = torch.full((sums.shape[1],), float(block_n), device=x.device)
+    widths[-1] = block_n - pad
+    return (sums / widths).repeat_interleave(block_n, dim=1)[:, :cols]
+
+
 def backward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor,
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
@@ -65,7 +76,9 @@ def backward_cpu(
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
-    that order, as the kernels do, and the gradients land back at each token's own row."""
+    that order, as the kernels do, and the gradients land back at each token's own row; a
+    skipped tile's d-logits are replaced by their row means over it, as the kernels' path
+    puts their row sums back (ops/filtering.skipped_tile_d_logits)."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     grad_e = torch.zeros_like(e32)
@@ -89,7 +102,8 @@ def backward_cpu(
             grad = grad * (1.0 - (logits / softcap) ** 2)
         if filter_eps > 0.0:
             distance = torch.where(is_target, 1.0, softmax)
-            grad = grad * _tile_keep(distance, *filter_tile, 0, start, filter_eps)
+            skipped = ~_tile_keep(distance, *filter_tile, 0, start, filter_eps)
+            grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), filter_tile[1]), grad)
         grad_e += grad @ c[ids].to(torch.float32)
         grad_c[ids] = grad.T @ e32
         if grad_bias is not None:

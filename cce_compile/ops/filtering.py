@@ -1,11 +1,12 @@
 """Filtered mode's bookkeeping: the vocabulary order both passes walk, and which
 d-logits tiles the backward computes at all.
 
-The forward walks the vocabulary in `vocab_order` and records each row's largest logit per
-vocab tile (`tile_max`); the backward keeps a tile when some row's softmax there reaches
-filter_eps (tile_max - lse >= log eps) or a row's target falls in it, and never recomputes
-the rest. The CPU path decides from the recomputed softmax, the same test. The backward's
-steps (filtered_steps) and its kernels' work lists (step_lists) come from the kept tiles.
+The forward walks the vocabulary in `vocab_order` and records each row's largest logit and
+log-sum-exp per vocab tile (`tile_stats`); the backward keeps a tile when some row's softmax
+there reaches filter_eps (tile_max - lse >= log eps) or a row's target falls in it, never
+recomputes the rest, and adds back their row sums (skipped_tile_d_logits). The CPU path
+decides from the recomputed softmax, the same test. The backward's steps (filtered_steps) and its
+kernels' work lists (step_lists) come from the kept tiles.
 """
 
 from __future__ import annotations
@@ -69,23 +70,60 @@ def kept_tile_mask(
 
     tile_max is (N, ceil(V / forward_block_n)) in the same positions; tile widths are powers
     of two, so a backward tile spans whole forward tiles or lies inside one, which then
-    decides for it (conservative: a kept forward tile keeps every backward tile inside it)."""
+    decides for it, targets included (conservative: a kept forward tile keeps every backward
+    tile inside it). So what the backward skips is always whole forward tiles, whose mass the
+    forward measured (skipped_tile_d_logits)."""
     n, v = tile_max.shape[0], order.shape[0]
     keep = (tile_max >= (lse[:, None] + math.log(filter_eps))).to(torch.int8)
+    # A target's -1 is never small: its tile stays whatever its softmax. Ignored targets stay
+    # outside the vocabulary in target_positions, the one place that decides which count.
+    positions = target_positions(order, targets)
+    valid = (positions >= 0) & (positions < v)
+    target_tile = torch.where(valid, positions // forward_block_n, 0)[:, None]
+    keep.scatter_(1, target_tile, torch.maximum(keep.gather(1, target_tile), valid[:, None].to(torch.int8)))
     if forward_block_n > block_n:
         keep = keep.repeat_interleave(forward_block_n // block_n, dim=1)
     elif forward_block_n < block_n:
         ratio = block_n // forward_block_n
         keep = F.pad(keep, (0, (-keep.shape[1]) % ratio)).reshape(n, -1, ratio).amax(dim=2)
     keep = keep[:, : cdiv(v, block_n)].contiguous()
-    # A target's -1 is never small: its tile stays whatever its softmax. Ignored targets stay
-    # outside the vocabulary in target_positions, the one place that decides which count.
-    positions = target_positions(order, targets)
-    valid = (positions >= 0) & (positions < v)
-    target_tile = torch.where(valid, positions // block_n, 0)[:, None]
-    keep.scatter_(1, target_tile, torch.maximum(keep.gather(1, target_tile), valid[:, None].to(torch.int8)))
     keep = F.pad(keep, (0, 0, 0, (-n) % block_m))
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
+
+
+def skipped_tile_d_logits(
+    tile_lse: Tensor, lse: Tensor, kept: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None,
+    weight: Tensor | None, order: Tensor, forward_block_n: int, block_m: int, block_n: int,
+) -> Tensor:
+    """(N, forward tiles) fp32: the d-logit that each column of a skipped tile stands in for,
+    its row's sum over the tile spread evenly over the tile's columns (0 where the tile is
+    computed). From the forward's tile_lse (N, forward tiles) and the backward's kept mask
+    (kept_tile_mask: row blocks x backward tiles).
+
+    Skipped d-logits are small one by one but not in sum: a trained head's rows share a mean
+    direction, which the softmax cancels and a gradient does not, so dropping the tail's mass
+    (10-20% of a row's) biases dE by that mass times the mean (docs/performance.md, v21).
+    With the sums put back, dE[i] gains sum_T d[i, T] * (c summed over T), dC[j] gains
+    sum_i d[i, T(j)] * e[i], dbias[j] sum_i d[i, T(j)]. A row's sum over a tile is
+    coef_softmax * exp(tile_lse - lse) - coef_smooth * (weights over the tile): no logits are
+    recomputed. Soft-capping's derivative is left out of it (near 1 for small logits, which
+    skipped ones are)."""
+    n, tiles = tile_lse.shape
+    v = order.shape[0]
+    if forward_block_n >= block_n:  # the backward tiles inside a forward tile share its fate
+        kept_forward = kept[:, :: forward_block_n // block_n]
+    else:
+        kept_forward = kept.repeat_interleave(block_n // forward_block_n, dim=1)
+    skipped = kept_forward[:, :tiles].repeat_interleave(block_m, dim=0)[:n] == 0
+    columns = torch.full((tiles,), float(forward_block_n), device=tile_lse.device)
+    columns[-1] = v - (tiles - 1) * forward_block_n
+    sums = coef_softmax[:, None] * torch.exp(tile_lse - lse[:, None])
+    if coef_smooth is not None:
+        per_tile = columns if weight is None else F.pad(
+            weight.index_select(0, order).to(torch.float32), (0, tiles * forward_block_n - v)
+        ).reshape(tiles, forward_block_n).sum(dim=1)
+        sums = sums - coef_smooth[:, None] * per_tile
+    return torch.where(skipped, sums / columns, 0.0)
 
 
 @dataclass(frozen=True)

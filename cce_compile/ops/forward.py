@@ -33,14 +33,15 @@ def linear_cross_entropy_forward(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_max, vocab_order).
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_stats, vocab_order).
 
     loss and lse are fp32. `softcap` 0 means none. 16-bit inputs whose rows suit tensor
     descriptors run the persistent lse_forward_tma_kernel (on a Hopper GPU with D <= 1024 and
     no bias, soft-cap, weights, smoothing or filter, the warp-specialized lse_forward_ws_kernel),
     others lse_forward_kernel (vocab splits). With filter_eps > 0 (filtered mode) the forward also returns what the backward
-    filters with (ops/filtering.py): the vocabulary order and, on the Triton path, each row's
-    largest logit per vocab tile of that order; otherwise both are empty.
+    filters with (ops/filtering.py): the vocabulary order and, on the Triton path, tile_stats
+    (2, N, vocab tiles): each row's largest logit per vocab tile of that order and its
+    log-sum-exp over the tile; otherwise both are empty.
     """
     n, v = e.shape[0], c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -50,7 +51,8 @@ def linear_cross_entropy_forward(
     tile = config.forward
     vocab_tiles = cdiv(v, tile.block_n)
     on_triton = use_triton(e)
-    tile_max = torch.empty((n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32, device=e.device)
+    tile_stats = torch.empty((2, n, vocab_tiles) if filtered and on_triton else (0, 0), dtype=torch.float32,
+                             device=e.device)
     plain = plain_loss(bias, weight, softcap, label_smoothing) and not filtered
     if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
         # The tile named, not defaulted: benchmarks/ab_switch.py switches it.
@@ -74,7 +76,7 @@ def linear_cross_entropy_forward(
             TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k]),
             bias_walk, targets_walk, weight_walk, tile_lse, target_logit, tile_weighted_sum,
-            tile_max if filtered else tile_lse, n, v, e.shape[1], sms, softcap,
+            tile_stats if filtered else tile_lse, n, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
             NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=filtered, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
@@ -89,7 +91,7 @@ def linear_cross_entropy_forward(
         grid = (cdiv(n, tile.block_m) * num_splits,)
         wrap_triton(lse_forward_kernel)[grid](
             e, c, bias, targets, weight, order if filtered else targets,
-            partial, tile_max if filtered else partial,
+            partial, tile_stats if filtered else partial,
             n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n, vocab_tiles,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
@@ -108,7 +110,7 @@ def linear_cross_entropy_forward(
             e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v
         )
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
-    return loss, lse, tile_max, order
+    return loss, lse, tile_stats, order
 
 
 def forward_warp_specialized(
