@@ -213,8 +213,14 @@ def linear_cross_entropy_backward(
                     coef_softmax[row_start:row_end], coef_smooth[row_start:row_end] if has_smoothing else None,
                     weight, vocab_order, forward_n, logits_tile.block_m, logits_tile.block_n,
                 )
-                torch.mm(skipped, c_tile_sums, out=acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end])
-                grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
+                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
+                    torch.mm(skipped.bfloat16(), c_tile_sums.bfloat16(), out_dtype=torch.float32, out=acc_rows)
+                    grad_c_per_tile.add_(torch.mm(skipped.T.bfloat16(), e[row_start:row_end].bfloat16(),
+                                                  out_dtype=torch.float32))
+                else:
+                    torch.mm(skipped, c_tile_sums, out=acc_rows)
+                    grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
                 grad_bias_per_tile.add_(skipped.sum(dim=0))
             # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
             launch_sparse_matmul(

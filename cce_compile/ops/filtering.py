@@ -114,16 +114,17 @@ def skipped_tile_d_logits(
         kept_forward = kept[:, :: forward_block_n // block_n]
     else:
         kept_forward = kept.repeat_interleave(block_n // forward_block_n, dim=1)
-    skipped = kept_forward[:, :tiles].repeat_interleave(block_m, dim=0)[:n] == 0
+    computed = kept_forward[:, :tiles].repeat_interleave(block_m, dim=0)[:n] != 0
     columns = torch.full((tiles,), float(forward_block_n), device=tile_lse.device)
     columns[-1] = v - (tiles - 1) * forward_block_n
-    sums = coef_softmax[:, None] * torch.exp(tile_lse - lse[:, None])
+    # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the correction.
+    sums = (tile_lse - lse[:, None]).exp_().mul_(coef_softmax[:, None])
     if coef_smooth is not None:
         per_tile = columns if weight is None else F.pad(
             weight.index_select(0, order).to(torch.float32), (0, tiles * forward_block_n - v)
         ).reshape(tiles, forward_block_n).sum(dim=1)
-        sums = sums - coef_smooth[:, None] * per_tile
-    return torch.where(skipped, sums / columns, 0.0)
+        sums.sub_(coef_smooth[:, None] * per_tile)
+    return sums.div_(columns).masked_fill_(computed, 0.0)
 
 
 @dataclass(frozen=True)
