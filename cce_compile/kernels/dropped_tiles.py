@@ -38,5 +38,6 @@ def add_tile_rows_kernel(
     rows = tl.load(order_ptr + positions, mask=positions < V, other=0).to(tl.int64)
     at = grad_c_ptr + rows[:, None] * stride_gv + dims[None, :] * stride_gd
     current = tl.load(at, mask=live, other=0.0)
-    added = tl.load(per_tile_ptr + (positions // TILE_N).to(tl.int64)[:, None] * D + dims[None, :], mask=live, other=0.0)
+    tiles = (positions // TILE_N).to(tl.int64)
+    added = tl.load(per_tile_ptr + tiles[:, None] * D + dims[None, :], mask=live, other=0.0)
     tl.store(at, (current.to(tl.float32) + added).to(current.dtype), mask=live)

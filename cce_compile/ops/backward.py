@@ -11,10 +11,10 @@ forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.
 from the forward's tile maxima, into a compact buffer (one slot per kept tile); the two
 GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
 steps in one launch (step_lists_kernel), and the tiles it skips keep their row sums (dE's
-accumulator starts from them, dC's rows get them by vocab tile: kernels/dropped_tiles.py). In eager calls a step spans as many vocab tiles as
-its kept tiles fill the scratch (few, full steps where the vocabulary's tail is mostly
-dropped); traced calls take fixed slabs. Where most tiles are kept (a flat softmax), it runs
-the dense path.
+accumulator starts from them, dC's rows get them by vocab tile: kernels/dropped_tiles.py).
+In eager calls a step spans as many vocab tiles as its kept tiles fill the scratch (few, full
+steps where the vocabulary's tail is mostly dropped); traced calls take fixed slabs. Where
+most tiles are kept (a flat softmax), it runs the dense path.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def linear_cross_entropy_backward(
             c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
         )
         grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
-        grad_bias_per_tile = torch.zeros((forward_tiles,), dtype=torch.float32, device=e.device)
+        grad_bias_per_tile = torch.zeros((forward_tiles if bias is not None else 0,), dtype=torch.float32,
+                                         device=e.device)
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
@@ -200,28 +201,34 @@ def linear_cross_entropy_backward(
             slot_ids = torch.arange(capacity, device=e.device)
             in_tile = torch.arange(logits_tile.block_n, device=e.device)
 
+        def put_back_skipped_tiles(row_start, rows) -> None:
+            """A token chunk's skipped tiles (skipped_tile_d_logits): dE's accumulator starts
+            from their share, dC's and dbias's per-tile shares are summed for the end."""
+            row_end = row_start + rows
+            skipped = skipped_tile_d_logits(
+                tile_stats[1, row_start:row_end], lse[row_start:row_end],
+                kept[row_start // logits_tile.block_m:cdiv(row_end, logits_tile.block_m)],
+                coef_softmax[row_start:row_end], coef_smooth[row_start:row_end] if has_smoothing else None,
+                weight, vocab_order, forward_n, logits_tile.block_m, logits_tile.block_n,
+            )
+            acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+            if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
+                torch.mm(skipped.bfloat16(), c_tile_sums.bfloat16(), out_dtype=torch.float32, out=acc_rows)
+                grad_c_per_tile.add_(torch.mm(skipped.T.bfloat16(), e[row_start:row_end].bfloat16(),
+                                              out_dtype=torch.float32))
+            else:
+                torch.mm(skipped, c_tile_sums, out=acc_rows)
+                grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
+            if bias is not None:
+                grad_bias_per_tile.add_(skipped.sum(dim=0))
+
         def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run
             past the step's, whose end the dC GEMM reads on the device; `last`: the chunk's
             last step, which writes dE itself."""
             step_index = chunk * steps.n_steps + step
-            if step == 0:  # the chunk's skipped tiles: dE's accumulator starts from their sums
-                row_end = row_start + rows
-                skipped = skipped_tile_d_logits(
-                    tile_stats[1, row_start:row_end], lse[row_start:row_end],
-                    kept[row_start // logits_tile.block_m:cdiv(row_end, logits_tile.block_m)],
-                    coef_softmax[row_start:row_end], coef_smooth[row_start:row_end] if has_smoothing else None,
-                    weight, vocab_order, forward_n, logits_tile.block_m, logits_tile.block_n,
-                )
-                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
-                if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
-                    torch.mm(skipped.bfloat16(), c_tile_sums.bfloat16(), out_dtype=torch.float32, out=acc_rows)
-                    grad_c_per_tile.add_(torch.mm(skipped.T.bfloat16(), e[row_start:row_end].bfloat16(),
-                                                  out_dtype=torch.float32))
-                else:
-                    torch.mm(skipped, c_tile_sums, out=acc_rows)
-                    grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
-                grad_bias_per_tile.add_(skipped.sum(dim=0))
+            if step == 0:
+                put_back_skipped_tiles(row_start, rows)
             # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
             launch_sparse_matmul(
                 (columns * cdiv(d, dc_tile.block_n),),
@@ -305,7 +312,7 @@ def linear_cross_entropy_backward(
         # The skipped tiles' share of dC, added to each column of theirs (and of dbias).
         wrap_triton(add_tile_rows_kernel)[(cdiv(v, 64), cdiv(d, 64))](
             grad_c, vocab_order, grad_c_per_tile, v, d, grad_c.stride(0), grad_c.stride(1),
-            TILE_N=config.forward.block_n, BLOCK_P=64, BLOCK_D=64,
+            TILE_N=forward_n, BLOCK_P=64, BLOCK_D=64,
         )
         if bias is not None:
             bias_sum[:v] += grad_bias_per_tile.repeat_interleave(forward_n)[:v]
