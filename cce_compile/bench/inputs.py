@@ -21,8 +21,9 @@ more (see `softmax_stats`; at small D the boosts' cross-talk widens the bulk):
   softmax never sees it (it shifts a row's logits alike), a gradient does: dE = sum_j p_ij
   c_j - c_target carries it times the softmax mass, so a filter that drops the tail's mass
   (10-20% of a row's) errs by that mass times the mean. Without it the tail's c_j cancel and
-  such a filter looks 10-20 x more accurate than it is (Apple's filtered dE: ~1e-2 here
-  without the mean, 1.6-2.2e-1 on ../shared/reference/anchors-h200.md's inputs).
+  such a filter looks 10-20 x more accurate than it is (Apple's filtered dE on the H200:
+  ~1e-2 here without the mean, 1.0-1.3e-1 with it, 1.6-2.2e-1 on
+  ../shared/reference/anchors-h200.md's inputs).
 
 Everything is drawn from one generator seeded with `seed` on `device`, so a seed gives the
 same inputs on the same device; no value is zero.

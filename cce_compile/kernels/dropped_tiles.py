@@ -1,4 +1,4 @@
-"""Filtered mode's correction for the tiles it skips (ops/filtering.skipped_tile_d_logits):
+"""Filtered mode's correction for the tiles it skips (ops/filtering.SkippedTiles):
 each skipped tile's d-logits are replaced by their row sums spread evenly over its columns,
 which takes c summed by vocab tile, and dC's rows added to by vocab tile, both through the
 vocab order."""

@@ -35,7 +35,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, skipped_tile_d_logits, step_lists
+from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, skipped_tiles, step_lists
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -109,6 +109,7 @@ def linear_cross_entropy_backward(
     # Filtered mode: the kept tiles and the steps' work lists, built on the device before the
     # gradients and scratch exist, so their temporaries never add to the peak.
     packed = filtered and not is_fake(e)
+    eager_cuda = e.is_cuda and not is_fake(e)
     capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
         forward_n = config.forward.block_n
@@ -119,16 +120,22 @@ def linear_cross_entropy_backward(
         mask = chunk_tile_mask(kept, plan.n_chunks, chunk_tile_rows)
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
-        # What the skipped tiles put back (skipped_tile_d_logits): c summed per forward tile, and
-        # per tile what each of its columns gets in dC and dbias, summed over the token chunks.
+        # What the skipped tiles put back (SkippedTiles): c summed per forward tile (bf16 for the
+        # tensor cores in eager CUDA calls), and per tile what each of its columns gets in dC
+        # and dbias, summed over the token chunks.
+        skipped = skipped_tiles(kept, vocab_order, weight, has_smoothing, forward_n,
+                                logits_tile.block_m, logits_tile.block_n)
         forward_tiles = tile_stats.shape[2]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
             c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
         )
+        if eager_cuda:
+            c_tile_sums = c_tile_sums.bfloat16()
         grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
-        grad_bias_per_tile = torch.zeros((forward_tiles if bias is not None else 0,), dtype=torch.float32,
-                                         device=e.device)
+        grad_bias_per_tile = (
+            torch.zeros(forward_tiles, dtype=torch.float32, device=e.device) if bias is not None else None
+        )
     grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
     grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
@@ -141,7 +148,6 @@ def linear_cross_entropy_backward(
         if scaled else lse
     )
     flags = kernel_flags(e)
-    eager_cuda = e.is_cuda and not is_fake(e)
     # Eager CUDA calls relaunch each step's kernels without Triton's per-launch binding.
     reuse = relaunches_directly(e)
     launch_grad_logits = KernelLauncher(grad_logits_kernel, reuse)
@@ -202,25 +208,23 @@ def linear_cross_entropy_backward(
             in_tile = torch.arange(logits_tile.block_n, device=e.device)
 
         def put_back_skipped_tiles(row_start, rows) -> None:
-            """A token chunk's skipped tiles (skipped_tile_d_logits): dE's accumulator starts
-            from their share, dC's and dbias's per-tile shares are summed for the end."""
+            """A token chunk's skipped tiles (SkippedTiles): dE's accumulator starts from their
+            share, dC's and dbias's per-tile shares are summed for the end."""
             row_end = row_start + rows
-            skipped = skipped_tile_d_logits(
-                tile_stats[1, row_start:row_end], lse[row_start:row_end],
-                kept[row_start // logits_tile.block_m:cdiv(row_end, logits_tile.block_m)],
-                coef_softmax[row_start:row_end], coef_smooth[row_start:row_end] if has_smoothing else None,
-                weight, vocab_order, forward_n, logits_tile.block_m, logits_tile.block_n,
+            d_logits = skipped.d_logits(
+                tile_stats[1, row_start:row_end], lse[row_start:row_end], coef_softmax[row_start:row_end],
+                coef_smooth[row_start:row_end] if has_smoothing else None, row_start,
             )
             acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
             if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
-                torch.mm(skipped.bfloat16(), c_tile_sums.bfloat16(), out_dtype=torch.float32, out=acc_rows)
-                grad_c_per_tile.add_(torch.mm(skipped.T.bfloat16(), e[row_start:row_end].bfloat16(),
+                torch.mm(d_logits.bfloat16(), c_tile_sums, out_dtype=torch.float32, out=acc_rows)
+                grad_c_per_tile.add_(torch.mm(d_logits.T.bfloat16(), e[row_start:row_end].bfloat16(),
                                               out_dtype=torch.float32))
             else:
-                torch.mm(skipped, c_tile_sums, out=acc_rows)
-                grad_c_per_tile.addmm_(skipped.T, e[row_start:row_end].to(torch.float32))
-            if bias is not None:
-                grad_bias_per_tile.add_(skipped.sum(dim=0))
+                torch.mm(d_logits, c_tile_sums, out=acc_rows)
+                grad_c_per_tile.addmm_(d_logits.T, e[row_start:row_end].to(torch.float32))
+            if grad_bias_per_tile is not None:
+                grad_bias_per_tile.add_(d_logits.sum(dim=0))
 
         def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .filtering import tile_widths
+
 
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
     logits = e32 @ c[ids].to(torch.float32).T
@@ -61,11 +63,8 @@ def _tile_row_means(x: Tensor, block_n: int) -> Tensor:
     """Each row's mean over each block_n-column tile (the last may be short), repeated over
     the tile's columns."""
     rows, cols = x.shape
-    pad = (-cols) % block_n
-    sums = torch.nn.functional.pad(x, (0, pad)).reshape(rows, -1, block_n).sum(dim=2)
-    widths = torch.full((sums.shape[1],), float(block_n), device=x.device)
-    widths[-1] = block_n - pad
-    return (sums / widths).repeat_interleave(block_n, dim=1)[:, :cols]
+    sums = torch.nn.functional.pad(x, (0, (-cols) % block_n)).reshape(rows, -1, block_n).sum(dim=2)
+    return (sums / tile_widths(cols, block_n, x.device)).repeat_interleave(block_n, dim=1)[:, :cols]
 
 
 def backward_cpu(
@@ -78,7 +77,7 @@ def backward_cpu(
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row; a
     skipped tile's d-logits are replaced by their row means over it, as the kernels' path
-    puts their row sums back (ops/filtering.skipped_tile_d_logits)."""
+    puts their row sums back (ops/filtering.SkippedTiles)."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     grad_e = torch.zeros_like(e32)

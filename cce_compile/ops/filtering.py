@@ -4,7 +4,7 @@ d-logits tiles the backward computes at all.
 The forward walks the vocabulary in `vocab_order` and records each row's largest logit and
 log-sum-exp per vocab tile (`tile_stats`); the backward keeps a tile when some row's softmax
 there reaches filter_eps (tile_max - lse >= log eps) or a row's target falls in it, never
-recomputes the rest, and adds back their row sums (skipped_tile_d_logits). The CPU path
+recomputes the rest, and adds back their row sums (SkippedTiles). The CPU path
 decides from the recomputed softmax, the same test. The backward's steps (filtered_steps) and its
 kernels' work lists (step_lists) come from the kept tiles.
 """
@@ -72,7 +72,7 @@ def kept_tile_mask(
     of two, so a backward tile spans whole forward tiles or lies inside one, which then
     decides for it, targets included (conservative: a kept forward tile keeps every backward
     tile inside it). So what the backward skips is always whole forward tiles, whose mass the
-    forward measured (skipped_tile_d_logits)."""
+    forward measured (SkippedTiles)."""
     n, v = tile_max.shape[0], order.shape[0]
     keep = (tile_max >= (lse[:, None] + math.log(filter_eps))).to(torch.int8)
     # A target's -1 is never small: its tile stays whatever its softmax. Ignored targets stay
@@ -91,40 +91,68 @@ def kept_tile_mask(
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
 
 
-def skipped_tile_d_logits(
-    tile_lse: Tensor, lse: Tensor, kept: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None,
-    weight: Tensor | None, order: Tensor, forward_block_n: int, block_m: int, block_n: int,
-) -> Tensor:
-    """(N, forward tiles) fp32: the d-logit that each column of a skipped tile stands in for,
-    its row's sum over the tile spread evenly over the tile's columns (0 where the tile is
-    computed). From the forward's tile_lse (N, forward tiles) and the backward's kept mask
-    (kept_tile_mask: row blocks x backward tiles).
+def tile_widths(length: int, width: int, device: torch.device) -> Tensor:
+    """(ceil(length / width),) fp32: how many of `length` positions each `width`-wide tile
+    holds (the last may hold fewer)."""
+    tiles = cdiv(length, width)
+    widths = torch.full((tiles,), float(width), device=device)
+    widths[-1] = length - (tiles - 1) * width
+    return widths
+
+
+@dataclass(frozen=True)
+class SkippedTiles:
+    """The tiles filtered mode skips, by (row block, forward tile), and what it puts back.
 
     Skipped d-logits are small one by one but not in sum: a trained head's rows share a mean
     direction, which the softmax cancels and a gradient does not, so dropping the tail's mass
-    (10-20% of a row's) biases dE by that mass times the mean (docs/performance.md, v21).
-    With the sums put back, dE[i] gains sum_T d[i, T] * (c summed over T), dC[j] gains
-    sum_i d[i, T(j)] * e[i], dbias[j] sum_i d[i, T(j)]. A row's sum over a tile is
-    coef_softmax * exp(tile_lse - lse) - coef_smooth * (weights over the tile): no logits are
+    (10-20% of a row's) biases dE by that mass times the mean (docs/performance.md, v22). So
+    each skipped tile keeps its rows' sums, spread evenly over its columns: dE[i] gains
+    sum_T d[i, T] * (c summed over T), dC[j] gains sum_i d[i, T(j)] * e[i], dbias[j]
+    sum_i d[i, T(j)]. A row's sum over a tile is coef_softmax * exp(tile_lse - lse) -
+    coef_smooth * (weights over the tile), from the forward's tile_lse: no logits are
     recomputed. Soft-capping's derivative is left out of it (near 1 for small logits, which
-    skipped ones are)."""
-    n, tiles = tile_lse.shape
+    skipped ones are). Built once per backward; `d_logits` per token chunk.
+    """
+
+    computed: Tensor  # (row blocks, forward tiles) bool: the backward computes the tile
+    columns: Tensor  # (forward tiles,) fp32
+    smoothing_weights: Tensor | None  # (forward tiles,) fp32: label smoothing's weights per tile
+    block_m: int
+
+    def d_logits(self, tile_lse: Tensor, lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None,
+                 first_row) -> Tensor:
+        """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m):
+        the d-logit each column of a skipped tile stands in for, 0 where the tile is computed."""
+        rows = tile_lse.shape[0]
+        first_block = first_row // self.block_m
+        computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
+        # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the put-back.
+        sums = (tile_lse - lse[:, None]).exp_().mul_(coef_softmax[:, None])
+        if coef_smooth is not None:
+            sums.sub_(coef_smooth[:, None] * self.smoothing_weights)
+        return sums.div_(self.columns).masked_fill_(computed.repeat_interleave(self.block_m, dim=0)[:rows], 0.0)
+
+
+def skipped_tiles(
+    kept: Tensor, order: Tensor, weight: Tensor | None, smoothing: bool, forward_block_n: int, block_m: int,
+    block_n: int,
+) -> SkippedTiles:
+    """From the backward's kept mask (kept_tile_mask: row blocks x backward tiles), by forward
+    tile, whose log-sum-exps the forward recorded."""
     v = order.shape[0]
+    tiles = cdiv(v, forward_block_n)
     if forward_block_n >= block_n:  # the backward tiles inside a forward tile share its fate
         kept_forward = kept[:, :: forward_block_n // block_n]
     else:
         kept_forward = kept.repeat_interleave(block_n // forward_block_n, dim=1)
-    computed = kept_forward[:, :tiles].repeat_interleave(block_m, dim=0)[:n] != 0
-    columns = torch.full((tiles,), float(forward_block_n), device=tile_lse.device)
-    columns[-1] = v - (tiles - 1) * forward_block_n
-    # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the correction.
-    sums = (tile_lse - lse[:, None]).exp_().mul_(coef_softmax[:, None])
-    if coef_smooth is not None:
-        per_tile = columns if weight is None else F.pad(
+    columns = tile_widths(v, forward_block_n, kept.device)
+    smoothing_weights = None
+    if smoothing:
+        smoothing_weights = columns if weight is None else F.pad(
             weight.index_select(0, order).to(torch.float32), (0, tiles * forward_block_n - v)
         ).reshape(tiles, forward_block_n).sum(dim=1)
-        sums.sub_(coef_smooth[:, None] * per_tile)
-    return sums.div_(columns).masked_fill_(computed, 0.0)
+    return SkippedTiles(kept_forward[:, :tiles] != 0, columns, smoothing_weights, block_m)
 
 
 @dataclass(frozen=True)
