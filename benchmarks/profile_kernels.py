@@ -113,6 +113,16 @@ def print_host_profile(step, top: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
+def write_trace(step, path: Path) -> None:
+    """One pass, synced before and after, as a Chrome trace of host calls and GPU kernels."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
 def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
     """(host ms to enqueue one pass, wall ms of one pass), medians: where the host takes
     as long as the wall clock, the pass is launch-bound, whatever its GPU time."""
@@ -150,6 +160,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most host time in one pass (cProfile)")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="also write one pass per mode as a Chrome trace (host and GPU, with each launch's "
+                             "correlation to its kernel) to DIR/trace-<mode>.json, for chrome://tracing or Perfetto: "
+                             "where the GPU idles, it shows what the host was doing")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -191,6 +205,8 @@ def main() -> None:
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
             if args.host_profile:
                 print_host_profile(step, args.host_profile)
+            if args.trace is not None and cuda:
+                write_trace(step, args.trace / f"trace-{mode}.json")
         total = sum(entry["ms"] for entry in times.values())
         report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "idle": idle,
                                  "kernels": times}
