@@ -93,11 +93,11 @@ def kept_tile_mask(
 
 def tile_widths(length: int, width: int, device: torch.device) -> Tensor:
     """(ceil(length / width),) fp32: how many of `length` positions each `width`-wide tile
-    holds (the last may hold fewer)."""
-    tiles = cdiv(length, width)
-    widths = torch.full((tiles,), float(width), device=device)
-    widths[-1] = length - (tiles - 1) * width
-    return widths
+    holds (the last may hold fewer). Computed on the device: setting the last element from
+    Python is a pageable host-to-device copy, which waits for the stream (in the filtered
+    backward, for the whole forward kernel: ~1 ms of GPU idle on Qwen2.5, v23)."""
+    first_positions = torch.arange(cdiv(length, width), device=device, dtype=torch.float32) * width
+    return (length - first_positions).clamp_max(width)
 
 
 @dataclass(frozen=True)
