@@ -153,6 +153,31 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+def test_flat_rows_are_computed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose softmax reaches filter_eps nowhere (an untrained head's; filtering.flat_rows)
+    get exact mode's dE from the kernels and from the CPU path, with their row blocks; the
+    peaked rows beside them stay filtered."""
+    from cce_compile.ops import dispatch
+
+    e, c, targets = make_inputs("zipf", (96,), 2048, 32, torch.float32, seed=4)
+    e[:40] *= 0.01  # flat: every softmax entry ~1/2048, under 2^-7
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+
+    def grad_e(interpret: bool, filter_eps: float | None) -> torch.Tensor:
+        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
+        leaf = e.clone().requires_grad_()
+        with cce_compile.override_config(config):
+            cce_compile.linear_cross_entropy(leaf, c, targets, filter_eps=filter_eps).backward()
+        return leaf.grad
+
+    exact = grad_e(False, None)
+    for filtered in (grad_e(True, 2.0**-7), grad_e(False, 2.0**-7)):
+        assert relative_error(filtered[:64], exact[:64]) < 1e-5  # two 32-row blocks, each holding a flat row
+        assert relative_error(filtered[64:], exact[64:]) > 1e-4, "nothing was filtered: the test shows nothing"
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 @pytest.mark.parametrize("steps", ["packed", "slabs"])
 def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the skipped tiles hold real mass (an LM-like head whose rows share a mean, and

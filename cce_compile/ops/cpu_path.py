@@ -3,10 +3,12 @@ chunked over the vocabulary in fp32 so the (N, V) logits never exist at once."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .filtering import tile_widths
+from .filtering import flat_rows, tile_widths
 
 
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
@@ -77,9 +79,16 @@ def backward_cpu(
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row; a
     skipped tile's d-logits are replaced by their row means over it, as the kernels' path
-    puts their row sums back (ops/filtering.SkippedTiles)."""
+    puts their row sums back (ops/filtering.SkippedTiles); flat rows (filtering.flat_rows)
+    keep every tile."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
+    if filter_eps > 0.0:  # one pass more over the logits, for the rows the filter leaves whole
+        order = vocab_order if vocab_order is not None else torch.arange(v, device=e.device)
+        row_max = torch.stack([
+            _logits(e32, c, bias, order[start:start + chunk_v], softcap).amax(dim=1) for start in range(0, v, chunk_v)
+        ]).amax(dim=0)
+        flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
     grad_e = torch.zeros_like(e32)
     grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
     grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
@@ -100,7 +109,7 @@ def backward_cpu(
         if softcap > 0.0:
             grad = grad * (1.0 - (logits / softcap) ** 2)
         if filter_eps > 0.0:
-            distance = torch.where(is_target, 1.0, softmax)
+            distance = torch.where(is_target | flat[:, None], 1.0, softmax)
             skipped = ~_tile_keep(distance, *filter_tile, 0, start, filter_eps)
             grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), filter_tile[1]), grad)
         grad_e += grad @ c[ids].to(torch.float32)
