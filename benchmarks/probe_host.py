@@ -67,12 +67,13 @@ def probe(shape: str, mode: str, reuse: bool, iters: int) -> dict:
     s = parse_shape(shape)
     e, c, targets = lm_like_inputs(s.n, s.d, s.v, torch.bfloat16, "cuda", seed=0)
     filter_eps = FILTER_EPS if mode == "filtered" else 0.0
-    _, lse, tile_max, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
+    _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(
+        e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
     grad_loss = torch.full_like(lse, 1.0 / s.n)
 
     def backward():
         return op_backward.linear_cross_entropy_backward(
-            grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, tile_max, order,
+            grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles, tile_lse, order,
             -100, 0.0, 0.0, filter_eps)
 
     KernelLauncher.__init__ = lambda self, kernel, on: LAUNCHER_INIT(self, kernel, on and reuse)

@@ -134,7 +134,7 @@ def linear_cross_entropy(
     _check_target_range(flat_targets, v, ignore_index)
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with torch.autocast(e.device.type, enabled=False):
-        loss, lse, _, _ = ops.linear_cross_entropy_forward(
+        loss, lse, *_ = ops.linear_cross_entropy_forward(
             e.reshape(-1, d), c, flat_targets, bias, weight,
             int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
         )

@@ -99,10 +99,10 @@ def test_warp_specialized_forward_matches_the_tma_kernel(
     monkeypatch.setattr(forward, "forward_warp_specialized", spy)
     with torch.no_grad():
         loss = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
-        ws_loss, ws_lse, _, _ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+        ws_loss, ws_lse, *_ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
         assert taken == [True, True]
         monkeypatch.setattr(forward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
-        tma_loss, tma_lse, _, _ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+        tma_loss, tma_lse, *_ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
     assert taken == [True, True]
     torch.testing.assert_close(ws_lse, tma_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ws_loss, tma_loss, rtol=1e-5, atol=1e-5)
@@ -300,9 +300,10 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
     grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
 
     def both_ops() -> None:
-        _, lse, tile_stats, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
-        linear_cross_entropy_backward(grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, tile_stats,
-                                      order, -100, 0.0, 0.0, filter_eps)
+        _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(
+            e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
+        linear_cross_entropy_backward(grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles,
+                                      tile_lse, order, -100, 0.0, 0.0, filter_eps)
 
     def syncs_in(work) -> list[str]:
         """Where `work` made synchronizing CUDA calls, by the sync debug mode's warnings."""

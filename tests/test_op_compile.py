@@ -31,9 +31,10 @@ def test_opcheck_forward(with_extras: bool) -> None:
 
 def test_opcheck_backward() -> None:
     e, c, targets, bias, _ = _op_args(29, True)
-    loss, lse, tile_max, order = ops.linear_cross_entropy_forward(e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
+    loss, lse, kept_tiles, tile_lse, order = ops.linear_cross_entropy_forward(
+        e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
     args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
-            tile_max, order, -100, 0.0, 0.0, 0.0)
+            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0)
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 
 

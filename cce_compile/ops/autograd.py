@@ -14,24 +14,24 @@ from .forward import linear_cross_entropy_forward
 
 def _setup_context(ctx, inputs, output) -> None:
     e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps = inputs
-    _, lse, tile_stats, order = output
-    ctx.save_for_backward(e, c, targets, bias, weight, lse, tile_stats, order)
-    ctx.mark_non_differentiable(tile_stats, order)
+    _, lse, kept_tiles, tile_lse, order = output
+    ctx.save_for_backward(e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order)
+    ctx.mark_non_differentiable(kept_tiles, tile_lse, order)
     ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
-    # The backward must launch with the forward's config (filtered mode's tile statistics are
-    # laid out by its forward tile); an override does not reach autograd's CUDA device thread.
+    # The backward must launch with the forward's config (filtered mode's kept tiles and tile
+    # log-sum-exps are laid out by its tiles); an override does not reach autograd's CUDA device thread.
     ctx.override = active_override()
 
 
-def _backward(ctx, grad_loss, grad_lse, _grad_tile_stats, _grad_order):
-    e, c, targets, bias, weight, lse, tile_stats, order = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_order):
+    e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order = ctx.saved_tensors
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     # backward() may be called inside an autocast region: keep the op's fp32 math its own.
     override = contextlib.nullcontext() if ctx.override is None else override_config(ctx.override)
     with torch.autocast(e.device.type, enabled=False), override:
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            grad_loss, grad_lse, e, c, targets, bias, weight, lse, tile_stats, order, *ctx.options
+            grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options
         )
     return grad_e, grad_c, None, grad_bias if bias is not None else None, None, None, None, None, None
 

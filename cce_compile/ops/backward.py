@@ -7,8 +7,8 @@ short ones on a Hopper GPU, for the plain loss, the warp-specialized Gluon grad_
 then matmul_kernel (or cuBLAS in eager calls) does dC[slab] (+)= d_logits.T @ e[chunk] and
 dE_acc[chunk] += d_logits @ c[slab] (fp32). Four GEMMs' worth of work for fwd+bwd,
 never more than the slab's logits in memory. Filtered mode walks the vocabulary in the
-forward's vocab_order and recomputes only the d-logits tiles that ops/filtering.py keeps
-from the forward's tile maxima, into a compact buffer (one slot per kept tile); the two
+forward's vocab_order and recomputes only the d-logits tiles the forward kept
+(ops/filtering.py, from its tile maxima), into a compact buffer (one slot per kept tile); the two
 GEMMs run block-sparse over the slots (sparse_matmul_kernel), from work lists built for all
 steps in one launch (step_lists_kernel), and the tiles it skips keep their row sums (dE's
 accumulator starts from them, dC's rows get them by vocab tile: kernels/dropped_tiles.py).
@@ -35,7 +35,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import chunk_tile_mask, filtered_steps, kept_tile_mask, skipped_tiles, step_lists
+from .filtering import chunk_tile_mask, filtered_steps, skipped_tiles, step_lists
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -75,12 +75,13 @@ GEMM_BACKEND = "cublas"
 @triton_op("cce::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
-    bias: Tensor | None, weight: Tensor | None, lse: Tensor, tile_stats: Tensor, vocab_order: Tensor,
-    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
+    vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias.
 
-    tile_stats and vocab_order are the forward's (empty in exact mode)."""
+    kept_tiles, tile_lse and vocab_order are the forward's (empty in exact mode and on the CPU
+    path, which filters from its recomputed softmax)."""
     n, d = e.shape
     v = c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -113,10 +114,11 @@ def linear_cross_entropy_backward(
     capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
         forward_n = config.forward.block_n
-        if tile_stats.shape != (2, n, cdiv(v, forward_n)):
-            raise ValueError("tile_stats: filtered mode needs the forward's (2, N, vocab tiles) tile statistics")
-        kept = kept_tile_mask(tile_stats[0], lse, targets, vocab_order, filter_eps,
-                              forward_n, logits_tile.block_m, logits_tile.block_n)
+        if kept_tiles.shape != (cdiv(n, logits_tile.block_m), vocab_tiles):
+            raise ValueError("kept_tiles: filtered mode needs the forward's (row blocks, vocab tiles) kept tiles")
+        if tile_lse.shape != (n, cdiv(v, forward_n)):
+            raise ValueError("tile_lse: filtered mode needs the forward's (N, vocab tiles) tile log-sum-exps")
+        kept = kept_tiles
         mask = chunk_tile_mask(kept, plan.n_chunks, chunk_tile_rows)
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
@@ -125,7 +127,7 @@ def linear_cross_entropy_backward(
         # and dbias, summed over the token chunks.
         skipped = skipped_tiles(kept, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
-        forward_tiles = tile_stats.shape[2]
+        forward_tiles = tile_lse.shape[1]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
             c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
@@ -212,7 +214,7 @@ def linear_cross_entropy_backward(
             share, dC's and dbias's per-tile shares are summed for the end."""
             row_end = row_start + rows
             d_logits = skipped.d_logits(
-                tile_stats[1, row_start:row_end], lse[row_start:row_end], coef_softmax[row_start:row_end],
+                tile_lse[row_start:row_end], coef_softmax[row_start:row_end],
                 coef_smooth[row_start:row_end] if has_smoothing else None, row_start,
             )
             acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]

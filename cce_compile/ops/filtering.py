@@ -1,10 +1,11 @@
 """Filtered mode's bookkeeping: the vocabulary order both passes walk, and which
 d-logits tiles the backward computes at all.
 
-The forward walks the vocabulary in `vocab_order` and records each row's largest logit and
-log-sum-exp per vocab tile (`tile_stats`); the backward keeps a tile when some row's softmax
-there reaches filter_eps (tile_max - lse >= log eps) or a row's target falls in it, never
-recomputes the rest, and adds back their row sums (SkippedTiles). The CPU path
+The forward walks the vocabulary in `vocab_order`, records each row's largest logit and
+log-sum-exp per vocab tile (`tile_stats`) and, as it ends, decides the tiles the backward
+keeps (backward_tile_stats): those where some row's softmax reaches filter_eps (tile_max -
+lse >= log eps) or a row's target falls; the backward never recomputes the rest, and adds
+back their row sums (SkippedTiles). The CPU path
 decides from the recomputed softmax, the same test. The backward's steps (filtered_steps) and its
 kernels' work lists (step_lists) come from the kept tiles.
 """
@@ -92,6 +93,21 @@ def kept_tile_mask(
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
 
 
+def backward_tile_stats(
+    tile_stats: Tensor, lse: Tensor, targets: Tensor, order: Tensor, filter_eps: float,
+    forward_block_n: int, block_m: int, block_n: int,
+) -> tuple[Tensor, Tensor]:
+    """(kept_tiles, tile_lse): what the backward needs of the forward kernel's tile statistics
+    (2, N, forward tiles fp32: tile maxima, tile log-sum-exps), decided as the forward ends so
+    that only these live until the backward. kept_tiles is kept_tile_mask's (row blocks x
+    backward tiles, int8); tile_lse is each row's log-sum-exp per forward tile less its lse, in
+    fp16 (what SkippedTiles puts back is exp of it: off by under 1% where a tile holds 1e-7 of
+    a row's mass or more). A quarter of the statistics' bytes: on Qwen2.5's 16384 x 151936
+    head, 39 MB instead of 156 (v24)."""
+    kept = kept_tile_mask(tile_stats[0], lse, targets, order, filter_eps, forward_block_n, block_m, block_n)
+    return kept, (tile_stats[1] - lse[:, None]).to(torch.float16)
+
+
 def flat_rows(reaches_eps: Tensor, counted: Tensor) -> Tensor:
     """(N,) bool: the rows whose softmax reaches filter_eps nowhere (`reaches_eps` False) and
     whose loss counts. Such a row is flat (an untrained head's): all its mass lies in tiles the
@@ -121,7 +137,7 @@ class SkippedTiles:
     each skipped tile keeps its rows' sums, spread evenly over its columns: dE[i] gains
     sum_T d[i, T] * (c summed over T), dC[j] gains sum_i d[i, T(j)] * e[i], dbias[j]
     sum_i d[i, T(j)]. A row's sum over a tile is coef_softmax * exp(tile_lse - lse) -
-    coef_smooth * (weights over the tile), from the forward's tile_lse: no logits are
+    coef_smooth * (weights over the tile), from the forward's tile log-sum-exps: no logits are
     recomputed. Soft-capping's derivative is left out of it (near 1 for small logits, which
     skipped ones are). Built once per backward; `d_logits` per token chunk.
     """
@@ -131,15 +147,15 @@ class SkippedTiles:
     smoothing_weights: Tensor | None  # (forward tiles,) fp32: label smoothing's weights per tile
     block_m: int
 
-    def d_logits(self, tile_lse: Tensor, lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None,
-                 first_row) -> Tensor:
-        """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m):
-        the d-logit each column of a skipped tile stands in for, 0 where the tile is computed."""
+    def d_logits(self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row) -> Tensor:
+        """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m), from
+        their tile log-sum-exps less lse (backward_tile_stats): the d-logit each column of a
+        skipped tile stands in for, 0 where the tile is computed."""
         rows = tile_lse.shape[0]
         first_block = first_row // self.block_m
         computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
         # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the put-back.
-        sums = (tile_lse - lse[:, None]).exp_().mul_(coef_softmax[:, None])
+        sums = tile_lse.float().exp_().mul_(coef_softmax[:, None])
         if coef_smooth is not None:
             sums.sub_(coef_smooth[:, None] * self.smoothing_weights)
         return sums.div_(self.columns).masked_fill_(computed.repeat_interleave(self.block_m, dim=0)[:rows], 0.0)

@@ -12,7 +12,7 @@ from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from ..kernels.warp_specialized import lse_forward_ws_kernel
 from .cpu_path import forward_cpu
 from .dispatch import cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton
-from .filtering import in_vocab_order, vocab_order
+from .filtering import backward_tile_stats, in_vocab_order, vocab_order
 from .launch import KernelLauncher
 from .loss_terms import token_loss
 from .warp_specialized import (
@@ -32,16 +32,17 @@ alternated in one process, ab-h200-v21-forward-ws-mid-d.log: forward 14.0 -> 14.
 def linear_cross_entropy_forward(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), tile_stats, vocab_order).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles, tile_lse, vocab_order).
 
     loss and lse are fp32. `softcap` 0 means none. 16-bit inputs whose rows suit tensor
     descriptors run the persistent lse_forward_tma_kernel (on a Hopper GPU with D <= 1024 and
     no bias, soft-cap, weights, smoothing or filter, the warp-specialized lse_forward_ws_kernel),
     others lse_forward_kernel (vocab splits). With filter_eps > 0 (filtered mode) the forward also returns what the backward
-    filters with (ops/filtering.py): the vocabulary order and, on the Triton path, tile_stats
-    (2, N, vocab tiles): each row's largest logit per vocab tile of that order and its
-    log-sum-exp over the tile; otherwise both are empty.
+    filters with (ops/filtering.py): the vocabulary order and, on the Triton path, the kept
+    tiles and tile log-sum-exps that filtering.backward_tile_stats makes of the kernel's tile
+    statistics (each row's largest logit and log-sum-exp per vocab tile of that order);
+    otherwise all three are empty.
     """
     n, v = e.shape[0], c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -64,9 +65,12 @@ def linear_cross_entropy_forward(
         c_walk, bias_walk, weight_walk, targets_walk = (
             in_vocab_order(order, c, bias, weight, targets) if filtered else (c, bias, weight, targets)
         )
-        tile_lse = torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
+        # Filtered mode's kernel writes each tile's log-sum-exp into tile_stats only.
+        tile_lse = tile_stats if filtered else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
-        tile_weighted_sum = torch.empty_like(tile_lse) if need_weighted_sum else tile_lse
+        tile_weighted_sum = (
+            torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else tile_lse
+        )
         sms = device_limits(e.device)[0]
         # An eager call's launch skips Triton's binding of its ~25 arguments where an earlier
         # call compiled the same kernel, as the backward's steps do.
@@ -82,8 +86,11 @@ def linear_cross_entropy_forward(
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
-        lse = torch.logsumexp(tile_lse, dim=0)
+        lse = torch.logsumexp(tile_stats[1], dim=1) if filtered else torch.logsumexp(tile_lse, dim=0)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
+        # Filtered mode's copies in vocab order (c's as large as dC) are freed before the
+        # statistics below; the launcher holds them through the descriptor.
+        del launch, c_walk, bias_walk, weight_walk
     elif on_triton:
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
@@ -110,7 +117,15 @@ def linear_cross_entropy_forward(
             e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v
         )
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
-    return loss, lse, tile_stats, order
+    if filtered and on_triton:
+        kept_tiles, tile_lse = backward_tile_stats(
+            tile_stats, lse, targets, order, filter_eps, tile.block_n, config.grad_logits.block_m,
+            config.grad_logits.block_n,
+        )
+    else:
+        kept_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
+        tile_lse = torch.empty((0, 0), dtype=torch.float16, device=e.device)
+    return loss, lse, kept_tiles, tile_lse, order
 
 
 def forward_warp_specialized(
