@@ -112,3 +112,25 @@ def test_compiled_graph_runs_the_interpreted_kernels() -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(e.grad, ref_e.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.interpreter
+def test_filtered_mode_compiles_with_its_tile_statistics() -> None:
+    """Filtered mode under torch.compile(fullgraph=True), the op kept opaque: the forward's
+    kept tiles (int8) and fp16 tile log-sum-exps propagate as fake tensors, are saved for the
+    backward and reach it, and the compiled step gives eager's loss and gradients."""
+    e, c, targets = make_inputs("zipf", (96,), 512, 32, torch.bfloat16, seed=1)
+
+    def loss_fn(e, c, targets):
+        return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=2.0**-12)
+
+    compiled_leaves = [t.clone().requires_grad_() for t in (e, c)]
+    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
+        loss = torch.compile(loss_fn, fullgraph=True)(*compiled_leaves, targets)
+        loss.backward()
+    eager_leaves = [t.clone().requires_grad_() for t in (e, c)]
+    expected = loss_fn(*eager_leaves, targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for compiled_leaf, eager_leaf in zip(compiled_leaves, eager_leaves):
+        torch.testing.assert_close(compiled_leaf.grad, eager_leaf.grad)
