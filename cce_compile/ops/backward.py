@@ -118,14 +118,13 @@ def linear_cross_entropy_backward(
             raise ValueError("kept_tiles: filtered mode needs the forward's (row blocks, vocab tiles) kept tiles")
         if tile_lse.shape != (n, cdiv(v, forward_n)):
             raise ValueError("tile_lse: filtered mode needs the forward's (N, vocab tiles) tile log-sum-exps")
-        kept = kept_tiles
-        mask = chunk_tile_mask(kept, plan.n_chunks, chunk_tile_rows)
+        mask = chunk_tile_mask(kept_tiles, plan.n_chunks, chunk_tile_rows)
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
         # What the skipped tiles put back (SkippedTiles): c summed per forward tile (bf16 for the
         # tensor cores in eager CUDA calls), and per tile what each of its columns gets in dC
         # and dbias, summed over the token chunks.
-        skipped = skipped_tiles(kept, vocab_order, weight, has_smoothing, forward_n,
+        skipped = skipped_tiles(kept_tiles, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
         forward_tiles = tile_lse.shape[1]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)

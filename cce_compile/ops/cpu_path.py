@@ -83,10 +83,9 @@ def backward_cpu(
     keep every tile."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
-    if filter_eps > 0.0:  # one pass more over the logits, for the rows the filter leaves whole
-        order = vocab_order if vocab_order is not None else torch.arange(v, device=e.device)
+    if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
         row_max = torch.stack([
-            _logits(e32, c, bias, order[start:start + chunk_v], softcap).amax(dim=1) for start in range(0, v, chunk_v)
+            _logits(e32, c, bias, slice(start, start + chunk_v), softcap).amax(dim=1) for start in range(0, v, chunk_v)
         ]).amax(dim=0)
         flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
     grad_e = torch.zeros_like(e32)
