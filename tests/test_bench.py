@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cce_compile.bench import harness, report
 from cce_compile.bench.harness import Settings, Shape
-from cce_compile.bench.inputs import _tile_fraction, lm_like_inputs, softmax_stats, uniform_inputs
+from cce_compile.bench.inputs import _tile_fraction, heavy_tail_inputs, lm_like_inputs, softmax_stats, uniform_inputs
 from cce_compile.bench.peers import IMPLS, Impl, ImplUnavailable, Loaded, resolve_impls
 
 SMALL = (256, 97, 1031)  # N, D, V: the shape the inputs module promises to build fast
@@ -52,6 +52,21 @@ def test_lm_like_softmax_is_sparse_where_uniform_is_flat() -> None:
     assert 1e-4 < lm_like["frac_above_eps"] < 2e-2
     assert 10 < lm_like["entries_above_eps_per_row"] < 300
     assert uniform["mean_loss"] > math.log(20011)  # flat: no entry stands out
+
+
+def test_heavy_tail_inputs_hold_more_mass_under_the_filter() -> None:
+    """heavy_tail_inputs: the same mean loss as lm_like, with much more of the softmax's mass in
+    entries under 2^-12, which filtering skips."""
+    shape = (256, 97, 20011)
+
+    def tail_mass(e: torch.Tensor, c: torch.Tensor) -> float:
+        softmax = torch.softmax(e @ c.T, dim=1)
+        return torch.where(softmax < 2.0**-12, softmax, 0.0).sum(dim=1).mean().item()
+
+    lm_like = lm_like_inputs(*shape, torch.float32, "cpu", seed=0)
+    heavy = heavy_tail_inputs(*shape, torch.float32, "cpu", seed=0)
+    assert abs(softmax_stats(*heavy)["mean_loss"] - 3.0) < 0.05
+    assert tail_mass(*heavy[:2]) > 1.5 * tail_mass(*lm_like[:2])
 
 
 def test_tile_fraction_counts_padded_edge_tiles() -> None:
@@ -112,6 +127,8 @@ def test_shapes_and_impls_resolve_by_name() -> None:
         resolve_impls(["nope"])
     with pytest.raises(ValueError, match="unknown input kinds"):
         harness.resolve_kinds(["zeros"])
+    assert harness.resolve_kinds(None) == ["lm_like", "uniform"]
+    assert harness.resolve_kinds(["heavy_tail"]) == ["heavy_tail"]
 
 
 def _broken() -> Loaded:

@@ -23,14 +23,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from torch import Tensor
 
-from cce_compile.bench.inputs import InputSet, SoftmaxStats, cycling, lm_like_inputs, softmax_stats, uniform_inputs
+from cce_compile.bench.inputs import (
+    InputSet, SoftmaxStats, cycling, heavy_tail_inputs, lm_like_inputs, softmax_stats, uniform_inputs,
+)
 from cce_compile.bench.metrics import relative_error
 from cce_compile.bench.peers import Impl, LossFn, try_load
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 MIB = 2**20
-INPUT_KINDS = {"lm_like": lm_like_inputs, "uniform": uniform_inputs}
+INPUT_KINDS = {"lm_like": lm_like_inputs, "heavy_tail": heavy_tail_inputs, "uniform": uniform_inputs}
+DEFAULT_KINDS = ["lm_like", "uniform"]
+"""heavy_tail (filtered mode's harder case) runs when asked for."""
 _REFERENCE_CHUNK_ELEMENTS = 2**28  # float32 logits of one token chunk: 1 GiB
 _REASON_CHARS = 400
 _LOG_WIDTH = 220
@@ -77,11 +81,11 @@ def parse_shape(spec: str) -> Shape:
 
 
 def resolve_kinds(kinds: list[str] | None) -> list[str]:
-    """The named input kinds, checked; None or empty means all."""
+    """The named input kinds, checked; None or empty means DEFAULT_KINDS."""
     unknown = sorted(set(kinds or []) - INPUT_KINDS.keys())
     if unknown:
         raise ValueError(f"unknown input kinds {unknown}; choose from {list(INPUT_KINDS)}")
-    return list(kinds) if kinds else list(INPUT_KINDS)
+    return list(kinds) if kinds else list(DEFAULT_KINDS)
 
 
 @dataclass(frozen=True)

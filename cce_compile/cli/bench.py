@@ -22,7 +22,7 @@ def bench(
     shapes: Annotated[Optional[list[str]], typer.Option(
         help="shape names (gemma2-2b, llama3-8b, qwen2.5-0.5b, large-d, quick-aligned, quick-odd) or NxDxV; "
              "repeat or comma-separate [default: the four model shapes]")] = None,
-    kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, uniform [default: both]")] = None,
+    kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, heavy_tail, uniform [default: lm_like, uniform]")] = None,
     impls: Annotated[Optional[list[str]], typer.Option(
         help="cce_exact, cce_filtered, torch_compile, apple_cce, apple_cce_exact, liger, torch_eager [default: all]")] = None,
     quick: Annotated[bool, typer.Option(help="the small smoke-test shapes instead of the model shapes")] = False,
