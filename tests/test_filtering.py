@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from cce_compile.ops.filtering import kept_tile_mask, vocab_order
+from cce_compile.ops import filtering
+from cce_compile.ops.filtering import Tilt, kept_tile_mask, tilt_rows, vocab_order
 
 from .op_cases import make_inputs
 
@@ -53,3 +54,56 @@ def test_kept_tile_mask_is_the_dense_softmax_test(forward_block_n: int, eps: flo
     assert mask.dtype == torch.int8 and mask.shape == expected.shape
     assert torch.equal(mask.bool(), expected)
     assert expected.sum() >= 5 and (~expected).sum() >= 2, "the case should keep some tiles and drop others"
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tilt_is_the_heaviest_tiles_weighted_covariance(with_bias: bool) -> None:
+    """Tilt.estimate: over the `rows // width` tiles (in vocab-order positions, the last one
+    ragged) with the most skipped mass, the mass-weighted mean of each tile's covariance of c's
+    rows about their mean (and of c and bias); the lighter tiles play no part. add_to adds
+    row_mass * (S e + K)."""
+    g = torch.Generator().manual_seed(3)
+    v, d, width = 70, 6, 16  # 5 tiles, the last holding 6 positions
+    c = torch.randn(v, d, generator=g, dtype=torch.float64)
+    bias = torch.randn(v, generator=g, dtype=torch.float64) if with_bias else None
+    order = torch.randperm(v, generator=g)
+    tile_mass = torch.tensor([0.5, 0.0, 2.0, 0.1, 1.0], dtype=torch.float64)
+    row_mass = torch.rand(9, generator=g, dtype=torch.float64)
+    tilt = Tilt.estimate(c.float(), None if bias is None else bias.float(), order, tile_mass.float(), width, 3 * width,
+                         row_mass.float(), tensor_cores=False)
+
+    heaviest = [2, 4, 0]  # 2.0, 1.0, 0.5
+    weights = tile_mass[heaviest] / tile_mass[heaviest].sum()
+    expected_s = torch.zeros(d, d, dtype=torch.float64)
+    expected_k = torch.zeros(d, dtype=torch.float64)
+    for tile, weight in zip(heaviest, weights):
+        ids = order[tile * width:(tile + 1) * width]
+        deviation = c[ids] - c[ids].mean(dim=0)
+        expected_s += weight * deviation.T @ deviation / len(ids)
+        if bias is not None:
+            expected_k += weight * deviation.T @ (bias[ids] - bias[ids].mean()) / len(ids)
+    torch.testing.assert_close(tilt.covariance.double(), expected_s, rtol=1e-5, atol=1e-6)
+    if bias is None:
+        assert tilt.bias_covariance is None
+    else:
+        torch.testing.assert_close(tilt.bias_covariance.double(), expected_k, rtol=1e-5, atol=1e-6)
+
+    e = torch.randn(9, d, generator=g, dtype=torch.float64)
+    acc = torch.randn(9, d, generator=g)
+    expected_acc = acc.double() + row_mass[:, None] * (e @ expected_s + expected_k)
+    tilt.add_to(acc, e.float(), 0)
+    torch.testing.assert_close(acc.double(), expected_acc, rtol=1e-5, atol=1e-6)
+
+
+def test_tilt_rows_stay_within_their_cost() -> None:
+    """Every tile on small problems; on the benchmark heads TILT_ROWS_PER_D x D rows where the
+    cost allows (Qwen2.5), fewer where it binds (Gemma-2), none where fewer than
+    TILT_MIN_ROWS_PER_D x D fit (Llama-3, D = 8192); never more than TILT_COST of the logits
+    GEMM's FLOPs beyond the free ones."""
+    assert tilt_rows(256, 32768, 256) == 32768
+    qwen, gemma = tilt_rows(16384, 151936, 896), tilt_rows(8192, 256000, 2304)
+    assert qwen == filtering.TILT_ROWS_PER_D * 896
+    assert filtering.TILT_MIN_ROWS_PER_D * 2304 <= gemma < filtering.TILT_ROWS_PER_D * 2304
+    assert tilt_rows(8192, 128256, 4096) == 0 and tilt_rows(4096, 128256, 8192) == 0
+    for n, v, d, rows in ((16384, 151936, 896, qwen), (8192, 256000, 2304, gemma)):
+        assert (rows + n) * d * d <= filtering.TILT_COST * n * v * d

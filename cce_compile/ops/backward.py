@@ -35,7 +35,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import chunk_tile_mask, filtered_steps, skipped_tiles, step_lists
+from .filtering import chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_rows
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -97,8 +97,8 @@ def linear_cross_entropy_backward(
         grad_e, grad_c, grad_bias = backward_cpu(
             e, c, targets, bias, weight, lse, coef_softmax, coef_target,
             coef_smooth if has_smoothing else None, softcap, filter_eps,
-            chunk_v=config.slab_v, filter_tile=(tile.block_m, tile.block_n),
-            vocab_order=vocab_order if filtered else None,
+            chunk_v=max(config.slab_v, config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
+            vocab_order=vocab_order if filtered else None, forward_block_n=config.forward.block_n,
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
@@ -122,10 +122,11 @@ def linear_cross_entropy_backward(
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
         # What the skipped tiles put back (SkippedTiles): c summed per forward tile (bf16 for the
-        # tensor cores in eager CUDA calls), and per tile what each of its columns gets in dC
-        # and dbias, summed over the token chunks.
+        # tensor cores in eager CUDA calls), per tile what each of its columns gets in dC and
+        # dbias, summed over the token chunks, and dE's tilt (Tilt).
         skipped = skipped_tiles(kept_tiles, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
+        tilt = skipped.tilt(c, bias, vocab_order, tile_lse, coef_softmax, tilt_rows(n_bucket(n), v, d), eager_cuda)
         forward_tiles = tile_lse.shape[1]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
@@ -226,6 +227,8 @@ def linear_cross_entropy_backward(
                 grad_c_per_tile.addmm_(d_logits.T, e[row_start:row_end].to(torch.float32))
             if grad_bias_per_tile is not None:
                 grad_bias_per_tile.add_(d_logits.sum(dim=0))
+            if tilt is not None:
+                tilt.add_to(acc_rows, e[row_start:row_end], row_start)
 
         def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run

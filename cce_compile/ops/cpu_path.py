@@ -8,7 +8,8 @@ import math
 import torch
 from torch import Tensor
 
-from .filtering import flat_rows, tile_widths
+from ..config.plan import n_bucket
+from .filtering import Tilt, flat_rows, tile_widths, tilt_rows
 
 
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
@@ -73,14 +74,17 @@ def backward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor,
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
+    forward_block_n: int = 128,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row; a
     skipped tile's d-logits are replaced by their row means over it, as the kernels' path
-    puts their row sums back (ops/filtering.SkippedTiles); flat rows (filtering.flat_rows)
-    keep every tile."""
+    puts their row sums back (ops/filtering.SkippedTiles), and dE gains their tilt
+    (filtering.Tilt, from the skipped softmax mass per row and per `tilt_width` columns, the
+    kernels' forward tile); flat rows
+    (filtering.flat_rows) keep every tile."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
@@ -88,6 +92,9 @@ def backward_cpu(
             _logits(e32, c, bias, slice(start, start + chunk_v), softcap).amax(dim=1) for start in range(0, v, chunk_v)
         ]).amax(dim=0)
         flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
+        row_mass = e32.new_zeros((e.shape[0],))  # coef_softmax * softmax mass in skipped tiles
+        tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, summed over rows
+        keep_tile = (filter_tile[0], max(filter_tile[1], forward_block_n))
     grad_e = torch.zeros_like(e32)
     grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
     grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
@@ -109,12 +116,20 @@ def backward_cpu(
             grad = grad * (1.0 - (logits / softcap) ** 2)
         if filter_eps > 0.0:
             distance = torch.where(is_target | flat[:, None], 1.0, softmax)
-            skipped = ~_tile_keep(distance, *filter_tile, 0, start, filter_eps)
-            grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), filter_tile[1]), grad)
+            skipped = ~_tile_keep(distance, *keep_tile, 0, start, filter_eps)
+            grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), forward_block_n), grad)
+            skipped_mass = torch.where(skipped, softmax, 0.0)
+            row_mass += coef_softmax * skipped_mass.sum(dim=1)
+            tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
+            tile_mass.index_add_(0, tile_of_column, coef_softmax.abs() @ skipped_mass)
         grad_e += grad @ c[ids].to(torch.float32)
         grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
             grad_bias[ids] = grad.sum(dim=0)
+    rows = tilt_rows(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
+    if rows:
+        order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
+        Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, row_mass, tensor_cores=False).add_to(grad_e, e32, 0)
     return (
         grad_e.to(e.dtype),
         grad_c.to(c.dtype),
