@@ -58,30 +58,29 @@ def test_kept_tile_mask_is_the_dense_softmax_test(forward_block_n: int, eps: flo
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tilt_is_the_heaviest_tiles_weighted_covariance(with_bias: bool) -> None:
-    """Tilt.estimate: over the `rows // width` tiles (in vocab-order positions, the last one
-    ragged) with the most skipped mass, the mass-weighted mean of each tile's covariance of c's
-    rows about their mean (and of c and bias); the lighter tiles play no part. add_to adds
-    row_mass * (S e + K)."""
+    """Tilt.estimate: over the `rows // width` whole tiles (in vocab-order positions; the
+    ragged last one never) with the most skipped mass, the mass-weighted mean of each tile's
+    covariance of c's rows about their mean (and of c and bias); the lighter tiles play no
+    part. add_to adds row mass * (S e + K)."""
     g = torch.Generator().manual_seed(3)
-    v, d, width = 70, 6, 16  # 5 tiles, the last holding 6 positions
+    v, d, width = 70, 6, 16  # 4 whole tiles and a ragged one of 6 positions
     c = torch.randn(v, d, generator=g, dtype=torch.float64)
     bias = torch.randn(v, generator=g, dtype=torch.float64) if with_bias else None
     order = torch.randperm(v, generator=g)
-    tile_mass = torch.tensor([0.5, 0.0, 2.0, 0.1, 1.0], dtype=torch.float64)
-    row_mass = torch.rand(9, generator=g, dtype=torch.float64)
+    tile_mass = torch.tensor([0.5, 0.0, 2.0, 0.1, 9.0], dtype=torch.float64)
     tilt = Tilt.estimate(c.float(), None if bias is None else bias.float(), order, tile_mass.float(), width, 3 * width,
-                         row_mass.float(), tensor_cores=False)
+                         tensor_cores=False)
 
-    heaviest = [2, 4, 0]  # 2.0, 1.0, 0.5
+    heaviest = [2, 0, 3]  # 2.0, 0.5, 0.1 (the ragged tile's 9.0 is not a candidate)
     weights = tile_mass[heaviest] / tile_mass[heaviest].sum()
     expected_s = torch.zeros(d, d, dtype=torch.float64)
     expected_k = torch.zeros(d, dtype=torch.float64)
     for tile, weight in zip(heaviest, weights):
         ids = order[tile * width:(tile + 1) * width]
         deviation = c[ids] - c[ids].mean(dim=0)
-        expected_s += weight * deviation.T @ deviation / len(ids)
+        expected_s += weight * deviation.T @ deviation / width
         if bias is not None:
-            expected_k += weight * deviation.T @ (bias[ids] - bias[ids].mean()) / len(ids)
+            expected_k += weight * deviation.T @ (bias[ids] - bias[ids].mean()) / width
     torch.testing.assert_close(tilt.covariance.double(), expected_s, rtol=1e-5, atol=1e-6)
     if bias is None:
         assert tilt.bias_covariance is None
@@ -89,9 +88,10 @@ def test_tilt_is_the_heaviest_tiles_weighted_covariance(with_bias: bool) -> None
         torch.testing.assert_close(tilt.bias_covariance.double(), expected_k, rtol=1e-5, atol=1e-6)
 
     e = torch.randn(9, d, generator=g, dtype=torch.float64)
+    row_mass = torch.rand(9, generator=g, dtype=torch.float64)
     acc = torch.randn(9, d, generator=g)
     expected_acc = acc.double() + row_mass[:, None] * (e @ expected_s + expected_k)
-    tilt.add_to(acc, e.float(), 0)
+    tilt.add_to(acc, e.float(), row_mass.float())
     torch.testing.assert_close(acc.double(), expected_acc, rtol=1e-5, atol=1e-6)
 
 

@@ -226,7 +226,8 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkey
     untilted = grads(True), grads(False)
     for path, without_tilt in zip((kernels, cpu), untilted):
         assert relative_error(without_tilt[0], path[0]) > 1e-2, "the tilt moved dE little: the test shows nothing"
-    monkeypatch.setattr(filtering.SkippedTiles, "d_logits", lambda self, tile_lse, *_: torch.zeros_like(tile_lse, dtype=torch.float32))
+    monkeypatch.setattr(filtering.SkippedTiles, "d_logits", lambda self, tile_lse, *_: (
+        torch.zeros_like(tile_lse, dtype=torch.float32), torch.zeros(tile_lse.shape[0])))
     monkeypatch.setattr(cpu_path, "_tile_row_means", lambda x, block_n: torch.zeros_like(x))
     for without in (grads(True), grads(False)):
         assert relative_error(without[0], kernels[0]) > 1e-2, "the skipped tiles held little: the test shows nothing"

@@ -35,7 +35,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_rows
+from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_rows
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -126,7 +126,9 @@ def linear_cross_entropy_backward(
         # dbias, summed over the token chunks, and dE's tilt (Tilt).
         skipped = skipped_tiles(kept_tiles, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
-        tilt = skipped.tilt(c, bias, vocab_order, tile_lse, coef_softmax, tilt_rows(n_bucket(n), v, d), eager_cuda)
+        tilt_sample = tilt_rows(n_bucket(n), v, d)
+        tilt = Tilt.estimate(c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, tilt_sample,
+                             eager_cuda) if tilt_sample else None
         forward_tiles = tile_lse.shape[1]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
@@ -213,7 +215,7 @@ def linear_cross_entropy_backward(
             """A token chunk's skipped tiles (SkippedTiles): dE's accumulator starts from their
             share, dC's and dbias's per-tile shares are summed for the end."""
             row_end = row_start + rows
-            d_logits = skipped.d_logits(
+            d_logits, row_mass = skipped.d_logits(
                 tile_lse[row_start:row_end], coef_softmax[row_start:row_end],
                 coef_smooth[row_start:row_end] if has_smoothing else None, row_start,
             )
@@ -228,7 +230,7 @@ def linear_cross_entropy_backward(
             if grad_bias_per_tile is not None:
                 grad_bias_per_tile.add_(d_logits.sum(dim=0))
             if tilt is not None:
-                tilt.add_to(acc_rows, e[row_start:row_end], row_start)
+                tilt.add_to(acc_rows, e[row_start:row_end], row_mass)
 
         def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run

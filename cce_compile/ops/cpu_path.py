@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..config.plan import n_bucket
-from .filtering import Tilt, flat_rows, tile_widths, tilt_rows
+from .filtering import Tilt, flat_rows, tile_widths, tilt_rows, tilt_sample_rows
 
 
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
@@ -93,7 +93,8 @@ def backward_cpu(
         ]).amax(dim=0)
         flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
         row_mass = e32.new_zeros((e.shape[0],))  # coef_softmax * softmax mass in skipped tiles
-        tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, summed over rows
+        tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, over the sample
+        sample = tilt_sample_rows(e.shape[0], e.device)
         keep_tile = (filter_tile[0], max(filter_tile[1], forward_block_n))
     grad_e = torch.zeros_like(e32)
     grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
@@ -121,7 +122,7 @@ def backward_cpu(
             skipped_mass = torch.where(skipped, softmax, 0.0)
             row_mass += coef_softmax * skipped_mass.sum(dim=1)
             tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
-            tile_mass.index_add_(0, tile_of_column, coef_softmax.abs() @ skipped_mass)
+            tile_mass.index_add_(0, tile_of_column, coef_softmax[sample].abs() @ skipped_mass[sample])
         grad_e += grad @ c[ids].to(torch.float32)
         grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
@@ -129,7 +130,7 @@ def backward_cpu(
     rows = tilt_rows(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
     if rows:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
-        Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, row_mass, tensor_cores=False).add_to(grad_e, e32, 0)
+        Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, tensor_cores=False).add_to(grad_e, e32, row_mass)
     return (
         grad_e.to(e.dtype),
         grad_c.to(c.dtype),

@@ -147,32 +147,31 @@ class SkippedTiles:
     columns: Tensor  # (forward tiles,) fp32
     smoothing_weights: Tensor | None  # (forward tiles,) fp32: label smoothing's weights per tile
     block_m: int
-    width: int  # the forward tile's, whose log-sum-exps these are
 
-    def d_logits(self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row) -> Tensor:
+    def d_logits(
+        self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row
+    ) -> tuple[Tensor, Tensor]:
         """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m), from
         their tile log-sum-exps less lse (backward_tile_stats): the d-logit each column of a
-        skipped tile stands in for, 0 where the tile is computed."""
+        skipped tile stands in for, 0 where the tile is computed; and (rows,) the rows' softmax
+        mass in skipped tiles times coef_softmax, the tilt's weight (Tilt)."""
         rows = tile_lse.shape[0]
         first_block = first_row // self.block_m
         computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
+        computed = computed.repeat_interleave(self.block_m, dim=0)[:rows]
         # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the put-back.
-        sums = tile_lse.float().exp_().mul_(coef_softmax[:, None])
+        sums = tile_lse.float().exp_().mul_(coef_softmax[:, None]).masked_fill_(computed, 0.0)
+        row_mass = sums.sum(dim=1)
         if coef_smooth is not None:
-            sums.sub_(coef_smooth[:, None] * self.smoothing_weights)
-        return sums.div_(self.columns).masked_fill_(computed.repeat_interleave(self.block_m, dim=0)[:rows], 0.0)
+            sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
+        return sums.div_(self.columns), row_mass
 
-    def tilt(
-        self, c: Tensor, bias: Tensor | None, order: Tensor, tile_lse: Tensor, coef_softmax: Tensor, rows: int,
-        tensor_cores: bool,
-    ) -> "Tilt | None":
-        """The skipped tiles' tilt for all N rows, from `rows` of c (tilt_rows; 0: none). One
-        (N, forward tiles) fp32 temporary, made before the backward's gradients and scratch."""
-        if rows == 0:
-            return None
-        mass = self.d_logits(tile_lse, coef_softmax.abs(), None, 0)  # |coef| * a tile's mass / its columns
-        row_mass = torch.sign(coef_softmax) * (mass @ self.columns)
-        return Tilt.estimate(c, bias, order, mass.sum(dim=0) * self.columns, self.width, rows, row_mass, tensor_cores)
+    def tile_mass(self, tile_lse: Tensor, coef_softmax: Tensor) -> Tensor:
+        """(forward tiles,) fp32: |coef_softmax| times the softmax mass each tile skips, summed
+        over tilt_sample_rows: which tiles the tilt is estimated from, and their weights."""
+        picked = tilt_sample_rows(tile_lse.shape[0], tile_lse.device)
+        mass = tile_lse[picked].float().exp_().mul_(coef_softmax[picked].abs()[:, None])
+        return mass.masked_fill_(self.computed[picked // self.block_m], 0.0).sum(dim=0)
 
 
 def skipped_tiles(
@@ -193,7 +192,7 @@ def skipped_tiles(
         smoothing_weights = columns if weight is None else F.pad(
             weight.index_select(0, order).to(torch.float32), (0, tiles * forward_block_n - v)
         ).reshape(tiles, forward_block_n).sum(dim=1)
-    return SkippedTiles(kept_forward[:, :tiles] != 0, columns, smoothing_weights, block_m, forward_block_n)
+    return SkippedTiles(kept_forward[:, :tiles] != 0, columns, smoothing_weights, block_m)
 
 
 TILT_ROWS_PER_D = 32
@@ -213,7 +212,15 @@ and N x D^2 to apply it, against N x V x D. Affordable where D is small against 
 skipped mass moves dE the most against its norm."""
 
 TILT_FREE_FLOPS = 2**32
-"""Under this many FLOPs (small problems, tests) the tilt takes every tile."""
+"""Under this many FLOPs (small problems, tests) the tilt takes every whole tile."""
+
+TILT_SAMPLE_ROWS = 1024
+"""Rows (evenly strided) whose skipped mass picks and weights the tilt's tiles: the ranking
+needs no more, and all N rows' would be an (N, tiles) pass more."""
+
+
+def tilt_sample_rows(n: int, device: torch.device) -> Tensor:
+    return torch.arange(0, n, max(1, n // TILT_SAMPLE_ROWS), device=device)
 
 
 def tilt_rows(n: int, v: int, d: int) -> int:
@@ -232,36 +239,32 @@ class Tilt:
     tile's mass times c's mean over it. To first order (exactly, for Gaussian c rows) it is
     that plus the mass times S e_i, with S the covariance of the tile's c rows about their
     mean (and, with a bias, plus the mass times the covariance of c and bias, K). One S and K
-    stand for every tile: averaged over the skipped tiles that hold the most mass, weighted by
-    it. On LM-like heads this is most of filtered mode's dE error (6.6e-3 -> 0.7e-3 with S
-    from all of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker unigram
-    prior, where the tail holds 27% of the mass). dE gains row_mass_i * (S e_i + K)."""
+    stand for every tile: averaged over the whole skipped tiles that hold the most mass,
+    weighted by it. On LM-like heads this is most of filtered mode's dE error (6.6e-3 -> 0.7e-3
+    with S from all of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker
+    unigram prior, where the tail holds 27% of the mass). dE gains row mass * (S e_i + K),
+    the row mass being coef_softmax times the row's softmax mass in skipped tiles."""
 
     covariance: Tensor  # (D, D): S, fp32 (bf16 where it is applied on the tensor cores)
     bias_covariance: Tensor | None  # (D,) fp32: K
-    row_mass: Tensor  # (N,) fp32: coef_softmax times the row's softmax mass in skipped tiles
 
     @staticmethod
     def estimate(
-        c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, rows: int, row_mass: Tensor,
-        tensor_cores: bool,
+        c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, rows: int, tensor_cores: bool,
     ) -> "Tilt":
-        """S and K from the cdiv(rows, width) tiles (of `width` positions in `order`) with the
-        largest `tile_mass` (each tile's skipped mass, summed over rows), weighted by it."""
+        """S and K from the cdiv(rows, width) whole tiles (of `width` positions in `order`)
+        with the largest `tile_mass` (each tile's skipped mass), weighted by it."""
         v, d = c.shape
-        top = torch.topk(tile_mass, min(cdiv(rows, width), tile_mass.shape[0])).indices
-        positions = top[:, None] * width + torch.arange(width, device=c.device)
-        valid = positions < v
-        ids = order[positions.clamp_max(v - 1)]
-        count = valid.sum(dim=1)
-        share = tile_mass[top].clamp_min(0.0)
-        # sqrt(weight / columns) on each row of a tile, 0 past V: S is then one Gram matrix.
-        scale = torch.where(valid, (share / share.sum().clamp_min(1e-30) / count).sqrt()[:, None], 0.0)
+        whole = tile_mass[: v // width]
+        top = torch.topk(whole, min(cdiv(rows, width), whole.shape[0])).indices
+        ids = order[top[:, None] * width + torch.arange(width, device=c.device)]
+        share = whole[top].clamp_min(0.0)
+        scale = (share / (share.sum().clamp_min(1e-30) * width)).sqrt()  # S is then one Gram matrix
         c_rows = c[ids].to(torch.bfloat16 if tensor_cores else torch.float32)  # (tiles, width, D)
-        mean = torch.where(valid[:, :, None], c_rows, 0.0).sum(dim=1, dtype=torch.float32) / count[:, None]
-        # The mean in c's dtype: its rounding shifts a tile's deviations alike, which moves S
+        # The mean in c_rows' dtype: its rounding shifts a tile's deviations alike, which moves S
         # only in the second order (the deviations sum to ~0 over the tile).
-        deviation = ((c_rows - mean.to(c_rows.dtype)[:, None]) * scale.to(c_rows.dtype)[:, :, None]).reshape(-1, d)
+        mean = c_rows.mean(dim=1, dtype=torch.float32).to(c_rows.dtype)
+        deviation = (c_rows - mean[:, None]).mul_(scale.to(c_rows.dtype)[:, None, None]).reshape(-1, d)
         if tensor_cores:
             covariance = torch.mm(deviation.T, deviation, out_dtype=torch.float32).bfloat16()
         else:
@@ -269,21 +272,19 @@ class Tilt:
         bias_covariance = None
         if bias is not None:
             bias_rows = bias.float()[ids]
-            bias_mean = torch.where(valid, bias_rows, 0.0).sum(dim=1) / count
-            bias_deviation = ((bias_rows - bias_mean[:, None]) * scale).reshape(-1)
-            bias_covariance = deviation.float().T @ bias_deviation
-        return Tilt(covariance, bias_covariance, row_mass)
+            bias_deviation = (bias_rows - bias_rows.mean(dim=1, keepdim=True)) * scale[:, None]
+            bias_covariance = deviation.float().T @ bias_deviation.reshape(-1)
+        return Tilt(covariance, bias_covariance)
 
-    def add_to(self, acc_rows: Tensor, e_rows: Tensor, first_row) -> None:
-        """acc_rows (fp32, the rows of dE from first_row) += row_mass * (S e + K)."""
-        mass = self.row_mass[first_row:first_row + acc_rows.shape[0]]
-        scaled_e = (e_rows * mass[:, None]).to(self.covariance.dtype)
+    def add_to(self, acc_rows: Tensor, e_rows: Tensor, row_mass: Tensor) -> None:
+        """acc_rows (fp32, rows of dE) += row_mass * (S e + K)."""
+        scaled_e = (e_rows * row_mass[:, None]).to(self.covariance.dtype)
         if self.covariance.dtype == torch.float32:
             acc_rows.addmm_(scaled_e, self.covariance)
         else:  # tensor cores: 16-bit operands, fp32 sums
             torch.addmm(acc_rows, scaled_e, self.covariance, out_dtype=torch.float32, out=acc_rows)
         if self.bias_covariance is not None:
-            acc_rows.addr_(mass, self.bias_covariance)
+            acc_rows.addr_(row_mass, self.bias_covariance)
 
 
 @dataclass(frozen=True)
