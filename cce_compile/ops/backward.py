@@ -121,21 +121,24 @@ def linear_cross_entropy_backward(
         mask = chunk_tile_mask(kept_tiles, plan.n_chunks, chunk_tile_rows)
         steps = filtered_steps(mask, capacity, slab_tiles, packed)
         lists = step_lists(mask, steps, capacity)
-        # What the skipped tiles put back (SkippedTiles): c summed per forward tile (bf16 for the
-        # tensor cores in eager CUDA calls), per tile what each of its columns gets in dC and
-        # dbias, summed over the token chunks, and dE's tilt (Tilt).
+        # What the skipped tiles put back (SkippedTiles): c summed per forward tile, per tile
+        # what each of its columns gets in dC and dbias, summed over the token chunks, and dE's
+        # tilt (Tilt). dE's share is one GEMM per token chunk: [d_logits | the tilt's columns]
+        # against [c_tile_sums; the tilt's rows] (bf16 operands on the tensor cores in eager
+        # CUDA calls).
         skipped = skipped_tiles(kept_tiles, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
-        tilt_sample = tilt_rows(n_bucket(n), v, d)
-        tilt = Tilt.estimate(c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, tilt_sample,
-                             eager_cuda) if tilt_sample else None
         forward_tiles = tile_lse.shape[1]
         c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
             c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
         )
+        sampled = tilt_rows(n_bucket(n), v, d)
+        tilt = Tilt.estimate(c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, sampled,
+                             eager_cuda, tile_sums=c_tile_sums) if sampled else None
+        put_back_rows = torch.cat([c_tile_sums, tilt.rows()]) if tilt is not None else c_tile_sums
         if eager_cuda:
-            c_tile_sums = c_tile_sums.bfloat16()
+            put_back_rows = put_back_rows.bfloat16()
         grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
         grad_bias_per_tile = (
             torch.zeros(forward_tiles, dtype=torch.float32, device=e.device) if bias is not None else None
@@ -220,17 +223,19 @@ def linear_cross_entropy_backward(
                 coef_smooth[row_start:row_end] if has_smoothing else None, row_start,
             )
             acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+            e_rows = e[row_start:row_end]
+            columns = torch.empty((rows, put_back_rows.shape[0]), dtype=put_back_rows.dtype, device=e.device)
+            columns[:, :forward_tiles].copy_(d_logits)
+            if tilt is not None:
+                tilt.columns(e_rows, row_mass, out=columns[:, forward_tiles:])
             if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
-                torch.mm(d_logits.bfloat16(), c_tile_sums, out_dtype=torch.float32, out=acc_rows)
-                grad_c_per_tile.add_(torch.mm(d_logits.T.bfloat16(), e[row_start:row_end].bfloat16(),
-                                              out_dtype=torch.float32))
+                torch.mm(columns, put_back_rows, out_dtype=torch.float32, out=acc_rows)
+                grad_c_per_tile.add_(torch.mm(columns[:, :forward_tiles].T, e_rows.bfloat16(), out_dtype=torch.float32))
             else:
-                torch.mm(d_logits, c_tile_sums, out=acc_rows)
-                grad_c_per_tile.addmm_(d_logits.T, e[row_start:row_end].to(torch.float32))
+                torch.mm(columns, put_back_rows, out=acc_rows)
+                grad_c_per_tile.addmm_(d_logits.T, e_rows.to(torch.float32))
             if grad_bias_per_tile is not None:
                 grad_bias_per_tile.add_(d_logits.sum(dim=0))
-            if tilt is not None:
-                tilt.add_to(acc_rows, e[row_start:row_end], row_mass)
 
         def step_gemms(chunk: int, step: int, row_start, rows, acc_offset, first_column, columns, last: bool) -> None:
             """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run

@@ -79,12 +79,13 @@ def backward_cpu(
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
-    that order, as the kernels do, and the gradients land back at each token's own row; a
-    skipped tile's d-logits are replaced by their row means over it, as the kernels' path
-    puts their row sums back (ops/filtering.SkippedTiles), and dE gains their tilt
-    (filtering.Tilt, from the skipped softmax mass per row and per `tilt_width` columns, the
-    kernels' forward tile); flat rows
-    (filtering.flat_rows) keep every tile."""
+    that order, as the kernels do, and the gradients land back at each token's own row. As in
+    the kernels, a tile is skipped whole, `filter_tile` rows by the wider of its columns and
+    the forward's tile (`forward_block_n`, whose statistics decide there); a skipped forward
+    tile's d-logits are replaced by their row means over it, as the kernels' path puts their
+    row sums back (ops/filtering.SkippedTiles), and dE gains their tilt (filtering.Tilt, from
+    the skipped softmax mass per row and per forward tile); flat rows (filtering.flat_rows)
+    keep every tile."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
@@ -130,7 +131,9 @@ def backward_cpu(
     rows = tilt_rows(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
     if rows:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
-        Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, tensor_cores=False).add_to(grad_e, e32, row_mass)
+        tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, tensor_cores=False)
+        tilt_columns = tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt.rows().shape[0])))
+        grad_e.addmm_(tilt_columns, tilt.rows())
     return (
         grad_e.to(e.dtype),
         grad_c.to(c.dtype),

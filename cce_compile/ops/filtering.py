@@ -239,52 +239,60 @@ class Tilt:
     tile's mass times c's mean over it. To first order (exactly, for Gaussian c rows) it is
     that plus the mass times S e_i, with S the covariance of the tile's c rows about their
     mean (and, with a bias, plus the mass times the covariance of c and bias, K). One S and K
-    stand for every tile: averaged over the whole skipped tiles that hold the most mass,
-    weighted by it. On LM-like heads this is most of filtered mode's dE error (6.6e-3 -> 0.7e-3
-    with S from all of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker
-    unigram prior, where the tail holds 27% of the mass). dE gains row mass * (S e_i + K),
-    the row mass being coef_softmax times the row's softmax mass in skipped tiles."""
+    stand for every tile: averaged over the whole skipped tiles that hold the most mass. On
+    LM-like heads this is most of filtered mode's dE error (6.6e-3 -> 0.7e-3 with S from all
+    of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker unigram prior,
+    where the tail holds 27% of the mass; weighting the tiles by their mass changed nothing).
+    dE gains m_i (S e_i + K), m_i being coef_softmax times row i's softmax mass in skipped
+    tiles: the put-back's GEMM takes m_i e_i (and m_i) as more columns (`columns`) against S
+    (and K) as more rows (`rows`)."""
 
-    covariance: Tensor  # (D, D): S, fp32 (bf16 where it is applied on the tensor cores)
+    covariance: Tensor  # (D, D) fp32: S
     bias_covariance: Tensor | None  # (D,) fp32: K
 
     @staticmethod
     def estimate(
         c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, rows: int, tensor_cores: bool,
+        tile_sums: Tensor | None = None,
     ) -> "Tilt":
-        """S and K from the cdiv(rows, width) whole tiles (of `width` positions in `order`)
-        with the largest `tile_mass` (each tile's skipped mass), weighted by it."""
+        """S and K over the cdiv(rows, width) whole tiles (of `width` positions in `order`)
+        with the largest `tile_mass`: one Gram matrix of their c rows (bf16 operands on the
+        tensor cores, fp32 sums) less their means' (from `tile_sums`, c summed per tile in
+        fp32, where the caller has them). The Gram matrix's entries are up to ~10^3 x S's (c's
+        rows share a mean) and carry fp32's 2^-24: S keeps ~1e-4 of itself."""
         v, d = c.shape
         whole = tile_mass[: v // width]
-        top = torch.topk(whole, min(cdiv(rows, width), whole.shape[0])).indices
-        ids = order[top[:, None] * width + torch.arange(width, device=c.device)]
-        share = whole[top].clamp_min(0.0)
-        scale = (share / (share.sum().clamp_min(1e-30) * width)).sqrt()  # S is then one Gram matrix
-        c_rows = c[ids].to(torch.bfloat16 if tensor_cores else torch.float32)  # (tiles, width, D)
-        # The mean in c_rows' dtype: its rounding shifts a tile's deviations alike, which moves S
-        # only in the second order (the deviations sum to ~0 over the tile).
-        mean = c_rows.mean(dim=1, dtype=torch.float32).to(c_rows.dtype)
-        deviation = (c_rows - mean[:, None]).mul_(scale.to(c_rows.dtype)[:, None, None]).reshape(-1, d)
+        tiles = min(cdiv(rows, width), whole.shape[0])
+        top = torch.topk(whole, tiles).indices
+        ids = order[top[:, None] * width + torch.arange(width, device=c.device)].reshape(-1)
+        c_rows = c[ids].to(torch.bfloat16 if tensor_cores else torch.float32)  # (tiles * width, D)
         if tensor_cores:
-            covariance = torch.mm(deviation.T, deviation, out_dtype=torch.float32).bfloat16()
+            gram = torch.mm(c_rows.T, c_rows, out_dtype=torch.float32)
         else:
-            covariance = deviation.T @ deviation
+            gram = c_rows.T @ c_rows
+        means = (tile_sums[top] / width if tile_sums is not None
+                 else c_rows.view(tiles, width, d).mean(dim=1, dtype=torch.float32))
+        covariance = gram / (tiles * width) - means.T @ means / tiles
         bias_covariance = None
         if bias is not None:
             bias_rows = bias.float()[ids]
-            bias_deviation = (bias_rows - bias_rows.mean(dim=1, keepdim=True)) * scale[:, None]
-            bias_covariance = deviation.float().T @ bias_deviation.reshape(-1)
+            bias_means = bias_rows.view(tiles, width).mean(dim=1)
+            bias_covariance = c_rows.float().T @ bias_rows / (tiles * width) - means.T @ bias_means / tiles
         return Tilt(covariance, bias_covariance)
 
-    def add_to(self, acc_rows: Tensor, e_rows: Tensor, row_mass: Tensor) -> None:
-        """acc_rows (fp32, rows of dE) += row_mass * (S e + K)."""
-        scaled_e = (e_rows * row_mass[:, None]).to(self.covariance.dtype)
-        if self.covariance.dtype == torch.float32:
-            acc_rows.addmm_(scaled_e, self.covariance)
-        else:  # tensor cores: 16-bit operands, fp32 sums
-            torch.addmm(acc_rows, scaled_e, self.covariance, out_dtype=torch.float32, out=acc_rows)
+    def rows(self) -> Tensor:
+        """(D or D + 1, D) fp32: S, and K where there is a bias."""
+        if self.bias_covariance is None:
+            return self.covariance
+        return torch.cat([self.covariance, self.bias_covariance[None]])
+
+    def columns(self, e_rows: Tensor, row_mass: Tensor, out: Tensor) -> Tensor:
+        """`out` (rows, D or D + 1): m e, and m where there is a bias; against `rows()`."""
+        d = e_rows.shape[1]
+        torch.mul(e_rows, row_mass[:, None], out=out[:, :d])
         if self.bias_covariance is not None:
-            acc_rows.addr_(row_mass, self.bias_covariance)
+            out[:, d].copy_(row_mass)
+        return out
 
 
 @dataclass(frozen=True)
