@@ -50,9 +50,13 @@ def parse_switch(spec: str) -> tuple[object, str, dict[str, object]]:
     if not hasattr(module, attribute):
         raise SystemExit(f"--switch: {path} has no {attribute}")
     if field is None:
-        return module, attribute, {value: int(value) for value in values.split(",")}
+        return module, attribute, {value: _number(value) for value in values.split(",")}
     constant = getattr(module, attribute)
-    return module, attribute, {value: replace(constant, **{field: int(value)}) for value in values.split(",")}
+    return module, attribute, {value: replace(constant, **{field: _number(value)}) for value in values.split(",")}
+
+
+def _number(text: str) -> int | float:
+    return int(text) if text.lstrip("-").isdigit() else float(text)
 
 
 def parse_config(spec: str) -> tuple[object, str, dict[str, object]]:
@@ -83,11 +87,12 @@ def parse_plans(spec: str) -> tuple[object, str, dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     choice = parser.add_mutually_exclusive_group(required=True)
-    choice.add_argument("--switch", help="module.ATTRIBUTE=value,value,... (integers)")
+    choice.add_argument("--switch", help="module.ATTRIBUTE=value,value,... (numbers)")
     choice.add_argument("--plans", help="CHUNKSxSLAB_V,... forced backward plans (16-bit inputs)")
     choice.add_argument("--config", help="KERNEL.FIELD=value,... a field of the resolved config (e.g. forward.group_m)")
     parser.add_argument("--shapes", default="qwen2.5-0.5b")
     parser.add_argument("--impls", default="cce_exact")
+    parser.add_argument("--kinds", default="lm_like", help="input kinds (harness.INPUT_KINDS)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=float, default=300.0)
     args = parser.parse_args()
@@ -97,27 +102,27 @@ def main() -> None:
     shapes = [harness.parse_shape(spec) for spec in args.shapes.split(",")]
     impls = peers.resolve_impls(args.impls.split(","))
     settings = harness.Settings(warmup_ms=25.0, rep_ms=args.rep_ms, input_sets=2, budget_s=None, uniform_all=False)
-    timed: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
+    timed: dict[tuple[str, str, str], list[tuple[float, float, float, float, float]]] = {}
     for round_index in range(1, args.rounds + 1):
         for value, setting in values.items():
             setattr(module, attribute, setting)
             resolve.reset()  # configs are resolved once per process: a switched heuristic takes effect
-            for run in harness.run_benchmark(shapes, ["lm_like"], impls, settings):
+            for run in harness.run_benchmark(shapes, harness.resolve_kinds(args.kinds.split(",")), impls, settings):
                 for result in run.impls:
                     if result.status != "ok":
                         print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: {result.reason}")
                         continue
-                    timed.setdefault((value, run.shape.label, result.label), []).append(
-                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms, result.memory_x_grads))
-                    print(f"{attribute}={value} round {round_index}: {run.shape.label} {result.label}: "
+                    timed.setdefault((value, f"{run.shape.label} {run.kind}", result.label), []).append(
+                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms, result.memory_x_grads, result.rel_err_de))
+                    print(f"{attribute}={value} round {round_index}: {run.shape.label} {run.kind} {result.label}: "
                           f"fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.3f} x GEMM), "
                           f"fwd {result.fwd_ms:.2f} ms, memory {result.memory_x_grads:.3f} x grads, "
                           f"err dE {result.rel_err_de:.1e} dC {result.rel_err_dc:.1e}", flush=True)
     print("medians:")
     for (value, shape, label), rows in timed.items():
-        ratio, fwd_bwd, fwd, memory = (statistics.median(column) for column in zip(*rows))
+        ratio, fwd_bwd, fwd, memory, de = (statistics.median(column) for column in zip(*rows))
         print(f"  {attribute}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), "
-              f"fwd {fwd:.2f} ms, memory {memory:.3f} x grads")
+              f"fwd {fwd:.2f} ms, memory {memory:.3f} x grads, err dE {de:.1e}")
 
 
 if __name__ == "__main__":
