@@ -15,11 +15,15 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
-    """0.0 is exact mode. "auto" is the paper's choice: the dtype's epsilon / 32 (2**-12 for bf16)."""
+    """0.0 is exact mode. "auto": the dtype's epsilon / 8 (2**-10 for bf16 and fp32), four times
+    the paper's eps / 32: what is skipped comes back as each tile's row sums and tilt
+    (ops/filtering.SkippedTiles, Tilt), so the coarser filter keeps dE within 2.5-7e-3 of fp32
+    on LM-like and heavy-tailed heads at 1.8-2.3 x a GEMM on the H200, where 2^-12 took 1.9-3.4 x
+    (docs/performance.md, v25)."""
     if filter_eps is None:
         return 0.0
     if filter_eps == "auto":
-        return torch.finfo(dtype).eps / 32 if dtype != torch.float32 else 2.0**-12
+        return torch.finfo(dtype).eps / 8 if dtype != torch.float32 else 2.0**-10
     if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0.0 < filter_eps < 1.0:
         raise ValueError(f"filter_eps must be None, 'auto' or a float in (0, 1), got {filter_eps!r}")
     return float(filter_eps)

@@ -176,3 +176,21 @@ def test_filtered_mode_is_close_and_exact_is_default() -> None:
     assert not torch.equal(ec[1].grad, ref[1].grad), "no tile was filtered: the test shows nothing"
     assert relative_error(ec[0].grad, ref[0].grad) < 1e-2
     assert relative_error(ec[1].grad, ref[1].grad) < 1e-2
+
+
+def test_auto_filter_is_a_quarter_of_the_papers_eps_over_32() -> None:
+    """filter_eps="auto" is the dtype's epsilon / 8 (2^-10 for bf16 and fp32): the put-back and
+    tilt keep that coarser filter accurate (docs/performance.md, v25)."""
+    from cce_compile.api import _resolve_filter_eps
+
+    assert _resolve_filter_eps("auto", torch.bfloat16) == 2.0**-10
+    assert _resolve_filter_eps("auto", torch.float16) == 2.0**-13
+    assert _resolve_filter_eps("auto", torch.float32) == 2.0**-10
+    e, c, targets = make_inputs("zipf", (64,), 512, 32, torch.bfloat16, seed=1)
+
+    def grad_e(filter_eps) -> torch.Tensor:
+        leaf = e.clone().requires_grad_()
+        cce_compile.linear_cross_entropy(leaf, c, targets, filter_eps=filter_eps).backward()
+        return leaf.grad
+
+    torch.testing.assert_close(grad_e("auto"), grad_e(2.0**-10), rtol=0, atol=0)

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cce_compile.bench.inputs import FILTER_EPS
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -105,7 +104,7 @@ IMPLS: dict[str, Impl] = {
     impl.key: impl
     for impl in (
         Impl("cce_exact", "cce_compile exact", lambda: _load_cce(None), on_uniform=True),
-        Impl("cce_filtered", "cce_compile filtered 2^-12", lambda: _load_cce(FILTER_EPS), on_uniform=True),
+        Impl("cce_filtered", "cce_compile filtered (auto: 2^-10)", lambda: _load_cce("auto"), on_uniform=True),
         Impl("torch_compile", "torch.compile", _load_compiled, on_uniform=False),
         Impl("apple_cce", "Apple cce (default, filtered)", _load_apple_default, on_uniform=True),
         Impl("apple_cce_exact", "Apple cce_exact", _load_apple_exact, on_uniform=False),
