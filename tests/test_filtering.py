@@ -107,3 +107,11 @@ def test_tilt_rows_stay_within_their_cost() -> None:
     assert tilt_rows(8192, 128256, 4096) == 0 and tilt_rows(4096, 128256, 8192) == 0
     for n, v, d, rows in ((16384, 151936, 896, qwen), (8192, 256000, 2304, gemma)):
         assert (rows + n) * d * d <= filtering.TILT_COST * n * v * d
+
+
+def test_tilt_of_a_vocabulary_under_one_tile_is_zero() -> None:
+    """With no whole tile to estimate from (V under the forward tile), the tilt adds nothing
+    (and no NaN from an empty average)."""
+    c = torch.randn(20, 8)
+    tilt = Tilt.estimate(c, torch.randn(20), torch.arange(20), torch.ones(1), 32, 20, tensor_cores=False)
+    assert torch.equal(tilt.rows(), torch.zeros(9, 8))

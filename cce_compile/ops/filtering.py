@@ -168,7 +168,7 @@ class SkippedTiles:
 
     def tile_mass(self, tile_lse: Tensor, coef_softmax: Tensor) -> Tensor:
         """(forward tiles,) fp32: |coef_softmax| times the softmax mass each tile skips, summed
-        over tilt_sample_rows: which tiles the tilt is estimated from, and their weights."""
+        over tilt_sample_rows: which tiles the tilt is estimated from."""
         picked = tilt_sample_rows(tile_lse.shape[0], tile_lse.device)
         mass = tile_lse[picked].float().exp_().mul_(coef_softmax[picked].abs()[:, None])
         return mass.masked_fill_(self.computed[picked // self.block_m], 0.0).sum(dim=0)
@@ -263,6 +263,9 @@ class Tilt:
         v, d = c.shape
         whole = tile_mass[: v // width]
         tiles = min(cdiv(rows, width), whole.shape[0])
+        if tiles == 0:  # V under one tile: nothing to estimate from, and nothing tilts
+            zero = c.new_zeros((d + 1, d), dtype=torch.float32)
+            return Tilt(zero[:d], None if bias is None else zero[d])
         top = torch.topk(whole, tiles).indices
         ids = order[top[:, None] * width + torch.arange(width, device=c.device)].reshape(-1)
         c_rows = c[ids].to(torch.bfloat16 if tensor_cores else torch.float32)  # (tiles * width, D)
