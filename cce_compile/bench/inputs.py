@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 FILTER_EPS = 2.0**-12
-"""The softmax threshold below which filtered backwards skip work (bf16 eps / 32)."""
+"""The paper's threshold (bf16 eps / 32), Apple's default: the inputs' statistics count entries above it."""
 TILE = 128
 """Side of the square tiles that `softmax_stats` counts."""
 
