@@ -194,3 +194,29 @@ def test_auto_filter_is_a_quarter_of_the_papers_eps_over_32() -> None:
         return leaf.grad
 
     torch.testing.assert_close(grad_e("auto"), grad_e(2.0**-10), rtol=0, atol=0)
+
+
+def test_filtered_mode_tilt_covers_a_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a bias that varies inside tiles (here partly along c's rows), the softmax also leans
+    to the columns whose bias is higher: the tilt's K (c's covariance with the bias) takes that
+    share off dE's error, beyond S alone."""
+    from cce_compile.bench.inputs import lm_like_inputs
+    from cce_compile.ops import cpu_path, filtering
+
+    e, c, targets = lm_like_inputs(256, 256, 32768, torch.float32, "cpu", seed=2)
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(32768, generator=g) + 0.5 * (c @ torch.randn(256, generator=g))
+
+    def grad_e(filter_eps: float | None) -> torch.Tensor:
+        leaf = e.clone().requires_grad_()
+        cce_compile.linear_cross_entropy(leaf, c, targets, bias=bias, filter_eps=filter_eps).backward()
+        return leaf.grad
+
+    exact, tilted = grad_e(None), grad_e(2.0**-12)
+    zero_k = lambda self: torch.cat([self.covariance, 0 * self.bias_covariance[None]])  # noqa: E731
+    monkeypatch.setattr(filtering.Tilt, "rows", zero_k)
+    without_k = grad_e(2.0**-12)
+    monkeypatch.setattr(cpu_path, "tilt_rows", lambda n, v, d: 0)
+    untilted = grad_e(2.0**-12)
+    assert relative_error(tilted, exact) < 0.7 * relative_error(without_k, exact)
+    assert relative_error(without_k, exact) < 0.7 * relative_error(untilted, exact)
