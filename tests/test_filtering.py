@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cce_compile.ops import filtering
-from cce_compile.ops.filtering import Tilt, kept_tile_mask, tilt_rows, vocab_order
+from cce_compile.ops.filtering import Tilt, kept_tile_mask, tilt_sample_size, vocab_order
 
 from .op_cases import make_inputs
 
@@ -95,16 +95,16 @@ def test_tilt_is_the_heaviest_tiles_covariance(with_bias: bool, tile_sums: bool)
     torch.testing.assert_close(added.double(), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_tilt_rows_stay_within_their_cost() -> None:
+def test_tilt_sample_size_stays_within_its_cost() -> None:
     """Every tile on small problems; on the benchmark heads TILT_ROWS_PER_D x D rows where the
     cost allows (Qwen2.5), fewer where it binds (Gemma-2), none where fewer than
     TILT_MIN_ROWS_PER_D x D fit (Llama-3, D = 8192); never more than TILT_COST of the logits
     GEMM's FLOPs beyond the free ones."""
-    assert tilt_rows(256, 32768, 256) == 32768
-    qwen, gemma = tilt_rows(16384, 151936, 896), tilt_rows(8192, 256000, 2304)
+    assert tilt_sample_size(256, 32768, 256) == 32768
+    qwen, gemma = tilt_sample_size(16384, 151936, 896), tilt_sample_size(8192, 256000, 2304)
     assert qwen == filtering.TILT_ROWS_PER_D * 896
     assert filtering.TILT_MIN_ROWS_PER_D * 2304 <= gemma < filtering.TILT_ROWS_PER_D * 2304
-    assert tilt_rows(8192, 128256, 4096) == 0 and tilt_rows(4096, 128256, 8192) == 0
+    assert tilt_sample_size(8192, 128256, 4096) == 0 and tilt_sample_size(4096, 128256, 8192) == 0
     for n, v, d, rows in ((16384, 151936, 896, qwen), (8192, 256000, 2304, gemma)):
         assert (rows + n) * d * d <= filtering.TILT_COST * n * v * d
 

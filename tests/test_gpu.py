@@ -288,10 +288,10 @@ def test_filtered_mode_tilt_on_heavy_tail(monkeypatch: pytest.MonkeyPatch) -> No
     filtered mode inside 1e-2 of the fp32 reference and takes off a good part of its error."""
     from cce_compile.bench.inputs import heavy_tail_inputs
     from cce_compile.ops import backward as op_backward
-    from cce_compile.ops.filtering import tilt_rows
+    from cce_compile.ops.filtering import tilt_sample_size
 
     e, c, targets = heavy_tail_inputs(16384, 896, 151936, torch.bfloat16, "cuda", seed=3)
-    assert tilt_rows(16384, 151936, 896) > 0, "the shape should be one the tilt runs on"
+    assert tilt_sample_size(16384, 151936, 896) > 0, "the shape should be one the tilt runs on"
     _, ref_de, ref_dc = fp32_reference(e, c, targets)
 
     def grads() -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +300,7 @@ def test_filtered_mode_tilt_on_heavy_tail(monkeypatch: pytest.MonkeyPatch) -> No
         return ee.grad, cc.grad
 
     tilted = grads()
-    monkeypatch.setattr(op_backward, "tilt_rows", lambda n, v, d: 0)
+    monkeypatch.setattr(op_backward, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads()
     with_tilt, without = relative_error(tilted[0], ref_de), relative_error(untilted[0], ref_de)
     print(f"dE error: {with_tilt:.2e} with the tilt, {without:.2e} without")

@@ -221,8 +221,8 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkey
         # The kernels read the forward's tile log-sum-exps in fp16: dE 9e-6 apart without the
         # tilt, 1.2e-5 with it (which moves dE by 3% here).
         assert relative_error(kernel_grad, cpu_grad) < 2e-5
-    monkeypatch.setattr(op_backward, "tilt_rows", lambda n, v, d: 0)
-    monkeypatch.setattr(cpu_path, "tilt_rows", lambda n, v, d: 0)
+    monkeypatch.setattr(op_backward, "tilt_sample_size", lambda n, v, d: 0)
+    monkeypatch.setattr(cpu_path, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads(True), grads(False)
     for path, without_tilt in zip((kernels, cpu), untilted):
         assert relative_error(without_tilt[0], path[0]) > 1e-2, "the tilt moved dE little: the test shows nothing"

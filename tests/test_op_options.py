@@ -134,7 +134,7 @@ def test_filtered_mode_puts_back_what_it_skips(monkeypatch: pytest.MonkeyPatch) 
 
     exact, filtered = grads(None), grads(2.0**-12)
     monkeypatch.setattr(cpu_path, "_tile_row_means", lambda x, block_n: torch.zeros_like(x))
-    monkeypatch.setattr(cpu_path, "tilt_rows", lambda n, v, d: 0)
+    monkeypatch.setattr(cpu_path, "tilt_sample_size", lambda n, v, d: 0)
     dropped = grads(2.0**-12)
     for exact_grad, filtered_grad, dropped_grad in zip(exact, filtered, dropped):
         assert relative_error(filtered_grad, exact_grad) < 1e-2
@@ -158,7 +158,7 @@ def test_filtered_mode_puts_back_the_skipped_tiles_tilt(monkeypatch: pytest.Monk
         return [t.grad for t in leaves]
 
     exact, tilted = grads(None), grads(2.0**-12)
-    monkeypatch.setattr(cpu_path, "tilt_rows", lambda n, v, d: 0)
+    monkeypatch.setattr(cpu_path, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads(2.0**-12)
     assert relative_error(untilted[0], exact[0]) > 5e-3, "little mass was skipped: the test shows nothing"
     assert relative_error(tilted[0], exact[0]) < relative_error(untilted[0], exact[0]) / 4
@@ -216,7 +216,7 @@ def test_filtered_mode_tilt_covers_a_bias(monkeypatch: pytest.MonkeyPatch) -> No
     zero_k = lambda self: torch.cat([self.covariance, 0 * self.bias_covariance[None]])  # noqa: E731
     monkeypatch.setattr(filtering.Tilt, "rows", zero_k)
     without_k = grad_e(2.0**-12)
-    monkeypatch.setattr(cpu_path, "tilt_rows", lambda n, v, d: 0)
+    monkeypatch.setattr(cpu_path, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grad_e(2.0**-12)
     assert relative_error(tilted, exact) < 0.7 * relative_error(without_k, exact)
     assert relative_error(without_k, exact) < 0.7 * relative_error(untilted, exact)

@@ -35,7 +35,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
-from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_rows
+from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
@@ -133,9 +133,11 @@ def linear_cross_entropy_backward(
         wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
             c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
         )
-        sampled = tilt_rows(n_bucket(n), v, d)
-        tilt = Tilt.estimate(c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, sampled,
-                             eager_cuda, tile_sums=c_tile_sums) if sampled else None
+        sample_size = tilt_sample_size(n_bucket(n), v, d)
+        tilt = Tilt.estimate(
+            c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, sample_size, eager_cuda,
+            tile_sums=c_tile_sums,
+        ) if sample_size else None
         put_back_rows = torch.cat([c_tile_sums, tilt.rows()]) if tilt is not None else c_tile_sums
         if eager_cuda:
             put_back_rows = put_back_rows.bfloat16()

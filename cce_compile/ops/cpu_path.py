@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..config.plan import n_bucket
-from .filtering import Tilt, flat_rows, tile_widths, tilt_rows, tilt_sample_rows
+from .filtering import Tilt, flat_rows, mass_sample_rows, tile_widths, tilt_sample_size
 
 
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
@@ -95,7 +95,7 @@ def backward_cpu(
         flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
         row_mass = e32.new_zeros((e.shape[0],))  # coef_softmax * softmax mass in skipped tiles
         tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, over the sample
-        sample = tilt_sample_rows(e.shape[0], e.device)
+        sample = mass_sample_rows(e.shape[0], e.device)
         keep_tile = (filter_tile[0], max(filter_tile[1], forward_block_n))
     grad_e = torch.zeros_like(e32)
     grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
@@ -128,10 +128,10 @@ def backward_cpu(
         grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
             grad_bias[ids] = grad.sum(dim=0)
-    rows = tilt_rows(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
-    if rows:
+    sample_size = tilt_sample_size(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
+    if sample_size:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
-        tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, rows, tensor_cores=False)
+        tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False)
         tilt_columns = tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt.rows().shape[0])))
         grad_e.addmm_(tilt_columns, tilt.rows())
     return (

@@ -168,8 +168,8 @@ class SkippedTiles:
 
     def tile_mass(self, tile_lse: Tensor, coef_softmax: Tensor) -> Tensor:
         """(forward tiles,) fp32: |coef_softmax| times the softmax mass each tile skips, summed
-        over tilt_sample_rows: which tiles the tilt is estimated from."""
-        picked = tilt_sample_rows(tile_lse.shape[0], tile_lse.device)
+        over mass_sample_rows: which tiles the tilt is estimated from."""
+        picked = mass_sample_rows(tile_lse.shape[0], tile_lse.device)
         mass = tile_lse[picked].float().exp_().mul_(coef_softmax[picked].abs()[:, None])
         return mass.masked_fill_(self.computed[picked // self.block_m], 0.0).sum(dim=0)
 
@@ -214,16 +214,17 @@ skipped mass moves dE the most against its norm."""
 TILT_FREE_FLOPS = 2**32
 """Under this many FLOPs (small problems, tests) the tilt takes every whole tile."""
 
-TILT_SAMPLE_ROWS = 1024
-"""Rows (evenly strided) whose skipped mass picks and weights the tilt's tiles: the ranking
-needs no more, and all N rows' would be an (N, tiles) pass more."""
+TILT_MASS_ROWS = 1024
+"""Token rows (evenly strided) whose skipped mass picks the tilt's tiles: the ranking needs no
+more, and all N rows' would be an (N, tiles) pass more."""
 
 
-def tilt_sample_rows(n: int, device: torch.device) -> Tensor:
-    return torch.arange(0, n, max(1, n // TILT_SAMPLE_ROWS), device=device)
+def mass_sample_rows(n: int, device: torch.device) -> Tensor:
+    """The token rows (of n) whose skipped mass picks the tilt's tiles (TILT_MASS_ROWS)."""
+    return torch.arange(0, n, max(1, n // TILT_MASS_ROWS), device=device)
 
 
-def tilt_rows(n: int, v: int, d: int) -> int:
+def tilt_sample_size(n: int, v: int, d: int) -> int:
     """How many of c's rows estimate the tilt (Tilt) for an N x D x V problem (N a bucket,
     so traced calls do not specialize on it); 0: no tilt."""
     if (v + n) * d * d <= TILT_FREE_FLOPS:
@@ -252,17 +253,17 @@ class Tilt:
 
     @staticmethod
     def estimate(
-        c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, rows: int, tensor_cores: bool,
-        tile_sums: Tensor | None = None,
+        c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, sample_size: int,
+        tensor_cores: bool, tile_sums: Tensor | None = None,
     ) -> "Tilt":
-        """S and K over the cdiv(rows, width) whole tiles (of `width` positions in `order`)
+        """S and K over the cdiv(sample_size, width) whole tiles (of `width` positions in `order`)
         with the largest `tile_mass`: one Gram matrix of their c rows (bf16 operands on the
         tensor cores, fp32 sums) less their means' (from `tile_sums`, c summed per tile in
         fp32, where the caller has them). The Gram matrix's entries are up to ~10^3 x S's (c's
         rows share a mean) and carry fp32's 2^-24: S keeps ~1e-4 of itself."""
         v, d = c.shape
         whole = tile_mass[: v // width]
-        tiles = min(cdiv(rows, width), whole.shape[0])
+        tiles = min(cdiv(sample_size, width), whole.shape[0])
         if tiles == 0:  # V under one tile: nothing to estimate from, and nothing tilts
             zero = c.new_zeros((d + 1, d), dtype=torch.float32)
             return Tilt(zero[:d], None if bias is None else zero[d])
