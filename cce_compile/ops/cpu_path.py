@@ -132,8 +132,8 @@ def backward_cpu(
     if sample_size:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
         tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False)
-        tilt_columns = tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt.rows().shape[0])))
-        grad_e.addmm_(tilt_columns, tilt.rows())
+        tilt_rows = tilt.rows()
+        grad_e.addmm_(tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt_rows.shape[0]))), tilt_rows)
     return (
         grad_e.to(e.dtype),
         grad_c.to(c.dtype),

@@ -159,8 +159,7 @@ class SkippedTiles:
         first_block = first_row // self.block_m
         computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
         computed = computed.repeat_interleave(self.block_m, dim=0)[:rows]
-        # In place: a chunk's (rows, tiles) fp32 is the largest temporary of the put-back.
-        sums = tile_lse.float().exp_().mul_(coef_softmax[:, None]).masked_fill_(computed, 0.0)
+        sums = self._skipped_mass(tile_lse, coef_softmax, computed)
         row_mass = sums.sum(dim=1)
         if coef_smooth is not None:
             sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
@@ -170,8 +169,15 @@ class SkippedTiles:
         """(forward tiles,) fp32: |coef_softmax| times the softmax mass each tile skips, summed
         over mass_sample_rows: which tiles the tilt is estimated from."""
         picked = mass_sample_rows(tile_lse.shape[0], tile_lse.device)
-        mass = tile_lse[picked].float().exp_().mul_(coef_softmax[picked].abs()[:, None])
-        return mass.masked_fill_(self.computed[picked // self.block_m], 0.0).sum(dim=0)
+        computed = self.computed[picked // self.block_m]
+        return self._skipped_mass(tile_lse[picked], coef_softmax[picked].abs(), computed).sum(dim=0)
+
+    @staticmethod
+    def _skipped_mass(tile_lse: Tensor, coef: Tensor, computed: Tensor) -> Tensor:
+        """(rows, tiles) fp32: coef times each row's softmax mass per forward tile, 0 where
+        `computed` (rows, tiles). In place: a chunk's (rows, tiles) fp32 is the put-back's largest
+        temporary."""
+        return tile_lse.float().exp_().mul_(coef[:, None]).masked_fill_(computed, 0.0)
 
 
 def skipped_tiles(

@@ -57,19 +57,20 @@ def linear_cross_entropy_forward(
     plain = plain_loss(bias, weight, softcap, label_smoothing) and not filtered
     if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
         # The tile named, not defaulted: benchmarks/ab_switch.py switches it.
-        tile_lse, target_logit = forward_warp_specialized(e, c, targets, WARP_SPECIALIZED_TILE)
-        lse, weighted_sum = torch.logsumexp(tile_lse, dim=0), None
+        lse_by_tile, target_logit = forward_warp_specialized(e, c, targets, WARP_SPECIALIZED_TILE)
+        lse, weighted_sum = torch.logsumexp(lse_by_tile, dim=0), None
     elif on_triton and tensor_descriptors_fit(e, c):
         # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
         # by position in it); the copy of c is freed when the forward returns.
         c_walk, bias_walk, weight_walk, targets_walk = (
             in_vocab_order(order, c, bias, weight, targets) if filtered else (c, bias, weight, targets)
         )
-        # Filtered mode's kernel writes each tile's log-sum-exp into tile_stats only.
-        tile_lse = tile_stats if filtered else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
+        # Filtered mode's kernel writes each tile's maximum and log-sum-exp into tile_stats only
+        # (its tile-maxima buffer); other calls merge lse from the (vocab tiles, N) log-sum-exps.
+        lse_by_tile = tile_stats if filtered else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
         tile_weighted_sum = (
-            torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else tile_lse
+            torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else lse_by_tile
         )
         sms = device_limits(e.device)[0]
         # An eager call's launch skips Triton's binding of its ~25 arguments where an earlier
@@ -79,14 +80,14 @@ def linear_cross_entropy_forward(
             (min(sms, cdiv(n, tile.block_m) * vocab_tiles),),
             TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k]),
-            bias_walk, targets_walk, weight_walk, tile_lse, target_logit, tile_weighted_sum,
-            tile_stats if filtered else tile_lse, n, v, e.shape[1], sms, softcap,
+            bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
+            lse_by_tile, n, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
             NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=filtered, BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
-        lse = torch.logsumexp(tile_stats[1], dim=1) if filtered else torch.logsumexp(tile_lse, dim=0)
+        lse = torch.logsumexp(tile_stats[1], dim=1) if filtered else torch.logsumexp(lse_by_tile, dim=0)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
         # Filtered mode's copies in vocab order (c's as large as dC) are freed before the
         # statistics below; the launcher holds them through the descriptor.
