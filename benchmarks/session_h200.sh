@@ -5,7 +5,7 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall)
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall, graphs)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this (BENCH_SHAPES,
@@ -14,6 +14,8 @@
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
+#   GRAPH_SHAPES="NxDxV ..."      graphs: probe_graphs.py (the backward's CUDA graph: memory, host and wall
+#                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
 #                                 process per ';'-separated argument set; AB_TIMEOUT_S=300 each)
 #   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]
@@ -79,6 +81,11 @@ for step in $STEPS; do
         echo "ab ${ab_runs[$index]}: exit $?"
         grep -A20 "^medians" "$WORK/ab-$index.log"
       done ;;
+    graphs)
+      timeout 180 python3 benchmarks/probe_graphs.py $(printf -- '--shape %s ' ${GRAPH_SHAPES:-16384x896x151936}) \
+        --out "$WORK/probe-graphs.json" > "$WORK/probe-graphs.log" 2>&1
+      echo "graphs: exit $?"
+      cat "$WORK/probe-graphs.log" ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \

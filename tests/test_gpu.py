@@ -394,3 +394,57 @@ def test_filtered_mode_on_flat_logits_runs_dense(block_sparse_backwards: list[in
     assert not block_sparse_backwards, "the block-sparse path ran"
     for exact, filtered in zip(*grads):
         assert relative_error(filtered, exact) < 1e-3
+
+
+def test_backward_slab_loop_replays_as_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact mode's eager backward called again on the same tensors (ops/graphs.py): a call
+    runs the slab loop, the next captures it as a CUDA graph and replays it, the third
+    replays; each gives the eager loop's gradients bit for bit, new values at the same addresses
+    included (the graph reads its tensors when it runs), and tensors at other addresses run
+    eagerly. Two token chunks (the second ragged) x five slabs (the last ragged). Nothing is
+    allocated between the calls, so the caching allocator hands each call the same blocks."""
+    from cce_compile.bench.inputs import lm_like_inputs
+    from cce_compile.config.plan import BackwardPlan
+    from cce_compile.ops import backward, graphs
+    from cce_compile.ops.forward import linear_cross_entropy_forward
+
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=8)
+    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 4096, True))
+    loops = graphs.LoopGraphs()
+    monkeypatch.setattr(graphs, "SLAB_LOOPS", loops)
+    grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
+    _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    grad_lse = torch.zeros_like(lse)
+    e_halved = e * 0.5  # the new values, and their log-sum-exps
+    lse_halved = linear_cross_entropy_forward(e_halved, c, targets, None, None, -100, 0.0, 0.0, 0.0)[1]
+    results = {name: (torch.empty_like(e), torch.empty_like(c))
+               for name in ("eager", "first", "captured", "replayed", "halved", "elsewhere", "eager_halved")}
+
+    def backward_into(name: str, hidden: torch.Tensor = e) -> None:
+        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
+            grad_loss, grad_lse, hidden, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0)
+        results[name][0].copy_(grad_e)
+        results[name][1].copy_(grad_c)
+
+    monkeypatch.setattr(graphs, "ENABLED", False)
+    backward_into("eager")
+    monkeypatch.setattr(graphs, "ENABLED", True)
+    backward_into("first")
+    assert (loops.captures, loops.replays) == (0, 0)
+    backward_into("captured")
+    assert (loops.captures, loops.replays) == (1, 1), "the second call on the same tensors did not capture"
+    backward_into("replayed")
+    assert (loops.captures, loops.replays) == (1, 2)
+    e.copy_(e_halved)
+    lse.copy_(lse_halved)
+    backward_into("halved")
+    assert loops.replays == 3
+    backward_into("elsewhere", e.clone())
+    assert loops.replays == 3, "a call on tensors at other addresses replayed a graph"
+    monkeypatch.setattr(graphs, "ENABLED", False)
+    backward_into("eager_halved")
+    for name in ("first", "captured", "replayed"):
+        assert all(map(torch.equal, results[name], results["eager"])), name
+    for name in ("halved", "elsewhere"):
+        assert all(map(torch.equal, results[name], results["eager_halved"])), name
+    assert not torch.equal(results["halved"][0], results["eager"][0])

@@ -14,7 +14,8 @@ steps in one launch (step_lists_kernel), and the tiles it skips keep their row s
 accumulator starts from them, dC's rows get them by vocab tile: kernels/dropped_tiles.py).
 In eager calls a step spans as many vocab tiles as its kept tiles fill the scratch (few, full
 steps where the vocabulary's tail is mostly dropped); traced calls take fixed slabs. Where
-most tiles are kept (a flat softmax), it runs the dense path.
+most tiles are kept (a flat softmax), it runs the dense path. Eager CUDA calls replay exact
+mode's slab loop as a CUDA graph once they recur on the same tensors (ops/graphs.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .dispatch import (
     cdiv, config_for, device_limits, kernel_flags, relaunches_directly, stages_beside_output, tensor_descriptors_fit,
     use_triton,
 )
+from . import graphs
 from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size
 from .launch import KernelLauncher
 from .loss_terms import grad_coefficients
@@ -341,63 +343,74 @@ def linear_cross_entropy_backward(
         if cublas:  # views made once, not per step: each costs host time that small slabs lack
             c_slabs, grad_c_slabs = c.split(plan.slab_v), grad_c.split(plan.slab_v)
         bias_chunks: list[Tensor] = []
-        for chunk, row_start, rows, acc_offset in token_chunks():
-            row_end = row_start + rows
-            if cublas:
-                e_chunk = e[row_start:row_end]
-                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
-                d_logits_rows = grad_logits[:rows]
-                whole_slab = (d_logits_rows, d_logits_rows.T)
-            bias_slabs: list[Tensor] = []
-            for slab, col_start in enumerate(range(0, v, plan.slab_v)):
-                col_end = min(col_start + plan.slab_v, v)
-                cols = col_end - col_start
-                recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
-                          row_start, row_end, col_start, col_end)
-                final = plan.fp32_accumulator and col_start == last_slab
+
+        def slab_loop() -> None:
+            """Every token chunk's recompute and gradient GEMMs, slab by slab."""
+            for chunk, row_start, rows, acc_offset in token_chunks():
+                row_end = row_start + rows
                 if cublas:
-                    # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
-                    # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
-                    d_logits, d_logits_t = (
-                        whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
-                    )
-                    if chunk == 0:
-                        torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
+                    e_chunk = e[row_start:row_end]
+                    acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                    d_logits_rows = grad_logits[:rows]
+                    whole_slab = (d_logits_rows, d_logits_rows.T)
+                bias_slabs: list[Tensor] = []
+                for slab, col_start in enumerate(range(0, v, plan.slab_v)):
+                    col_end = min(col_start + plan.slab_v, v)
+                    cols = col_end - col_start
+                    recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
+                              row_start, row_end, col_start, col_end)
+                    final = plan.fp32_accumulator and col_start == last_slab
+                    if cublas:
+                        # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
+                        # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
+                        d_logits, d_logits_t = (
+                            whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
+                        )
+                        if chunk == 0:
+                            torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
+                        else:
+                            grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
+                        if col_start == 0:
+                            torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        else:
+                            torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        if final:
+                            grad_e[row_start:row_end].copy_(acc_rows)
                     else:
-                        grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
-                    if col_start == 0:
-                        torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                    else:
-                        torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                    if final:
-                        grad_e[row_start:row_end].copy_(acc_rows)
-                else:
-                    # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
-                    wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
-                        grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
-                        cols, d, rows,
-                        grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
-                        ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                        BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
-                        GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
-                        **flags,
-                    )
-                    # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
-                    # writes dE itself.
-                    wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
-                        grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
-                        rows, d, cols,
-                        grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                        ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
-                        BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
-                        GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
-                        **flags,
-                    )
+                        # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
+                        wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                            grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
+                            cols, d, rows,
+                            grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                            ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                            BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                            GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
+                            **flags,
+                        )
+                        # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
+                        # writes dE itself.
+                        wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                            grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
+                            rows, d, cols,
+                            grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                            ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                            BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                            GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
+                            **flags,
+                        )
+                    if bias is not None:
+                        slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
+                        bias_slabs.append(slab_sum * scale if scaled else slab_sum)
                 if bias is not None:
-                    slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
-                    bias_slabs.append(slab_sum * scale if scaled else slab_sum)
-            if bias is not None:
-                bias_chunks.append(torch.cat(bias_slabs))
+                    bias_chunks.append(torch.cat(bias_slabs))
+
+        if graphs.replays(eager_cuda, bias):
+            key = (*map(graphs.tensor_key, (e, c, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
+                                             scale, grad_e, grad_c, acc, grad_logits)),
+                   plan, config, softcap, label_smoothing, warp_specialized, persistent, cublas, WARP_SPECIALIZED_TILE)
+            graphs.SLAB_LOOPS.run(key, slab_loop, e.device)
+        else:
+            slab_loop()
     if bias is None:
         return grad_e, grad_c, c.new_empty((0,))
     if filtered:  # back from positions in the vocab order

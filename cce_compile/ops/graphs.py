@@ -1,0 +1,105 @@
+"""Exact mode's backward slab loop, replayed as one CUDA graph.
+
+On Qwen2.5's shape (16384 x 896 x 151936) the loop enqueues ~900 dependent kernels a call (304
+steps of a recompute and two GEMMs) at 24-40 ms of host time against ~24 ms of GPU work, so an
+eager call waits on Python (docs/performance.md, v26). A training loop calls the op step after
+step on tensors the caching allocator puts at the same addresses: the second call on the same
+tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
+launches into a graph, and every later one replays it in one launch. Any other call runs the
+loop as before. A graph reads its tensors when it runs, so new values at the same addresses are
+what it computes on; it allocates nothing (the loop's tensors are the call's own).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+ENABLED = True
+"""Whether eager CUDA calls capture and replay the loop (benchmarks/ab_switch.py switches it)."""
+
+CAPACITY = 8
+"""Graphs kept (least recently replayed dropped first): a training loop needs one per set of
+addresses it cycles through, usually one or two."""
+
+
+def tensor_key(t: Tensor | None) -> Hashable:
+    """What a captured launch depends on of a tensor: where it is and how it is laid out."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
+
+
+@lru_cache(maxsize=None)
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device to capture on (a capture cannot run on the default stream);
+    graphs replay on the caller's stream."""
+    return torch.cuda.Stream(device)
+
+
+class LoopGraphs:
+    """Graphs of a loop of launches, by a key naming everything the launches read.
+
+    `run(key, loop)`: the first call with a key runs `loop` eagerly (compiling what it
+    launches), the second captures it and replays the capture, later ones replay. A loop that
+    cannot be captured runs eagerly from then on, with one warning."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.capacity = capacity
+        self.graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+        self.seen: OrderedDict[Hashable, None] = OrderedDict()
+        self.uncapturable: set[Hashable] = set()
+        self.captures = self.replays = 0
+
+    def run(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> None:
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key in self.uncapturable or key not in self.seen:
+                self._remember(self.seen, key, None)
+                loop()
+                return
+            graph = self._capture(key, loop, device)
+            if graph is None:
+                loop()
+                return
+        self.graphs.move_to_end(key)
+        graph.replay()
+        self.replays += 1
+
+    def _capture(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(capture_stream(device)):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    loop()
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:
+            self.uncapturable.add(key)
+            warnings.warn(f"cce_compile: the backward's slab loop could not be captured as a CUDA graph, so it runs "
+                          f"eagerly ({err})", RuntimeWarning, stacklevel=3)
+            return None
+        self._remember(self.graphs, key, graph)
+        self.captures += 1
+        return graph
+
+    def _remember(self, table: OrderedDict, key: Hashable, value) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+
+SLAB_LOOPS = LoopGraphs()
+"""The process's graphs of exact mode's backward slab loop."""
+
+
+def replays(eager_cuda: bool, bias: Tensor | None) -> bool:
+    """Whether a backward call's slab loop goes through SLAB_LOOPS: eager CUDA calls, not
+    inside someone else's capture (theirs takes the launches), without a bias (whose per-slab
+    sums allocate)."""
+    return ENABLED and eager_cuda and bias is None and not torch.cuda.is_current_stream_capturing()
