@@ -234,20 +234,29 @@ def test_huge_classifier_needs_64bit_offsets() -> None:
 
 
 def test_peak_memory_within_ten_percent_of_gradients() -> None:
+    """The first call compiles the kernels (and makes the capture stream's cuBLAS workspace,
+    once per process: ops/graphs.capture_stream); the second captures the backward's slab loop
+    as a CUDA graph and the third replays it, each within 10% of the gradients."""
+    from cce_compile.ops import graphs
+
     n, d, v = 8192, 2048, 65536
     e, c, targets = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=1, device="cuda")
     e.requires_grad_()
     c.requires_grad_()
-    cce_compile.linear_cross_entropy(e, c, targets).backward()  # compile kernels first
-    e.grad = c.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
     cce_compile.linear_cross_entropy(e, c, targets).backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    e.grad = c.grad = None
     grads = (n * d + v * d) * 2
-    assert peak <= 1.10 * grads, f"peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
+    replays = graphs.SLAB_LOOPS.replays
+    for call in ("capture", "replay"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        cce_compile.linear_cross_entropy(e, c, targets).backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        e.grad = c.grad = None
+        assert peak <= 1.10 * grads, f"{call}: peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
+    assert graphs.SLAB_LOOPS.replays == replays + 2
 
 
 def test_inductor_inlines_the_kernels_and_matches_eager() -> None:

@@ -12,6 +12,7 @@ what it computes on; it allocates nothing (the loop's tensors are the call's own
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -20,8 +21,9 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-ENABLED = True
-"""Whether eager CUDA calls capture and replay the loop (benchmarks/ab_switch.py switches it)."""
+ENABLED = os.environ.get("CCE_CUDA_GRAPHS", "1") != "0"
+"""Whether eager CUDA calls capture and replay the loop: on unless CCE_CUDA_GRAPHS=0 (which
+also spares the capture stream's cuBLAS workspace; benchmarks/ab_switch.py switches it)."""
 
 CAPACITY = 8
 """Graphs kept (least recently replayed dropped first): a training loop needs one per set of
@@ -36,8 +38,16 @@ def tensor_key(t: Tensor | None) -> Hashable:
 @lru_cache(maxsize=None)
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device to capture on (a capture cannot run on the default stream);
-    graphs replay on the caller's stream."""
-    return torch.cuda.Stream(device)
+    graphs replay on the caller's stream. torch gives each stream that runs cuBLAS its own
+    workspace (32 MiB on Hopper), so this stream's is made here, at a loop's first call, once
+    per process and device: the capture itself then allocates nothing (on the H200 a capture
+    that made it added 32 MiB to its call's peak, benchmarks/results/probe-graphs-h200.json)."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        one = torch.ones((1, 1), dtype=torch.bfloat16, device=device)
+        torch.mm(one, one)
+        torch.mm(one, one, out_dtype=torch.float32)  # the cuBLASLt path dE's accumulation takes
+    return stream
 
 
 class LoopGraphs:
@@ -51,14 +61,16 @@ class LoopGraphs:
         self.capacity = capacity
         self.graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()
-        self.uncapturable: set[Hashable] = set()
+        self.uncapturable: OrderedDict[Hashable, None] = OrderedDict()
         self.captures = self.replays = 0
 
     def run(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> None:
         graph = self.graphs.get(key)
         if graph is None:
             if key in self.uncapturable or key not in self.seen:
-                self._remember(self.seen, key, None)
+                if key not in self.uncapturable:
+                    self._remember(self.seen, key, None)
+                    self._try(key, capture_stream, device)
                 loop()
                 return
             graph = self._capture(key, loop, device)
@@ -70,7 +82,7 @@ class LoopGraphs:
         self.replays += 1
 
     def _capture(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
-        try:
+        def capture() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(capture_stream(device)):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -78,14 +90,24 @@ class LoopGraphs:
                     loop()
                 finally:
                     graph.capture_end()
-        except RuntimeError as err:
-            self.uncapturable.add(key)
-            warnings.warn(f"cce_compile: the backward's slab loop could not be captured as a CUDA graph, so it runs "
-                          f"eagerly ({err})", RuntimeWarning, stacklevel=3)
-            return None
-        self._remember(self.graphs, key, graph)
-        self.captures += 1
+            return graph
+
+        graph = self._try(key, capture)
+        if graph is not None:
+            self._remember(self.graphs, key, graph)
+            self.captures += 1
         return graph
+
+    def _try(self, key: Hashable, step: Callable, *args):
+        """`step(*args)`, or None and the key marked uncapturable (with a warning) where CUDA
+        refuses it."""
+        try:
+            return step(*args)
+        except RuntimeError as err:
+            self._remember(self.uncapturable, key, None)
+            warnings.warn(f"cce_compile: the backward's slab loop cannot be captured as a CUDA graph, so it runs "
+                          f"eagerly ({err})", RuntimeWarning, stacklevel=4)
+            return None
 
     def _remember(self, table: OrderedDict, key: Hashable, value) -> None:
         table[key] = value
