@@ -76,13 +76,11 @@ def parse_config(spec: str) -> tuple[object, str, dict[str, object]]:
 
 
 def parse_plans(spec: str) -> tuple[object, str, dict[str, object]]:
-    """'2x4096,4x4096x2' -> the backward's plan_backward, replaced by one returning each plan
-    (token chunks x slab columns [x slab buffers, 1 by default])."""
+    """'2x4096,4x4096' -> the backward's plan_backward, replaced by one returning each plan."""
     plans = {}
     for label in spec.split(","):
-        n_chunks, slab_v, buffers = ([int(part) for part in label.split("x")] + [1])[:3]
-        forced = BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, buffers=buffers)
-        plans[label] = lambda *_, forced=forced, **__: forced
+        n_chunks, slab_v = (int(part) for part in label.split("x"))
+        plans[label] = lambda *_, forced=BackwardPlan(n_chunks, slab_v, fp32_accumulator=True): forced
     return op_backward, "plan_backward", plans
 
 

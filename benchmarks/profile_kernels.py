@@ -170,7 +170,7 @@ def main() -> None:
     if args.plan is not None:
         n_chunks, slab_v, slots = (int(part) for part in args.plan.split(","))
         forced = plan.BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
-        op_backward.plan_backward = lambda *_, **__: forced
+        op_backward.plan_backward = lambda *_: forced
     if args.persistent_min_k_steps is not None:
         op_backward.PERSISTENT_MIN_K_STEPS = args.persistent_min_k_steps
     if args.scratch_fraction is not None:

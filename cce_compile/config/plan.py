@@ -56,16 +56,13 @@ class BackwardPlan:
     row block); within a chunk, vocab slabs of `slab_v` columns. Scratch per chunk: the
     slab's d logits (chunk_rows x slab_v, input dtype) and, for 16-bit inputs, an fp32
     accumulator for dE (chunk_rows x D). Filtered mode's eager steps store `slots` kept
-    tiles instead of a slab (0: as many as the slab holds). Exact mode's eager CUDA steps may
-    alternate between two slab buffers (`buffers`), recomputing one while the GEMMs read the
-    other (ops/overlap.py).
+    tiles instead of a slab (0: as many as the slab holds).
     """
 
     n_chunks: int
     slab_v: int
     fp32_accumulator: bool
     slots: int = 0
-    buffers: int = 1
 
     def rows_per_chunk(self, n):
         """n tokens' share per chunk, rounded up (n may be symbolic under torch.compile)."""
@@ -79,15 +76,14 @@ class BackwardPlan:
         return self.rows_per_chunk(bucket) * d * 4 if self.fp32_accumulator else 0
 
     def scratch_bytes(self, bucket: int, d: int, element_bytes: int) -> int:
-        return self.accumulator_bytes(bucket, d) + self.buffers * self.rows_per_chunk(bucket) * self.slab_v * element_bytes
+        return self.accumulator_bytes(bucket, d) + self.rows_per_chunk(bucket) * self.slab_v * element_bytes
 
 
 def plan_backward(
-    bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False, buffers: int = 1,
+    bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
 ) -> BackwardPlan:
     """The plan whose scratch fits SCRATCH_FRACTION of the gradients (or SCRATCH_FLOOR_BYTES)
-    with the least accumulator traffic, `buffers` slab buffers (exact mode); slabs within
-    config.slab_v and at least 512 wide.
+    with the least accumulator traffic; slabs within config.slab_v and at least 512 wide.
     Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
     accumulator leaves (up to MAX_SLOTS; never fewer than the slab's tiles).
 
@@ -109,7 +105,7 @@ def plan_backward(
         rows = -(-bucket // n_chunks)
         slab = widest
         while True:
-            plan = BackwardPlan(n_chunks, slab, fp32_acc, buffers=buffers)
+            plan = BackwardPlan(n_chunks, slab, fp32_acc)
             smallest = plan
             if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
                 traffic = 8 / slab + 2 * element_bytes / rows

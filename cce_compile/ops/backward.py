@@ -39,7 +39,6 @@ from .dispatch import (
 from . import graphs
 from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size
 from .launch import KernelLauncher
-from .overlap import run_steps
 from .loss_terms import grad_coefficients
 from .warp_specialized import (
     PROGRAMS_PER_SM, WARP_SPECIALIZED_TILE, gluon_descriptor, launch_options, operand_descriptors, plain_loss,
@@ -69,10 +68,6 @@ process (ab-h200-v19-recompute-ws.log): the pass 4.315 -> 4.297 x at D = 2304 (4
 at 5120 (80 steps, 8192 x 5120 x 152064, ab-h200-v21-recompute-ws-d5120.log), where the 128 x 128
 tile's extra operand traffic outweighs the overlapped epilogue (the Gluon forward loses from
 D = 2304 already: its epilogue is a smaller share of its tile's time than the recompute's)."""
-
-OVERLAP_RECOMPUTE = True
-"""Eager exact mode recomputes slab i + 1 on a side stream while slab i's GEMMs run, in two
-slab buffers within the same scratch budget (ops/overlap.py)."""
 
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
@@ -109,10 +104,7 @@ def linear_cross_entropy_backward(
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
-    eager_cuda = e.is_cuda and not is_fake(e)
-    # Eager exact mode recomputes the next slab beside this one's GEMMs, in a second buffer.
-    plan = plan_backward(n_bucket(n), v, d, e.element_size(), config, filtered,
-                         buffers=2 if OVERLAP_RECOMPUTE and eager_cuda and not filtered else 1)
+    plan = plan_backward(n_bucket(n), v, d, e.element_size(), config, filtered)
     logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
     chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
     chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)
@@ -120,6 +112,7 @@ def linear_cross_entropy_backward(
     # Filtered mode: the kept tiles and the steps' work lists, built on the device before the
     # gradients and scratch exist, so their temporaries never add to the peak.
     packed = filtered and not is_fake(e)
+    eager_cuda = e.is_cuda and not is_fake(e)
     capacity = plan.slots if packed and plan.slots else chunk_tile_rows * slab_tiles
     if filtered:
         forward_n = config.forward.block_n
@@ -172,20 +165,19 @@ def linear_cross_entropy_backward(
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
     persistent = warp_specialized = False  # decided with the dense path's buffer, below
 
-    def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0, buffer: int = 0) -> None:
-        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered),
-        into d_logits_buffers[buffer]; for the slab where tensor descriptors fit,
-        grad_logits_ws_kernel where the K loop is short (plain loss) and grad_logits_tma_kernel
-        where it is long."""
+    def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
+        """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
+        for the slab where tensor descriptors fit, grad_logits_ws_kernel where the K loop is
+        short (plain loss) and grad_logits_tma_kernel where it is long."""
         if warp_specialized:  # the tile named, not defaulted: benchmarks/ab_switch.py switches it
             recompute_warp_specialized(
-                launch_grad_logits, buffer_descriptors[buffer], targets, lse, coef_softmax, coef_target, scale, scaled,
+                launch_grad_logits, descriptors, targets, lse, coef_softmax, coef_target, scale, scaled,
                 row_start, row_end - row_start, col_start, col_end - col_start, WARP_SPECIALIZED_TILE,
             )
             return
         if persistent:
             launch_grad_logits(
-                (min(programs, sms),), *buffer_descriptors[buffer], bias, targets, weight, lse,
+                (min(programs, sms),), *descriptors, bias, targets, weight, lse,
                 coef_softmax, coef_target, coef_smooth, scale,
                 row_start, row_end - row_start, col_start, col_end - col_start, d, sms, softcap,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
@@ -196,7 +188,6 @@ def linear_cross_entropy_backward(
             )
             return
         step_tiles, step_counts = (lists.step_tiles, lists.step_counts) if filtered else (targets, targets)
-        grad_logits = d_logits_buffers[buffer]
         launch_grad_logits(
             (programs,), e, c, bias, targets, weight, lse, coef_softmax, coef_target, coef_smooth, scale,
             vocab_order if filtered else targets, grad_logits, step_tiles, step_counts, step_index, capacity,
@@ -220,7 +211,6 @@ def linear_cross_entropy_backward(
 
     if filtered:
         grad_logits = torch.empty((capacity, logits_tile.block_m, logits_tile.block_n), dtype=e.dtype, device=e.device)
-        d_logits_buffers = [grad_logits]
         # The sparse GEMMs step through whole d-logits tiles, in parts of their block_k.
         sparse_k = min(dc_tile.block_k, de_tile.block_k, logits_tile.block_m, logits_tile.block_n)
         if bias is not None:  # summed over every chunk's kept tiles, by vocab position
@@ -304,30 +294,25 @@ def linear_cross_entropy_backward(
         # Where most tiles are kept (flat softmaxes), exact mode's dense path is faster and exact.
         filtered = not steps.dense_is_faster(cdiv(n, logits_tile.block_m), vocab_tiles)
         if not filtered:
-            del grad_logits, d_logits_buffers  # and with them the step computed ahead (the dense path rewrites all)
+            del grad_logits  # and with it the step computed ahead (the dense path rewrites all)
     if not filtered:
-        d_logits_buffers = [torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
-                            for _ in range(plan.buffers)]
-        grad_logits = d_logits_buffers[0]
+        grad_logits = torch.empty((chunk_rows, plan.slab_v), dtype=e.dtype, device=e.device)
         warp_specialized = (plain_loss(bias, weight, softcap, label_smoothing)
                             and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c, grad_logits))
         persistent = (not warp_specialized and recompute_is_persistent(d, logits_tile)
                       and tensor_descriptors_fit(e, c, grad_logits))
     if warp_specialized:
         launch_grad_logits = KernelLauncher(grad_logits_ws_kernel, reuse)
-        buffer_descriptors = [recompute_descriptors(e, c, buffer, WARP_SPECIALIZED_TILE) for buffer in d_logits_buffers]
+        descriptors = recompute_descriptors(e, c, grad_logits, WARP_SPECIALIZED_TILE)
     if persistent:
         launch_grad_logits = KernelLauncher(grad_logits_tma_kernel, reuse)
         sms, shared_memory = device_limits(e.device)
         persistent_stages = stages_beside_output(logits_tile, e.element_size(), shared_memory)
-        operands = (
+        descriptors = (
             TensorDescriptor.from_tensor(e, [logits_tile.block_m, logits_tile.block_k]),
             TensorDescriptor.from_tensor(c, [logits_tile.block_n, logits_tile.block_k]),
+            TensorDescriptor.from_tensor(grad_logits, [logits_tile.block_m, logits_tile.block_n]),
         )
-        buffer_descriptors = [
-            (*operands, TensorDescriptor.from_tensor(buffer, [logits_tile.block_m, logits_tile.block_n]))
-            for buffer in d_logits_buffers
-        ]
 
     # The bias gradient is the d-logits' column sums: one sum by vocab position (filtered
     # mode), or one per chunk.
@@ -357,75 +342,71 @@ def linear_cross_entropy_backward(
         last_slab = (v - 1) // plan.slab_v * plan.slab_v
         if cublas:  # views made once, not per step: each costs host time that small slabs lack
             c_slabs, grad_c_slabs = c.split(plan.slab_v), grad_c.split(plan.slab_v)
-        slab_steps = [
-            (chunk, row_start, rows, acc_offset, slab, col_start)
-            for chunk, row_start, rows, acc_offset in token_chunks()
-            for slab, col_start in enumerate(range(0, v, plan.slab_v))
-        ]
-        bias_slabs: list[Tensor] = []
-
-        def recompute_slab(step: tuple, buffer: int) -> None:
-            _, row_start, rows, _, _, col_start = step
-            col_end = min(col_start + plan.slab_v, v)
-            recompute(cdiv(rows, logits_tile.block_m) * cdiv(col_end - col_start, logits_tile.block_n),
-                      row_start, row_start + rows, col_start, col_end, buffer=buffer)
-
-        def slab_gemms(step: tuple, buffer: int) -> None:
-            """A slab's dC and dE GEMMs (and bias sums) from its d-logits in d_logits_buffers[buffer]."""
-            chunk, row_start, rows, acc_offset, slab, col_start = step
-            row_end = row_start + rows
-            col_end = min(col_start + plan.slab_v, v)
-            cols = col_end - col_start
-            grad_logits = d_logits_buffers[buffer]
-            final = plan.fp32_accumulator and col_start == last_slab
-            if cublas:
-                # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
-                # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
-                e_chunk = e[row_start:row_end]
-                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
-                d_logits = grad_logits[:rows, :cols]
-                if chunk == 0:
-                    torch.mm(d_logits.T, e_chunk, out=grad_c_slabs[slab])
-                else:
-                    grad_c_slabs[slab].addmm_(d_logits.T, e_chunk)
-                if col_start == 0:
-                    torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                else:
-                    torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                if final:
-                    grad_e[row_start:row_end].copy_(acc_rows)
-            else:
-                # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
-                wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
-                    grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
-                    cols, d, rows,
-                    grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
-                    ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                    BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
-                    GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
-                    **flags,
-                )
-                # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
-                # writes dE itself.
-                wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
-                    grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
-                    rows, d, cols,
-                    grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                    ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
-                    BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
-                    GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
-                    **flags,
-                )
-            if bias is not None:
-                slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
-                bias_slabs.append(slab_sum * scale if scaled else slab_sum)
+        bias_chunks: list[Tensor] = []
 
         def slab_loop() -> None:
-            run_steps(slab_steps, recompute_slab, slab_gemms, plan.buffers, e.device)
+            """Every token chunk's recompute and gradient GEMMs, slab by slab."""
+            for chunk, row_start, rows, acc_offset in token_chunks():
+                row_end = row_start + rows
+                if cublas:
+                    e_chunk = e[row_start:row_end]
+                    acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                    d_logits_rows = grad_logits[:rows]
+                    whole_slab = (d_logits_rows, d_logits_rows.T)
+                bias_slabs: list[Tensor] = []
+                for slab, col_start in enumerate(range(0, v, plan.slab_v)):
+                    col_end = min(col_start + plan.slab_v, v)
+                    cols = col_end - col_start
+                    recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
+                              row_start, row_end, col_start, col_end)
+                    final = plan.fp32_accumulator and col_start == last_slab
+                    if cublas:
+                        # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
+                        # by cuBLASLt (bf16 operands, fp32 C), so no temporaries.
+                        d_logits, d_logits_t = (
+                            whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
+                        )
+                        if chunk == 0:
+                            torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
+                        else:
+                            grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
+                        if col_start == 0:
+                            torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        else:
+                            torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        if final:
+                            grad_e[row_start:row_end].copy_(acc_rows)
+                    else:
+                        # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
+                        wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                            grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
+                            cols, d, rows,
+                            grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                            ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                            BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                            GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
+                            **flags,
+                        )
+                        # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
+                        # writes dE itself.
+                        wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                            grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
+                            rows, d, cols,
+                            grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                            ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                            BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                            GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
+                            **flags,
+                        )
+                    if bias is not None:
+                        slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
+                        bias_slabs.append(slab_sum * scale if scaled else slab_sum)
+                if bias is not None:
+                    bias_chunks.append(torch.cat(bias_slabs))
 
         if graphs.replays(eager_cuda, bias):
             key = (*map(graphs.tensor_key, (e, c, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
-                                             scale, grad_e, grad_c, acc, *d_logits_buffers)),
+                                             scale, grad_e, grad_c, acc, grad_logits)),
                    plan, config, softcap, label_smoothing, warp_specialized, persistent, cublas, WARP_SPECIALIZED_TILE)
             graphs.SLAB_LOOPS.run(key, slab_loop, e.device)
         else:
@@ -435,8 +416,7 @@ def linear_cross_entropy_backward(
     if filtered:  # back from positions in the vocab order
         grad_bias = torch.empty(v, dtype=torch.float32, device=e.device).index_copy_(0, vocab_order, bias_sum[:v])
     else:
-        # Per token chunk, the slabs' sums side by side; summed over the chunks.
-        grad_bias = torch.cat(bias_slabs).reshape(plan.n_chunks, -1).sum(dim=0)
+        grad_bias = torch.stack(bias_chunks).sum(dim=0)
     return grad_e, grad_c, grad_bias.to(bias.dtype)
 
 
