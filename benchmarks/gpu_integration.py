@@ -9,6 +9,8 @@ Checks (a table on stdout; JSON to --out, rewritten after each check):
                 (matmul_kernel, the backward's traced GEMMs, is reported too);
   cudagraphs    mode="reduce-overhead" tracks eager, with no CUDA graph skipped;
   autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
+  graphs        eager training replays the backward's slab loop as a CUDA graph (ops/graphs.py) from its
+                second step, with the losses of eager training without graphs, bit for bit;
   dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket):
                 the op adds no recompile among them and at most one at --next-bucket-seq (the next
                 bucket), counted against the unpatched twin (HF's attention may guard on lengths);
@@ -41,10 +43,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cce_compile.config.plan import n_bucket  # noqa: E402
+from cce_compile.ops import graphs  # noqa: E402
 from cce_compile.integrations.transformers import patch  # noqa: E402
 from tests.test_distributed import recording_op_inputs  # noqa: E402
 
-CHECK_NAMES = ("compile", "kernels", "cudagraphs", "autocast", "dynamic", "timing")
+CHECK_NAMES = ("compile", "kernels", "cudagraphs", "graphs", "autocast", "dynamic", "timing")
 KERNELS = ("lse_forward_kernel", "grad_logits_kernel")
 TRACED_GEMM = "matmul_kernel"
 """The backward's GEMMs under compile (cuBLAS in eager): reported, not required."""
@@ -78,10 +81,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool = False) -> dict:
+def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool = False,
+          cuda_graphs: bool = True) -> dict:
     """`args.steps` AdamW steps on one batch: eager (mode None) or torch.compile(mode=mode).
-    bf16 weights, or fp32 weights under autocast(bf16)."""
+    bf16 weights, or fp32 weights under autocast(bf16). `cuda_graphs`: the op's own graphs of
+    its backward's slab loop (eager calls), whose replays the result counts."""
     torch._dynamo.reset()
+    graphs.ENABLED = cuda_graphs
+    replays = graphs.SLAB_LOOPS.replays
     model = build(args, patched=patched, dtype=torch.float32 if autocast else torch.bfloat16)
     forward = model if mode is None else torch.compile(model, mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -104,13 +111,15 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
         losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if args.device.type == "cuda" else None
+    graphs.ENABLED = True
     return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0],
-            "peak_mib": peak}
+            "peak_mib": peak, "graph_replays": graphs.SLAB_LOOPS.replays - replays}
 
 
 RUNS = {
     "hf eager": dict(patched=False, mode=None),
     "patched eager": dict(patched=True, mode=None),
+    "patched eager, no graphs": dict(patched=True, mode=None, cuda_graphs=False),
     "patched compiled": dict(patched=True, mode="default"),
     "hf compiled": dict(patched=False, mode="default"),
     "patched reduce-overhead": dict(patched=True, mode="reduce-overhead"),
@@ -162,6 +171,13 @@ def check_cudagraphs(runs: Runs) -> dict:
     on_cuda = runs.args.device.type == "cuda"
     return {"status": worst <= LOSS_RTOL and (skips == 0 or not on_cuda), "worst_rel_diff_vs_patched_eager": worst,
             "cudagraph_skips": skips, "cuda_graphs_possible": on_cuda}
+
+
+def check_graphs(runs: Runs) -> dict:
+    with_graphs, without = runs.get_run("patched eager"), runs.get_run("patched eager, no graphs")
+    replayed = with_graphs["graph_replays"] > 0 or runs.args.device.type != "cuda"
+    return {"status": with_graphs["losses"] == without["losses"] and replayed,
+            "graph_replays": with_graphs["graph_replays"], "losses_equal": with_graphs["losses"] == without["losses"]}
 
 
 def check_autocast(runs: Runs) -> dict:
@@ -277,6 +293,7 @@ def main() -> None:
     checks = [
         (lambda: check_compile(runs), ("compile", "kernels")),
         (lambda: check_cudagraphs(runs), ("cudagraphs",)),
+        (lambda: check_graphs(runs), ("graphs",)),
         (lambda: check_autocast(runs), ("autocast",)),
         (lambda: check_dynamic(args), ("dynamic",)),
         (lambda: check_timing(runs), ("timing",)),

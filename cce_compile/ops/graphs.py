@@ -13,6 +13,7 @@ what it computes on; it allocates nothing (the loop's tensors are the call's own
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -50,6 +51,10 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+CAPTURING = threading.Lock()
+"""One capture at a time: threads share the capture streams."""
+
+
 class LoopGraphs:
     """Graphs of a loop of launches, by a key naming everything the launches read.
 
@@ -84,7 +89,7 @@ class LoopGraphs:
     def _capture(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
         def capture() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(capture_stream(device)):
+            with CAPTURING, torch.cuda.stream(capture_stream(device)):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     loop()
