@@ -11,7 +11,7 @@ Checks (a table on stdout; JSON to --out, rewritten after each check):
   autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
   graphs        eager training replays the backward's slab loop as a CUDA graph (ops/graphs.py) from its
                 second step, with the losses of eager training without graphs (within GRAPHS_RTOL: the
-                patched model's eager steps are not bit-reproducible run to run, graphs or not);
+                model's attention makes eager steps not bit-reproducible run to run, graphs or not);
   dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket):
                 the op adds no recompile among them and at most one at --next-bucket-seq (the next
                 bucket), counted against the unpatched twin (HF's attention may guard on lengths);
@@ -54,9 +54,9 @@ TRACED_GEMM = "matmul_kernel"
 """The backward's GEMMs under compile (cuBLAS in eager): reported, not required."""
 GRAPHS_RTOL = 1e-3
 """Graphs against none, both eager: on the H200 two runs without graphs differed by up to 5e-5 in a
-step's loss (one of two trajectories, either with graphs or without; the op alone is bit-reproducible
-at this shape, benchmarks/results/determinism-h200-v26.log); gradients a step stale would
-move the next loss by ~1e-2."""
+step's loss (one of two trajectories, either with graphs or without), from the model's attention
+backward on its first calls, not the op (benchmarks/results/determinism-h200-v26.log); gradients
+a step stale would move the next loss by ~1e-2."""
 LOSS_RTOL = 1e-2
 """bf16 weights: a step's loss may differ by bf16 rounding of logits and activations (HF rounds
 its logits to bf16, the op does not), not by more."""
