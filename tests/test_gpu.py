@@ -457,3 +457,45 @@ def test_backward_slab_loop_replays_as_a_cuda_graph(monkeypatch: pytest.MonkeyPa
     for name in ("halved", "elsewhere"):
         assert all(map(torch.equal, results[name], results["eager_halved"])), name
     assert not torch.equal(results["halved"][0], results["eager"][0])
+
+
+@pytest.mark.parametrize("option", [{"label_smoothing": 0.1}, {"softcap": 30.0}])
+def test_a_loss_option_changed_on_the_same_tensors_does_not_replay_a_cuda_graph(
+    option: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph captured for the plain loss is keyed by the loss options too: the same tensors at
+    the same addresses (lse rewritten in place) with label smoothing or a soft-cap run their own
+    loop, with the eager loop's gradients."""
+    from cce_compile.bench.inputs import lm_like_inputs
+    from cce_compile.config.plan import BackwardPlan
+    from cce_compile.ops import backward, graphs
+    from cce_compile.ops.forward import linear_cross_entropy_forward
+
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=10)
+    monkeypatch.setattr(backward, "plan_backward", lambda *args, **kwargs: BackwardPlan(2, 4096, True))
+    loops = graphs.LoopGraphs()
+    monkeypatch.setattr(graphs, "SLAB_LOOPS", loops)
+    grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
+    smoothing, softcap = option.get("label_smoothing", 0.0), option.get("softcap", 0.0)
+    _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    lse_with_option = linear_cross_entropy_forward(e, c, targets, None, None, -100, smoothing, softcap, 0.0)[1]
+    grad_lse = torch.zeros_like(lse)
+    results = {name: (torch.empty_like(e), torch.empty_like(c)) for name in ("plain", "option", "eager_option")}
+
+    def backward_into(name: str, label_smoothing: float = 0.0, cap: float = 0.0) -> None:
+        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
+            grad_loss, grad_lse, e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
+            label_smoothing, cap, 0.0)
+        results[name][0].copy_(grad_e)
+        results[name][1].copy_(grad_c)
+
+    for _ in range(3):
+        backward_into("plain")
+    assert (loops.captures, loops.replays) == (1, 2)
+    lse.copy_(lse_with_option)
+    backward_into("option", smoothing, softcap)
+    assert loops.replays == 2, "the plain loss's graph replayed for another loss"
+    monkeypatch.setattr(graphs, "ENABLED", False)
+    backward_into("eager_option", smoothing, softcap)
+    assert all(map(torch.equal, results["option"], results["eager_option"]))
+    assert not torch.equal(results["option"][0], results["plain"][0])
