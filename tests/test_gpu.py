@@ -235,8 +235,9 @@ def test_huge_classifier_needs_64bit_offsets() -> None:
 
 def test_peak_memory_within_ten_percent_of_gradients() -> None:
     """The first call compiles the kernels (and makes the capture stream's cuBLAS workspace,
-    once per process: ops/graphs.capture_stream); the second captures the backward's slab loop
-    as a CUDA graph and the third replays it, each within 10% of the gradients."""
+    once per process: ops/graphs.capture_stream); of the next four, one captures the backward's
+    slab loop as a CUDA graph and the later ones replay it (which call captures depends on when
+    the caching allocator settles on the same blocks), each within 10% of the gradients."""
     from cce_compile.ops import graphs
 
     n, d, v = 8192, 2048, 65536
@@ -246,8 +247,8 @@ def test_peak_memory_within_ten_percent_of_gradients() -> None:
     cce_compile.linear_cross_entropy(e, c, targets).backward()
     e.grad = c.grad = None
     grads = (n * d + v * d) * 2
-    replays = graphs.SLAB_LOOPS.replays
-    for call in ("capture", "replay"):
+    captures, replays = graphs.SLAB_LOOPS.captures, graphs.SLAB_LOOPS.replays
+    for call in range(4):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -255,8 +256,9 @@ def test_peak_memory_within_ten_percent_of_gradients() -> None:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
         e.grad = c.grad = None
-        assert peak <= 1.10 * grads, f"{call}: peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
-    assert graphs.SLAB_LOOPS.replays == replays + 2
+        assert peak <= 1.10 * grads, f"call {call}: peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
+    assert graphs.SLAB_LOOPS.captures == captures + 1
+    assert graphs.SLAB_LOOPS.replays >= replays + 2
 
 
 def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
@@ -489,6 +491,9 @@ def test_a_loss_option_changed_on_the_same_tensors_does_not_replay_a_cuda_graph(
         results[name][0].copy_(grad_e)
         results[name][1].copy_(grad_c)
 
+    monkeypatch.setattr(graphs, "ENABLED", False)
+    backward_into("plain")  # settles the caching allocator's blocks
+    monkeypatch.setattr(graphs, "ENABLED", True)
     for _ in range(3):
         backward_into("plain")
     assert (loops.captures, loops.replays) == (1, 2)
