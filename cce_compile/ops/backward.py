@@ -404,7 +404,7 @@ def linear_cross_entropy_backward(
                 if bias is not None:
                     bias_chunks.append(torch.cat(bias_slabs))
 
-        if graphs.replays(eager_cuda, bias):
+        if graphs.eligible(eager_cuda, bias):
             key = (*map(graphs.tensor_key, (e, c, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
                                              scale, grad_e, grad_c, acc, grad_logits)),
                    plan, config, softcap, label_smoothing, warp_specialized, persistent, cublas, WARP_SPECIALIZED_TILE)

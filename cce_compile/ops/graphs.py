@@ -125,7 +125,7 @@ SLAB_LOOPS = LoopGraphs()
 """The process's graphs of exact mode's backward slab loop."""
 
 
-def replays(eager_cuda: bool, bias: Tensor | None) -> bool:
+def eligible(eager_cuda: bool, bias: Tensor | None) -> bool:
     """Whether a backward call's slab loop goes through SLAB_LOOPS: eager CUDA calls, not
     inside someone else's capture (theirs takes the launches), without a bias (whose per-slab
     sums allocate)."""
