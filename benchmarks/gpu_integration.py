@@ -93,7 +93,15 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
     bf16 weights, or fp32 weights under autocast(bf16). `cuda_graphs`: the op's own graphs of
     its backward's slab loop (eager calls), whose replays the result counts."""
     torch._dynamo.reset()
-    graphs.ENABLED = cuda_graphs
+    enabled, graphs.ENABLED = graphs.ENABLED, cuda_graphs
+    try:
+        run = _train_steps(args, patched=patched, mode=mode, autocast=autocast)
+    finally:
+        graphs.ENABLED = enabled
+    return run
+
+
+def _train_steps(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool) -> dict:
     replays = graphs.SLAB_LOOPS.replays
     model = build(args, patched=patched, dtype=torch.float32 if autocast else torch.bfloat16)
     forward = model if mode is None else torch.compile(model, mode=mode)
@@ -117,7 +125,6 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
         losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if args.device.type == "cuda" else None
-    graphs.ENABLED = True
     return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0],
             "peak_mib": peak, "graph_replays": graphs.SLAB_LOOPS.replays - replays}
 

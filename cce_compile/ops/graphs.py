@@ -71,17 +71,15 @@ class LoopGraphs:
 
     def run(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> None:
         graph = self.graphs.get(key)
+        if graph is None and key not in self.uncapturable:
+            if key in self.seen:
+                graph = self._capture(key, loop, device)
+            else:
+                self._remember(self.seen, key, None)
+                self._try(key, capture_stream, device)
         if graph is None:
-            if key in self.uncapturable or key not in self.seen:
-                if key not in self.uncapturable:
-                    self._remember(self.seen, key, None)
-                    self._try(key, capture_stream, device)
-                loop()
-                return
-            graph = self._capture(key, loop, device)
-            if graph is None:
-                loop()
-                return
+            loop()
+            return
         self.graphs.move_to_end(key)
         graph.replay()
         self.replays += 1
