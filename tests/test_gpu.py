@@ -275,42 +275,6 @@ def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_recompute_launches_dependent_on_the_gemm_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ops/backward.RECOMPUTE_PDL: every Gluon recompute of the slab loop but the first launches
-    dependent on the kernel before it (programmatic dependent launch), and the gradients are
-    the plain launches' bit for bit over 4 token chunks x 20 slabs, where a recompute that
-    stored before the GEMM before it had ended would overwrite d logits that GEMM still reads."""
-    from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.config.plan import BackwardPlan
-    from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel
-    from cce_compile.ops import backward, graphs, launch
-
-    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=12)
-    dependent: list[bool] = []
-
-    class SpyingLauncher(launch.KernelLauncher):
-        def __call__(self, grid, *args, **kwargs) -> None:
-            if self.kernel is grad_logits_ws_kernel:
-                dependent.append(kwargs.get("launch_pdl", False))
-            super().__call__(grid, *args, **kwargs)
-
-    def run() -> list[torch.Tensor]:
-        dependent.clear()
-        leaves = [t.detach().clone().requires_grad_() for t in (e, c)]
-        cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets).backward()
-        return [t.grad for t in leaves]
-
-    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(4, 1024, True))
-    monkeypatch.setattr(backward, "KernelLauncher", SpyingLauncher)
-    monkeypatch.setattr(graphs, "ENABLED", False)
-    with_pdl = run()
-    assert dependent == [False] + [True] * 79
-    monkeypatch.setattr(backward, "RECOMPUTE_PDL", False)
-    plain = run()
-    assert dependent == [False] * 80
-    assert all(map(torch.equal, with_pdl, plain))
-
-
 @pytest.mark.usefixtures("block_sparse_always")
 def test_filtered_mode_on_lm_like_data() -> None:
     """Filtered mode (sorted vocab, block-sparse GEMMs) on an LM-like softmax: it drops

@@ -202,7 +202,6 @@ def warp_specialized_kinds(compiled: Any) -> dict[str, bool]:
         "bulk tensor copies": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx,
         "two fit an SM": 2 * (compiled.metadata.shared + 1024) <= H200_SHARED_MEMORY_PER_SM,
         "bare exps": bare_exps(ptx), "wgmma pipelined": wgmma_pipelined(ptx),
-        "waits for the kernel before": "griddepcontrol.wait" in ptx,
     }
 
 
@@ -239,12 +238,9 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
 def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
     wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM (the
-    recompute's with its half tile staged for the store). The recompute, launched dependent on
-    the slab loop's GEMMs (ops/backward.RECOMPUTE_PDL), waits for them in its epilogue; without
-    that wait it would overwrite d-logits a GEMM still reads."""
+    recompute's with its half tile staged for the store)."""
     assert compiled[name] == {
         "bulk tensor copies": True, "wgmma": True, "two fit an SM": True, "bare exps": True, "wgmma pipelined": True,
-        "waits for the kernel before": name == "grad_logits_ws_kernel",
     }
 
 

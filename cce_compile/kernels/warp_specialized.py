@@ -168,26 +168,13 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
 
 
 @gluon.jit
-def wait_for_prior_grid():
-    """griddepcontrol.wait: under programmatic dependent launch the program may start while the
-    kernel before it in the stream still runs; this waits for that kernel to end and its writes
-    to show. Without such a launch it returns at once."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The recompute's: d loss / d logits = coef_softmax * softmax - coef_target at the target
     (kernels/backward.grad_from_logits without its options), stored in the input dtype at
     (row - row_start, col - col_start) of the d-logits buffer by the copy engine, a half tile at
     a time through `out_half` (a whole tile's staging would leave the ring two stages in the
     shared memory two programs share). Rows and columns past the slab are computed and stored
-    within the buffer, where the GEMMs do not read them.
-
-    Launched dependent on the kernel before it (ops/backward.RECOMPUTE_PDL), a program's first
-    tile's loads and MMAs run while that kernel ends: the wait comes before the epilogue reads
-    or stores anything, and the producer loads only e and c, which the backward never writes."""
-    wait_for_prior_grid()
+    within the buffer, where the GEMMs do not read them."""
     (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
      row_start, rows, col_start, SCALED) = args
     BLOCK_M: gl.constexpr = acc.type.shape[0]

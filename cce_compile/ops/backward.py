@@ -69,12 +69,6 @@ at 5120 (80 steps, 8192 x 5120 x 152064, ab-h200-v21-recompute-ws-d5120.log), wh
 tile's extra operand traffic outweighs the overlapped epilogue (the Gluon forward loses from
 D = 2304 already: its epilogue is a smaller share of its tile's time than the recompute's)."""
 
-RECOMPUTE_PDL = True
-"""Within the slab loop, grad_logits_ws_kernel launches dependent on the step before
-(programmatic dependent launch): its programs start as the last GEMM ends and wait for it only
-before their first epilogue, which stores into the d-logits buffer that GEMM reads. The loop's
-first recompute follows kernels that may write what it reads, so it launches plainly."""
-
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
 "triton" (matmul_kernel, always used under the interpreter and for fp16)."""
@@ -171,17 +165,14 @@ def linear_cross_entropy_backward(
     launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, reuse)
     persistent = warp_specialized = False  # decided with the dense path's buffer, below
 
-    def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0,
-                  follows_step: bool = False) -> None:
+    def recompute(programs: int, row_start, row_end, col_start, col_end, step_index: int = 0) -> None:
         """grad_logits_kernel: a slab's d-logits (exact), or a step's kept tiles (filtered);
         for the slab where tensor descriptors fit, grad_logits_ws_kernel where the K loop is
-        short (plain loss) and grad_logits_tma_kernel where it is long. `follows_step`: the
-        kernel before is the slab loop's own (RECOMPUTE_PDL)."""
+        short (plain loss) and grad_logits_tma_kernel where it is long."""
         if warp_specialized:  # the tile named, not defaulted: benchmarks/ab_switch.py switches it
             recompute_warp_specialized(
                 launch_grad_logits, descriptors, targets, lse, coef_softmax, coef_target, scale, scaled,
                 row_start, row_end - row_start, col_start, col_end - col_start, WARP_SPECIALIZED_TILE,
-                dependent=follows_step and bool(RECOMPUTE_PDL),
             )
             return
         if persistent:
@@ -367,7 +358,7 @@ def linear_cross_entropy_backward(
                     col_end = min(col_start + plan.slab_v, v)
                     cols = col_end - col_start
                     recompute(cdiv(rows, logits_tile.block_m) * cdiv(cols, logits_tile.block_n),
-                              row_start, row_end, col_start, col_end, follows_step=chunk > 0 or slab > 0)
+                              row_start, row_end, col_start, col_end)
                     final = plan.fp32_accumulator and col_start == last_slab
                     if cublas:
                         # cuBLAS on CUDA for bf16/fp32: dC rows written in place, dE summed in fp32
@@ -445,15 +436,13 @@ def recompute_descriptors(e: Tensor, c: Tensor, grad_logits: Tensor, tile: TileC
 def recompute_warp_specialized(
     launch: KernelLauncher, descriptors: tuple, targets: Tensor, lse: Tensor, coef_softmax: Tensor,
     coef_target: Tensor, scale: Tensor, scaled: bool, row_start: int, rows: int, col_start: int, cols: int,
-    tile: TileConfig = WARP_SPECIALIZED_TILE, per_sm: int = PROGRAMS_PER_SM, dependent: bool = False,
+    tile: TileConfig = WARP_SPECIALIZED_TILE, per_sm: int = PROGRAMS_PER_SM,
 ) -> None:
     """One slab's d logits (rows x cols from (row_start, col_start)) by grad_logits_ws_kernel
     into the buffer recompute_descriptors describes; the tile and programs per SM are the
-    probe's knobs (benchmarks/probe_recompute_ws.py). `dependent`: a programmatic dependent
-    launch, for a kernel before it that writes neither e nor c (RECOMPUTE_PDL)."""
+    probe's knobs (benchmarks/probe_recompute_ws.py)."""
     launch(
         (programs_for(lse.device, tiles_of(rows, cols, tile), per_sm),), *descriptors, targets, lse,
         coef_softmax, coef_target, scale, row_start, rows, col_start, cols, descriptors[0].shape[1],  # D
         GROUP_M=tile.group_m, STAGES=tile.num_stages, SCALED=scaled, **launch_options(per_sm),
-        **({"launch_pdl": True} if dependent else {}),
     )
