@@ -18,7 +18,7 @@
 #                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
 #                                 process per ';'-separated argument set; AB_TIMEOUT_S=300 each)
-#   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]
+#   TEST_K="..."                  tests: pytest's -k selection [the whole GPU suite]; TESTS_TIMEOUT_S=420
 #   CCE_BENCH_COMMIT=<hash>       the snapshot's commit (a snapshot has no git history)
 #
 # About 4 min of tests on a fresh machine (cold compile cache), 20-40 s per profiled shape and
@@ -45,7 +45,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$
 for step in $STEPS; do
   case "$step" in
     tests)
-      timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} > "$WORK/gpu-tests.log" 2>&1
+      timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} > "$WORK/gpu-tests.log" 2>&1
       echo "exit $?" >> "$WORK/gpu-tests.log"
       tail -n 2 "$WORK/gpu-tests.log" ;;
     profile)
