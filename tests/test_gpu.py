@@ -407,58 +407,85 @@ def test_filtered_mode_on_flat_logits_runs_dense(block_sparse_backwards: list[in
         assert relative_error(filtered, exact) < 1e-3
 
 
+class DirectBackward:
+    """Exact mode's backward op called directly, again and again, on fixed LM-like tensors
+    (3000 x 896 x 20000: two token chunks, the second ragged, x five slabs, the last ragged) with
+    its own LoopGraphs: what the CUDA-graph tests (ops/graphs.py) need. Each call copies its
+    gradients into buffers made up front, so nothing is allocated between calls and the caching
+    allocator hands each call the same blocks."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seed: int, names: tuple[str, ...]) -> None:
+        from cce_compile.bench.inputs import lm_like_inputs
+        from cce_compile.config.plan import BackwardPlan
+        from cce_compile.ops import backward, graphs
+
+        self.monkeypatch = monkeypatch
+        self.e, self.c, self.targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=seed)
+        monkeypatch.setattr(backward, "plan_backward", lambda *args, **kwargs: BackwardPlan(2, 4096, True))
+        self.loops = graphs.LoopGraphs()
+        monkeypatch.setattr(graphs, "SLAB_LOOPS", self.loops)
+        self.grad_loss = torch.full(self.targets.shape, 1.0 / self.targets.numel(), device="cuda")
+        _, self.lse, self.kept_tiles, self.tile_lse, self.order = self.forward(self.e)
+        self.grad_lse = torch.zeros_like(self.lse)
+        self.results = {name: (torch.empty_like(self.e), torch.empty_like(self.c)) for name in names}
+
+    def forward(self, hidden: torch.Tensor, label_smoothing: float = 0.0, softcap: float = 0.0) -> tuple:
+        from cce_compile.ops.forward import linear_cross_entropy_forward
+
+        return linear_cross_entropy_forward(hidden, self.c, self.targets, None, None, -100, label_smoothing, softcap, 0.0)
+
+    def graphs(self, enabled: bool) -> None:
+        from cce_compile.ops import graphs
+
+        self.monkeypatch.setattr(graphs, "ENABLED", enabled)
+
+    def into(self, name: str, hidden: torch.Tensor | None = None, label_smoothing: float = 0.0,
+             softcap: float = 0.0) -> None:
+        from cce_compile.ops import backward
+
+        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
+            self.grad_loss, self.grad_lse, self.e if hidden is None else hidden, self.c, self.targets, None, None,
+            self.lse, self.kept_tiles, self.tile_lse, self.order, -100, label_smoothing, softcap, 0.0)
+        self.results[name][0].copy_(grad_e)
+        self.results[name][1].copy_(grad_c)
+
+    def same(self, name: str, other: str) -> bool:
+        return all(map(torch.equal, self.results[name], self.results[other]))
+
+
 def test_backward_slab_loop_replays_as_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exact mode's eager backward called again on the same tensors (ops/graphs.py): a call
     runs the slab loop, the next captures it as a CUDA graph and replays it, the third
     replays; each gives the eager loop's gradients bit for bit, new values at the same addresses
     included (the graph reads its tensors when it runs), and tensors at other addresses run
-    eagerly. Two token chunks (the second ragged) x five slabs (the last ragged). Nothing is
-    allocated between the calls, so the caching allocator hands each call the same blocks."""
-    from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.config.plan import BackwardPlan
-    from cce_compile.ops import backward, graphs
-    from cce_compile.ops.forward import linear_cross_entropy_forward
-
-    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=8)
-    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 4096, True))
-    loops = graphs.LoopGraphs()
-    monkeypatch.setattr(graphs, "SLAB_LOOPS", loops)
-    grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
-    _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
-    grad_lse = torch.zeros_like(lse)
-    e_halved = e * 0.5  # the new values, and their log-sum-exps
-    lse_halved = linear_cross_entropy_forward(e_halved, c, targets, None, None, -100, 0.0, 0.0, 0.0)[1]
-    results = {name: (torch.empty_like(e), torch.empty_like(c))
-               for name in ("eager", "first", "captured", "replayed", "halved", "elsewhere", "eager_halved")}
-
-    def backward_into(name: str, hidden: torch.Tensor = e) -> None:
-        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
-            grad_loss, grad_lse, hidden, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0)
-        results[name][0].copy_(grad_e)
-        results[name][1].copy_(grad_c)
-
-    monkeypatch.setattr(graphs, "ENABLED", False)
-    backward_into("eager")
-    monkeypatch.setattr(graphs, "ENABLED", True)
-    backward_into("first")
+    eagerly."""
+    calls = DirectBackward(monkeypatch, seed=8, names=(
+        "eager", "first", "captured", "replayed", "halved", "elsewhere", "eager_halved"))
+    loops = calls.loops
+    e_halved = calls.e * 0.5  # the new values, and their log-sum-exps
+    lse_halved = calls.forward(e_halved)[1]
+    calls.graphs(False)
+    calls.into("eager")
+    calls.graphs(True)
+    calls.into("first")
     assert (loops.captures, loops.replays) == (0, 0)
-    backward_into("captured")
+    calls.into("captured")
     assert (loops.captures, loops.replays) == (1, 1), "the second call on the same tensors did not capture"
-    backward_into("replayed")
+    calls.into("replayed")
     assert (loops.captures, loops.replays) == (1, 2)
-    e.copy_(e_halved)
-    lse.copy_(lse_halved)
-    backward_into("halved")
+    calls.e.copy_(e_halved)
+    calls.lse.copy_(lse_halved)
+    calls.into("halved")
     assert loops.replays == 3
-    backward_into("elsewhere", e.clone())
+    calls.into("elsewhere", calls.e.clone())
     assert loops.replays == 3, "a call on tensors at other addresses replayed a graph"
-    monkeypatch.setattr(graphs, "ENABLED", False)
-    backward_into("eager_halved")
+    calls.graphs(False)
+    calls.into("eager_halved")
     for name in ("first", "captured", "replayed"):
-        assert all(map(torch.equal, results[name], results["eager"])), name
+        assert calls.same(name, "eager"), name
     for name in ("halved", "elsewhere"):
-        assert all(map(torch.equal, results[name], results["eager_halved"])), name
-    assert not torch.equal(results["halved"][0], results["eager"][0])
+        assert calls.same(name, "eager_halved"), name
+    assert not torch.equal(calls.results["halved"][0], calls.results["eager"][0])
 
 
 @pytest.mark.parametrize("option", [{"label_smoothing": 0.1}, {"softcap": 30.0}])
@@ -468,39 +495,18 @@ def test_a_loss_option_changed_on_the_same_tensors_does_not_replay_a_cuda_graph(
     """A graph captured for the plain loss is keyed by the loss options too: the same tensors at
     the same addresses (lse rewritten in place) with label smoothing or a soft-cap run their own
     loop, with the eager loop's gradients."""
-    from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.config.plan import BackwardPlan
-    from cce_compile.ops import backward, graphs
-    from cce_compile.ops.forward import linear_cross_entropy_forward
-
-    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=10)
-    monkeypatch.setattr(backward, "plan_backward", lambda *args, **kwargs: BackwardPlan(2, 4096, True))
-    loops = graphs.LoopGraphs()
-    monkeypatch.setattr(graphs, "SLAB_LOOPS", loops)
-    grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
-    smoothing, softcap = option.get("label_smoothing", 0.0), option.get("softcap", 0.0)
-    _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
-    lse_with_option = linear_cross_entropy_forward(e, c, targets, None, None, -100, smoothing, softcap, 0.0)[1]
-    grad_lse = torch.zeros_like(lse)
-    results = {name: (torch.empty_like(e), torch.empty_like(c)) for name in ("plain", "option", "eager_option")}
-
-    def backward_into(name: str, label_smoothing: float = 0.0, cap: float = 0.0) -> None:
-        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
-            grad_loss, grad_lse, e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
-            label_smoothing, cap, 0.0)
-        results[name][0].copy_(grad_e)
-        results[name][1].copy_(grad_c)
-
-    monkeypatch.setattr(graphs, "ENABLED", False)
-    backward_into("plain")  # settles the caching allocator's blocks
-    monkeypatch.setattr(graphs, "ENABLED", True)
+    calls = DirectBackward(monkeypatch, seed=10, names=("plain", "option", "eager_option"))
+    lse_with_option = calls.forward(calls.e, **option)[1]
+    calls.graphs(False)
+    calls.into("plain")  # settles the caching allocator's blocks
+    calls.graphs(True)
     for _ in range(3):
-        backward_into("plain")
-    assert (loops.captures, loops.replays) == (1, 2)
-    lse.copy_(lse_with_option)
-    backward_into("option", smoothing, softcap)
-    assert loops.replays == 2, "the plain loss's graph replayed for another loss"
-    monkeypatch.setattr(graphs, "ENABLED", False)
-    backward_into("eager_option", smoothing, softcap)
-    assert all(map(torch.equal, results["option"], results["eager_option"]))
-    assert not torch.equal(results["option"][0], results["plain"][0])
+        calls.into("plain")
+    assert (calls.loops.captures, calls.loops.replays) == (1, 2)
+    calls.lse.copy_(lse_with_option)
+    calls.into("option", **option)
+    assert calls.loops.replays == 2, "the plain loss's graph replayed for another loss"
+    calls.graphs(False)
+    calls.into("eager_option", **option)
+    assert calls.same("option", "eager_option")
+    assert not torch.equal(calls.results["option"][0], calls.results["plain"][0])
