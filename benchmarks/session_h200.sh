@@ -5,7 +5,7 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall, graphs)
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall, graphs, joules, ab)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this (BENCH_SHAPES,
@@ -14,6 +14,8 @@
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
+#   JOULES_SHAPES="NxDxV ..."     joules: probe_joules.py (each part of a pass back to back: ms and joules)
+#                                 [Qwen2.5's, Gemma-2's, Llama-3's]
 #   GRAPH_SHAPES="NxDxV ..."      graphs: probe_graphs.py (the backward's CUDA graph: memory, host and wall
 #                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
@@ -86,6 +88,12 @@ for step in $STEPS; do
         --out "$WORK/probe-graphs.json" > "$WORK/probe-graphs.log" 2>&1
       echo "graphs: exit $?"
       cat "$WORK/probe-graphs.log" ;;
+    joules)
+      timeout 300 python3 benchmarks/probe_joules.py \
+        $(printf -- '--shape %s ' ${JOULES_SHAPES:-16384x896x151936 8192x2304x256000 8192x4096x128256}) \
+        --out "$WORK/probe-joules.json" > "$WORK/probe-joules.log" 2>&1
+      echo "joules: exit $?"
+      cat "$WORK/probe-joules.log" ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \
