@@ -69,8 +69,6 @@ at 5120 (80 steps, 8192 x 5120 x 152064, ab-h200-v21-recompute-ws-d5120.log), wh
 tile's extra operand traffic outweighs the overlapped epilogue (the Gluon forward loses from
 D = 2304 already: its epilogue is a smaller share of its tile's time than the recompute's)."""
 
-GRAD_E_FIRST = 0  # A/B only (v27c)
-
 GEMM_BACKEND = "cublas"
 """The backward's two gradient GEMMs on CUDA: "cublas" (torch.mm, fp16 excepted) or
 "triton" (matmul_kernel, always used under the interpreter and for fp16)."""
@@ -368,20 +366,14 @@ def linear_cross_entropy_backward(
                         d_logits, d_logits_t = (
                             whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
                         )
-                        if GRAD_E_FIRST:
-                            if col_start == 0:
-                                torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                            else:
-                                torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
                         if chunk == 0:
                             torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
                         else:
                             grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
-                        if not GRAD_E_FIRST:
-                            if col_start == 0:
-                                torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                            else:
-                                torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        if col_start == 0:
+                            torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
+                        else:
+                            torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
                         if final:
                             grad_e[row_start:row_end].copy_(acc_rows)
                     else:
