@@ -88,13 +88,11 @@ class LaunchAttributeValue(ctypes.Union):  # cudaLaunchAttributeValue: 64 bytes
 
 
 def cuda_runtime() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded (the pip wheels' libcudart), for what torch does not expose."""
-    import glob
-    import site
-
-    for folder in [*site.getsitepackages(), str(Path(torch.__file__).parents[1])]:
-        for path in sorted(glob.glob(f"{folder}/nvidia/**/libcudart.so*", recursive=True)):
-            return ctypes.CDLL(path)
+    """The CUDA runtime library this process has loaded (torch's), for what torch does not expose."""
+    torch.cuda.init()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "libcudart.so" in line:
+            return ctypes.CDLL(line.split()[-1])
     return ctypes.CDLL("libcudart.so")
 
 
