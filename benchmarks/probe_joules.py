@@ -13,8 +13,7 @@ before and after:
   slab step of the op's plan (the Gluon recompute into the d-logits buffer; the fp32 dE
   accumulator's cuBLAS addmm; dC's in-place cuBLAS addmm), each replayed as one CUDA graph;
 - `slab loop`: the three interleaved step by step, as the op's backward runs them (its cost over
-  the three alone is what they do to each other's caches); `slab loop, scratch in L2`: the same
-  with the d logits and the accumulator kept in L2 (persisting lines, set aside up to 3/4 of L2);
+  the three alone is what they do to each other);
 - `pass`: forward+backward as the benchmark times it.
 Prints and writes ms, watts, joules per pass and both as multiples of the GEMM's. CUDA with a
 Hopper GPU (the Gluon recompute: D <= 4096) and nvidia-ml-py only.
@@ -23,7 +22,6 @@ Hopper GPU (the Gluon recompute: D <= 4096) and nvidia-ml-py only.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -64,51 +62,14 @@ def back_to_back(call: Callable[[], None], seconds: float, energy_mj: Callable[[
     return {"ms": elapsed / calls * 1000, "joules": joules / calls, "watts": joules / elapsed, "calls": calls}
 
 
-def graphed(call: Callable[[], None], persisting: torch.Tensor | None = None) -> Callable[[], None]:
+def graphed(call: Callable[[], None]) -> Callable[[], None]:
     """`call` captured once as a CUDA graph, so its hundreds of launches do not wait on the host
-    (as in the op, whose slab loop replays as a graph): the replay. With `persisting`, the
-    captured kernels keep that tensor's bytes in L2 (an access policy window on the capture
-    stream, which its kernel nodes inherit)."""
+    (as in the op, whose slab loop replays as a graph): the replay."""
     call()  # compiles and initializes outside the capture
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    if persisting is not None:
-        keep_in_l2(stream, persisting)
-    with torch.cuda.graph(graph, stream=stream):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         call()
     return graph.replay
-
-
-class AccessPolicyWindow(ctypes.Structure):
-    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hit_ratio", ctypes.c_float),
-                ("hit_prop", ctypes.c_int), ("miss_prop", ctypes.c_int)]
-
-
-class LaunchAttributeValue(ctypes.Union):  # cudaLaunchAttributeValue: 64 bytes
-    _fields_ = [("window", AccessPolicyWindow), ("pad", ctypes.c_char * 64)]
-
-
-def cuda_runtime() -> ctypes.CDLL:
-    """The CUDA runtime library this process has loaded (torch's), for what torch does not expose."""
-    torch.cuda.init()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if "libcudart.so" in line:
-            return ctypes.CDLL(line.split()[-1])
-    return ctypes.CDLL("libcudart.so")
-
-
-def keep_in_l2(stream: torch.cuda.Stream, tensor: torch.Tensor) -> None:
-    """Reserves L2 for persisting lines (cudaLimitPersistingL2CacheSize) and gives `stream` a
-    window over `tensor` whose lines persist (cudaAccessPropertyPersisting = 2, misses
-    streaming = 1)."""
-    runtime = cuda_runtime()
-    size = tensor.numel() * tensor.element_size()
-    limit = torch.cuda.get_device_properties(tensor.device).L2_cache_size * 3 // 4
-    check = lambda status, what: status == 0 or sys.exit(f"{what}: CUDA error {status}")  # noqa: E731
-    check(runtime.cudaDeviceSetLimit(0x06, ctypes.c_size_t(min(size, limit))), "cudaDeviceSetLimit")
-    value = LaunchAttributeValue()
-    value.window = AccessPolicyWindow(tensor.data_ptr(), size, min(1.0, limit / size), 2, 1)
-    check(runtime.cudaStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream), 1, ctypes.byref(value)),
-          "cudaStreamSetAttribute")
 
 
 def main() -> None:
@@ -132,10 +93,8 @@ def main() -> None:
         with torch.no_grad():
             _, lse, *_ = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
         coef = torch.full((n,), 1.0 / n, device="cuda")
-        # One block for the d logits and the accumulator, so one L2 window covers both.
-        scratch = torch.zeros(rows * plan.slab_v * 2 + rows * d * 4, dtype=torch.uint8, device="cuda")
-        d_logits = scratch[:rows * plan.slab_v * 2].view(torch.bfloat16).view(rows, plan.slab_v)
-        accumulator = scratch[rows * plan.slab_v * 2:].view(torch.float32).view(rows, d)
+        d_logits = torch.empty((rows, plan.slab_v), dtype=torch.bfloat16, device="cuda")
+        accumulator = torch.zeros((rows, d), dtype=torch.float32, device="cuda")
         grad_c = torch.zeros_like(c)
         descriptors = recompute_descriptors(e, c, d_logits)
         launch = KernelLauncher(grad_logits_ws_kernel, True)
@@ -145,10 +104,13 @@ def main() -> None:
                  for r0, r1, c0, c1 in steps]
         logits = torch.empty((n, v), dtype=torch.bfloat16, device="cuda")
 
+        def recompute_step(r0: int, r1: int, c0: int, c1: int) -> None:
+            recompute_warp_specialized(launch, descriptors, targets, lse, coef, coef, lse, False,
+                                       r0, r1 - r0, c0, c1 - c0)
+
         def recompute() -> None:
-            for r0, r1, c0, c1 in steps:
-                recompute_warp_specialized(launch, descriptors, targets, lse, coef, coef, lse, False,
-                                           r0, r1 - r0, c0, c1 - c0)
+            for step in steps:
+                recompute_step(*step)
 
         def grad_e_gemms() -> None:
             for _, c_slab, _, dl, acc in views:
@@ -159,22 +121,20 @@ def main() -> None:
                 grad_c_slab.addmm_(dl.T, e_chunk)
 
         def slab_loop() -> None:
-            for (r0, r1, c0, c1), (e_chunk, c_slab, grad_c_slab, dl, acc) in zip(steps, views):
-                recompute_warp_specialized(launch, descriptors, targets, lse, coef, coef, lse, False,
-                                           r0, r1 - r0, c0, c1 - c0)
+            for step, (e_chunk, c_slab, grad_c_slab, dl, acc) in zip(steps, views):
+                recompute_step(*step)
                 grad_c_slab.addmm_(dl.T, e_chunk)
                 torch.addmm(acc, dl, c_slab, out_dtype=torch.float32, out=acc)
 
         e_leaf, c_leaf = e.clone().requires_grad_(), c.clone().requires_grad_()
-        # Each phase's call made just before it runs (the L2 window's set-aside last: it stays).
-        # The recompute before the GEMMs: they read realistic d logits (the last slab's).
+        # Each phase's call made just before it runs; the recompute before the GEMMs, so they
+        # read realistic d logits (the last slab's).
         phases = {
             "gemm": lambda: lambda: torch.mm(e, c.T, out=logits),
             "forward": lambda: pass_step("forward", e_leaf, c_leaf, targets),
             "recompute": lambda: graphed(recompute), "dE": lambda: graphed(grad_e_gemms),
             "dC": lambda: graphed(grad_c_gemms), "slab loop": lambda: graphed(slab_loop),
             "pass": lambda: pass_step("exact", e_leaf, c_leaf, targets),
-            "slab loop, scratch in L2": lambda: graphed(slab_loop, scratch),
         }
         results = {}
         print(f"{spec}: plan {plan.n_chunks} x {plan.slab_v}, {len(steps)} steps", flush=True)
@@ -193,7 +153,6 @@ def main() -> None:
         report["shapes"][spec] = {"plan": [plan.n_chunks, plan.slab_v], "steps": len(steps), "phases": results}
         del phases
         torch.cuda.empty_cache()
-        cuda_runtime().cudaDeviceSetLimit(0x06, ctypes.c_size_t(0))  # no L2 set aside for the next shape
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
