@@ -1,6 +1,9 @@
 """Exact mode's per-step gradient GEMMs in cuBLAS, alone: is the dE accumulator's layout worth
 changing? The op sums dE over slabs into a row-major fp32 accumulator (chunk rows x D); stored
 column-major, cuBLAS sees the transposed problem and may pick other kernels and tile counts.
+The same for dC's in-place update, asked as dC[slab].T += e[chunk].T @ d_logits (where D is not
+a multiple of the 256-wide tile cuBLAS takes for dC, 896 = 3.5 x 256, an eighth of its MMAs fall
+past the edge).
 
     PYTHONPATH=$PWD python benchmarks/probe_grad_gemms.py --step 2048x4096x896 --step 1536x16384x3584
 
@@ -36,7 +39,16 @@ def step_timings(rows: int, slab: int, d: int, rep_ms: float) -> dict[str, float
         "dE column-major": bench(
             lambda: torch.addmm(column_major, d_logits, c_slab, out_dtype=torch.float32, out=column_major)),
         "dC": bench(lambda: grad_c_slab.addmm_(d_logits.T, e_chunk)),
+        "dC transposed": bench(lambda: grad_c_slab.T.addmm_(e_chunk.T, d_logits)),
     }
+    for name, update in (("dC", lambda out: out.addmm_(d_logits.T, e_chunk)),
+                         ("dC transposed", lambda out: out.T.addmm_(e_chunk.T, d_logits))):
+        out = torch.zeros_like(grad_c_slab)
+        update(out)
+        reference = d_logits.float().T @ e_chunk.float()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        if error > 1e-2:
+            raise SystemExit(f"{name}: relative error {error:.1e} against fp32")
     expected = d_logits.float() @ c_slab.float()
     for name, accumulator in (("row-major", row_major), ("column-major", column_major)):
         accumulator.zero_()
