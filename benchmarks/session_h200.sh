@@ -43,6 +43,18 @@ packer=$!
 # The packer must not outlive the script: the call would wait for it until its time limit.
 trap 'kill $packer 2>/dev/null; pack' EXIT
 
+# run_probe NAME LIMIT_S SCRIPT [ARGS...]: benchmarks/SCRIPT under a time limit, its JSON and log in
+# $WORK as probe-NAME.*, the log printed.
+run_probe() {
+  local name=$1 limit=$2 script=$3
+  shift 3
+  timeout "$limit" python3 "benchmarks/$script" "$@" --out "$WORK/probe-$name.json" > "$WORK/probe-$name.log" 2>&1
+  echo "$name: exit $?"
+  cat "$WORK/probe-$name.log"
+}
+
+shape_options() { printf -- '--shape %s ' "$@"; }
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$WORK/gpu.txt" 2>&1
 for step in $STEPS; do
   case "$step" in
@@ -67,15 +79,9 @@ for step in $STEPS; do
       echo "tune: exit $?"
       rm -f "$WORK/tune/tuning.db" ;;
     host)
-      timeout 120 python3 benchmarks/probe_host.py $(printf -- '--shape %s ' ${HOST_SHAPES:-16384x896x151936}) \
-        --out "$WORK/probe-host.json" > "$WORK/probe-host.log" 2>&1
-      echo "host: exit $?"
-      cat "$WORK/probe-host.log" ;;
+      run_probe host 120 probe_host.py $(shape_options ${HOST_SHAPES:-16384x896x151936}) ;;
     wall)
-      timeout 240 python3 benchmarks/probe_wall.py ${WALL_ARGS:-} --out "$WORK/probe-wall.json" \
-        > "$WORK/probe-wall.log" 2>&1
-      echo "wall: exit $?"
-      cat "$WORK/probe-wall.log" ;;
+      run_probe wall 240 probe_wall.py ${WALL_ARGS:-} ;;
     ab)
       IFS=';' read -ra ab_runs <<< "${AB_ARGS:?set AB_ARGS}"
       for index in "${!ab_runs[@]}"; do
@@ -84,16 +90,10 @@ for step in $STEPS; do
         grep -A20 "^medians" "$WORK/ab-$index.log"
       done ;;
     graphs)
-      timeout 180 python3 benchmarks/probe_graphs.py $(printf -- '--shape %s ' ${GRAPH_SHAPES:-16384x896x151936}) \
-        --out "$WORK/probe-graphs.json" > "$WORK/probe-graphs.log" 2>&1
-      echo "graphs: exit $?"
-      cat "$WORK/probe-graphs.log" ;;
+      run_probe graphs 180 probe_graphs.py $(shape_options ${GRAPH_SHAPES:-16384x896x151936}) ;;
     joules)
-      timeout 300 python3 benchmarks/probe_joules.py \
-        $(printf -- '--shape %s ' ${JOULES_SHAPES:-16384x896x151936 8192x2304x256000 8192x4096x128256}) \
-        --out "$WORK/probe-joules.json" > "$WORK/probe-joules.log" 2>&1
-      echo "joules: exit $?"
-      cat "$WORK/probe-joules.log" ;;
+      run_probe joules 300 probe_joules.py \
+        $(shape_options ${JOULES_SHAPES:-16384x896x151936 8192x2304x256000 8192x4096x128256}) ;;
     sweep)
       for shape in ${SWEEP_SHAPES:-$SHAPES}; do
         timeout 300 python3 benchmarks/sweep_tiles.py --shape "$shape" ${SWEEP_ARGS:-} \

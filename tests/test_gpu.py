@@ -6,6 +6,10 @@ import pytest
 import torch
 
 import cce_compile
+from cce_compile.bench.inputs import lm_like_inputs
+from cce_compile.config.plan import BackwardPlan
+from cce_compile.ops import backward, graphs
+from cce_compile.ops.forward import linear_cross_entropy_forward
 
 from .op_cases import make_inputs, relative_error
 
@@ -56,7 +60,7 @@ def test_tensor_descriptor_kernels_match_the_pointer_kernels(
     """Exact mode's persistent tensor-descriptor kernels (16-bit inputs) against the pointer
     kernels they replace, on a ragged vocabulary with a bias: the same fp32 math, so only
     the order of the dot products' sums differs."""
-    from cce_compile.ops import backward, forward
+    from cce_compile.ops import forward
 
     e, c, targets = make_inputs("zipf", (4096,), 50257, 768, torch.bfloat16, seed=3, device="cuda")
     bias = torch.randn(50257, device="cuda", dtype=torch.bfloat16) * 0.5
@@ -120,10 +124,9 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
     tails (D = 1000, and 4000 near the longest K it takes) and ignored tokens: the same d
     logits up to the dots' order of summation, so the gradients agree far inside the bf16
     tolerance."""
-    from cce_compile.config.plan import BackwardPlan
     from cce_compile.kernels.backward import grad_logits_tma_kernel
     from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel
-    from cce_compile.ops import backward, launch
+    from cce_compile.ops import launch
 
     e, c, targets = make_inputs("zipf", (3001,), 50001, d, dtype, seed=7, device="cuda")
     targets[::11] = -100
@@ -163,8 +166,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     earlier launch's compiled kernel (ops/launch.py) give the gradients that launching each
     through Triton's JIT gives, bit for bit, and relaunches do reuse: exact mode's 2 token
     chunks (the second ragged) x 16 slabs need 2 variants, and a second call of the op none."""
-    from cce_compile.config.plan import BackwardPlan
-    from cce_compile.ops import backward, launch
+    from cce_compile.ops import launch
     from cce_compile.ops import forward as op_forward
 
     e, c, targets = make_inputs("zipf", (3000,), 16000, d, torch.bfloat16, seed=5, device="cuda")
@@ -238,8 +240,6 @@ def test_peak_memory_within_ten_percent_of_gradients() -> None:
     once per process: ops/graphs.capture_stream); of the next four, one captures the backward's
     slab loop as a CUDA graph and the later ones replay it (which call captures depends on when
     the caching allocator settles on the same blocks), each within 10% of the gradients."""
-    from cce_compile.ops import graphs
-
     n, d, v = 8192, 2048, 65536
     e, c, targets = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=1, device="cuda")
     e.requires_grad_()
@@ -279,8 +279,6 @@ def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
 def test_filtered_mode_on_lm_like_data() -> None:
     """Filtered mode (sorted vocab, block-sparse GEMMs) on an LM-like softmax: it drops
     tiles, and its gradients stay within issue 5's 1e-2 of the fp32 reference."""
-    from cce_compile.bench.inputs import lm_like_inputs
-
     e, c, targets = lm_like_inputs(4096, 1024, 65536, torch.bfloat16, "cuda", seed=3)
     grads = {}
     for eps in (None, 2.0**-12):
@@ -298,7 +296,6 @@ def test_filtered_mode_tilt_on_heavy_tail(monkeypatch: pytest.MonkeyPatch) -> No
     tiles the filter skips), dE's tilt (filtering.Tilt, estimated on the tensor cores) keeps
     filtered mode inside 1e-2 of the fp32 reference and takes off a good part of its error."""
     from cce_compile.bench.inputs import heavy_tail_inputs
-    from cce_compile.ops import backward as op_backward
     from cce_compile.ops.filtering import tilt_sample_size
 
     e, c, targets = heavy_tail_inputs(16384, 896, 151936, torch.bfloat16, "cuda", seed=3)
@@ -311,7 +308,7 @@ def test_filtered_mode_tilt_on_heavy_tail(monkeypatch: pytest.MonkeyPatch) -> No
         return ee.grad, cc.grad
 
     tilted = grads()
-    monkeypatch.setattr(op_backward, "tilt_sample_size", lambda n, v, d: 0)
+    monkeypatch.setattr(backward, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads()
     with_tilt, without = relative_error(tilted[0], ref_de), relative_error(untilted[0], ref_de)
     print(f"dE error: {with_tilt:.2e} with the tilt, {without:.2e} without")
@@ -330,18 +327,14 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
     through autograd, whose device thread would hide where a warning came from."""
     import warnings
 
-    from cce_compile.bench.inputs import lm_like_inputs
-    from cce_compile.ops.backward import linear_cross_entropy_backward
-    from cce_compile.ops.forward import linear_cross_entropy_forward
-
     e, c, targets = lm_like_inputs(4096, 1024, 65536, torch.bfloat16, "cuda", seed=6)
     grad_loss = torch.full(targets.shape, 1.0 / targets.numel(), device="cuda")
 
     def both_ops() -> None:
         _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(
             e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
-        linear_cross_entropy_backward(grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles,
-                                      tile_lse, order, -100, 0.0, 0.0, filter_eps)
+        backward.linear_cross_entropy_backward(grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse,
+                                               kept_tiles, tile_lse, order, -100, 0.0, 0.0, filter_eps)
 
     def syncs_in(work) -> list[str]:
         """Where `work` made synchronizing CUDA calls, by the sync debug mode's warnings."""
@@ -371,8 +364,6 @@ def test_filtered_mode_compiled_matches_eager() -> None:
     lists and block-sparse GEMMs traced into one graph (fixed slabs) give eager's gradients
     (packed steps), and a target of token 0 (what columns past V read in the vocab order) gets
     exactly its own loss."""
-    from cce_compile.bench.inputs import lm_like_inputs
-
     e, c, targets = lm_like_inputs(3000, 512, 20000, torch.bfloat16, "cuda", seed=4)  # ragged N and V
     targets[::7] = 0
 
@@ -415,10 +406,6 @@ class DirectBackward:
     allocator hands each call the same blocks."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seed: int, names: tuple[str, ...]) -> None:
-        from cce_compile.bench.inputs import lm_like_inputs
-        from cce_compile.config.plan import BackwardPlan
-        from cce_compile.ops import backward, graphs
-
         self.monkeypatch = monkeypatch
         self.e, self.c, self.targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=seed)
         monkeypatch.setattr(backward, "plan_backward", lambda *args, **kwargs: BackwardPlan(2, 4096, True))
@@ -430,19 +417,13 @@ class DirectBackward:
         self.results = {name: (torch.empty_like(self.e), torch.empty_like(self.c)) for name in names}
 
     def forward(self, hidden: torch.Tensor, label_smoothing: float = 0.0, softcap: float = 0.0) -> tuple:
-        from cce_compile.ops.forward import linear_cross_entropy_forward
-
         return linear_cross_entropy_forward(hidden, self.c, self.targets, None, None, -100, label_smoothing, softcap, 0.0)
 
     def graphs(self, enabled: bool) -> None:
-        from cce_compile.ops import graphs
-
         self.monkeypatch.setattr(graphs, "ENABLED", enabled)
 
     def into(self, name: str, hidden: torch.Tensor | None = None, label_smoothing: float = 0.0,
              softcap: float = 0.0) -> None:
-        from cce_compile.ops import backward
-
         grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
             self.grad_loss, self.grad_lse, self.e if hidden is None else hidden, self.c, self.targets, None, None,
             self.lse, self.kept_tiles, self.tile_lse, self.order, -100, label_smoothing, softcap, 0.0)
