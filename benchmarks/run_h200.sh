@@ -19,6 +19,7 @@ BUDGET_S="${BUDGET_S:-390}"
 SHAPES="${BENCH_SHAPES:-gemma2-2b,llama3-8b,qwen2.5-0.5b,large-d}"
 KINDS="${BENCH_KINDS:-lm_like,uniform}"
 IMPLS="${BENCH_IMPLS:+--impls $BENCH_IMPLS}"
+EXTRA="${BENCH_ARGS:-}"  # more of `cce bench`'s options, e.g. --frozen-head
 mkdir -p "$OUT" benchmarks/results
 
 source benchmarks/device_env.sh
@@ -28,7 +29,7 @@ python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "
 
 status=0
 python3 -m cce_compile.cli.bench --name "$NAME" --out "$OUT" --budget-s "$BUDGET_S" \
-  --shapes "$SHAPES" --kinds "$KINDS" $IMPLS 2>&1 | tee "$OUT/$NAME.log" || status=$?
+  --shapes "$SHAPES" --kinds "$KINDS" $IMPLS $EXTRA 2>&1 | tee "$OUT/$NAME.log" || status=$?
 
 if [ "$(realpath "$OUT")" != "$(realpath benchmarks/results)" ]; then
   for ext in json md png log; do

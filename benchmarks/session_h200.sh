@@ -9,7 +9,8 @@
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this (BENCH_SHAPES,
-#                                 BENCH_KINDS, BENCH_IMPLS, BENCH_NAME: its other shapes, inputs, impls)
+#                                 BENCH_KINDS, BENCH_IMPLS, BENCH_NAME, BENCH_ARGS: its other shapes,
+#                                 inputs, impls, options such as --frozen-head)
 #   TUNE_MODE=exact TUNE_BUDGET_S=30   tune: tune_h200.sh on SHAPES (~45 s per shape)
 #   HOST_SHAPES="NxDxV ..."       host: probe_host.py's shapes [Qwen2.5's]
 #   SWEEP_SHAPES="NxDxV ..." SWEEP_ARGS="..."   sweep: sweep_tiles.py [SHAPES, no arguments]

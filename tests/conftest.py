@@ -84,3 +84,21 @@ def descriptor_fits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     for module in (forward, backward):
         monkeypatch.setattr(module, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
     return fits
+
+
+@pytest.fixture
+def backward_outputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(grad_e's, grad_c's element count) per call autograd makes to the backward op (the real
+    op runs; traced calls record fake tensors' counts)."""
+    from cce_compile.ops import autograd
+
+    outputs: list[tuple[int, int]] = []
+    backward_op = autograd.linear_cross_entropy_backward
+
+    def spy(*args):
+        grad_e, grad_c, grad_bias = backward_op(*args)
+        outputs.append((grad_e.numel(), grad_c.numel()))
+        return grad_e, grad_c, grad_bias
+
+    monkeypatch.setattr(autograd, "linear_cross_entropy_backward", spy)
+    return outputs

@@ -69,3 +69,26 @@ def check_against_reference(e: Tensor, c: Tensor, targets: Tensor, options: dict
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
         err = relative_error(leaf.grad, ref.grad)
         assert err <= tol, f"d{name}: relative error {err:.2e} > {tol:.0e} with {options}"
+
+
+def grads_with_frozen(e: Tensor, c: Tensor, targets: Tensor, options: dict, e_trains: bool, c_trains: bool,
+                      bias: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(e.grad, c.grad, bias.grad) of the summed loss with e and/or c frozen (requires_grad off)."""
+    ee = e.detach().clone().requires_grad_(e_trains)
+    cc = c.detach().clone().requires_grad_(c_trains)
+    bb = None if bias is None else bias.detach().clone().requires_grad_()
+    cce_compile.linear_cross_entropy(ee, cc, targets, bias=bb, **options).sum().backward()
+    return ee.grad, cc.grad, None if bb is None else bb.grad
+
+
+def check_frozen_operands(e: Tensor, c: Tensor, targets: Tensor, options: dict, bias: Tensor | None = None) -> None:
+    """A frozen head (LoRA) or frozen hidden states change nothing in the other gradients:
+    they are the ones a call training both gives, bit for bit."""
+    both = grads_with_frozen(e, c, targets, options, True, True, bias)
+    head_frozen = grads_with_frozen(e, c, targets, options, True, False, bias)
+    hidden_frozen = grads_with_frozen(e, c, targets, options, False, True, bias)
+    assert head_frozen[1] is None and hidden_frozen[0] is None
+    assert torch.equal(head_frozen[0], both[0])
+    assert torch.equal(hidden_frozen[1], both[1])
+    if bias is not None:
+        assert torch.equal(head_frozen[2], both[2]) and torch.equal(hidden_frozen[2], both[2])

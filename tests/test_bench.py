@@ -191,6 +191,21 @@ def test_harness_flow_records_errors_failures_and_budget(cpu_harness: None, tmp_
     assert "kernel exploded" in written[1].read_text()
 
 
+def test_harness_with_a_frozen_head_asks_for_de_alone(cpu_harness: None, tmp_path: Path) -> None:
+    """--frozen-head: memory over dE's bytes, no dC error, and the report says so."""
+    settings = Settings(input_sets=1, frozen_head=True)
+    runs = harness.run_benchmark([Shape("tiny", 64, 48, 1000)], ["lm_like"], [IMPLS["cce_exact"]], settings)
+    (run,) = runs
+    assert run.grad_mib == 64 * 48 * 2 / 2**20
+    (result,) = run.impls
+    assert result.status == "ok", result.reason
+    assert result.rel_err_de < 3e-2 and result.rel_err_dc is None
+    doc = report.build_document("frozen", settings, {"shapes": [], "kinds": ["lm_like"], "impls": []}, runs)
+    table = report.save(doc, tmp_path)[1].read_text()
+    (row,) = [line for line in table.splitlines() if "cce_compile exact" in line]
+    assert "dE alone" in table and row.endswith("|  |")  # an empty dC error cell
+
+
 def _synthetic_document() -> dict:
     def result(impl: str, status: str = "ok", **numbers: float) -> dict:
         base = dict.fromkeys(("rel_err_loss", "rel_err_de", "rel_err_dc", "peak_mib", "memory_x_grads", "fwd_bwd_ms",

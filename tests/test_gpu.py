@@ -261,6 +261,41 @@ def test_peak_memory_within_ten_percent_of_gradients() -> None:
     assert graphs.SLAB_LOOPS.replays >= replays + 2
 
 
+@pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
+def test_frozen_operand_skips_its_gradient_and_its_memory(filter_eps: float | None) -> None:
+    """A LoRA step freezes the classifier: on the GPU's paths (cuBLAS GEMMs, the slab loop
+    captured and replayed as a CUDA graph; filtered mode's block-sparse GEMMs) three calls give
+    the dE a step training both gives, bit for bit, and their peak holds no dC. Frozen hidden
+    states likewise give that dC."""
+    n, d, v = 4096, 1024, 65536
+    e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, "cuda", seed=12)
+    full = (torch.empty_like(e), torch.empty_like(c))
+
+    def step(e_trains: bool, c_trains: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        ee, cc = e.detach().requires_grad_(e_trains), c.detach().requires_grad_(c_trains)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        cce_compile.linear_cross_entropy(ee, cc, targets, filter_eps=filter_eps).backward()
+        torch.cuda.synchronize()
+        return ee.grad, cc.grad, torch.cuda.max_memory_allocated() - before
+
+    for _ in range(3):
+        grad_e, grad_c, full_peak = step(True, True)
+        full[0].copy_(grad_e)
+        full[1].copy_(grad_c)
+        del grad_e, grad_c
+    for _ in range(3):
+        grad_e, grad_c, peak = step(True, False)
+        assert grad_c is None and torch.equal(grad_e, full[0])
+        assert peak <= full_peak - 0.95 * c.numel() * c.element_size(), (peak, full_peak)
+        del grad_e
+    for _ in range(3):
+        grad_e, grad_c, peak = step(False, True)
+        assert grad_e is None and torch.equal(grad_c, full[1])
+        del grad_c
+
+
 def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
     from torch._inductor.utils import run_and_get_code
 

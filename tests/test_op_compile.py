@@ -29,12 +29,13 @@ def test_opcheck_forward(with_extras: bool) -> None:
     torch.library.opcheck(ops.linear_cross_entropy_forward, args)
 
 
-def test_opcheck_backward() -> None:
+@pytest.mark.parametrize(("need_grad_e", "need_grad_c"), [(True, True), (True, False), (False, True)])
+def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
     e, c, targets, bias, _ = _op_args(29, True)
     loss, lse, kept_tiles, tile_lse, order = ops.linear_cross_entropy_forward(
         e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
     args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
-            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0)
+            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, need_grad_e, need_grad_c)
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 
 
@@ -70,6 +71,24 @@ def test_fullgraph_training_step_matches_eager() -> None:
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert counter.frame_count == 1
+
+
+def test_frozen_head_compiles_without_its_gradient(backward_outputs: list) -> None:
+    """A LoRA-style step (the classifier frozen) under fullgraph: the traced backward asks the
+    op for dE alone, and the step's gradients are eager's."""
+    torch.manual_seed(0)
+    model = RMSNormHead(32, 211)
+    model.classifier.weight.requires_grad_(False)
+    hidden = torch.randn(2, 40, 32, requires_grad=True)
+    targets = torch.randint(0, 211, (2, 40))
+    torch.compile(model, fullgraph=True)(hidden, targets).backward()
+    compiled_grads = [model.norm.weight.grad.clone(), hidden.grad.clone()]
+    assert backward_outputs and all(grad_c == 0 for _, grad_c in backward_outputs)
+    model.norm.weight.grad = hidden.grad = None
+    model(hidden, targets).backward()
+    assert model.classifier.weight.grad is None
+    for got, want in zip(compiled_grads, [model.norm.weight.grad, hidden.grad]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_no_graph_breaks() -> None:

@@ -13,7 +13,7 @@ from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.config import plan as plan_module
 from cce_compile.config.plan import plan_backward
 
-from .op_cases import check_against_reference, make_inputs, relative_error
+from .op_cases import check_against_reference, check_frozen_operands, make_inputs, relative_error
 from .test_op_options import make_case
 
 pytestmark = pytest.mark.interpreter
@@ -53,6 +53,19 @@ def test_several_token_chunks_and_slabs() -> None:
     assert plan.n_chunks > 1 and plan.slab_v < 300
     with cce_compile.override_config(config):
         check_against_reference(e, c, targets, {"reduction": "sum"}, bias=torch.randn(300).bfloat16())
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
+def test_frozen_head_or_hidden_states_skip_that_gradient(filter_eps, backward_outputs: list) -> None:
+    """The kernels' path over several token chunks and slabs: a frozen operand's GEMMs are
+    skipped (the op returns its gradient empty) and the other gradients are unchanged bit for bit."""
+    e, c, targets = make_inputs("zipf", (260,), 300, 16, torch.bfloat16, seed=4)
+    targets[::9] = -100
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)):
+        check_frozen_operands(e, c, targets, {"filter_eps": filter_eps}, bias=torch.randn(300).bfloat16())
+    assert backward_outputs == [(260 * 16, 300 * 16), (260 * 16, 0), (0, 300 * 16)]
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])

@@ -75,6 +75,13 @@ def build_document(name: str, settings: Settings, plan: dict[str, list[str]], ru
     }
 
 
+def grads_meant(settings: dict[str, Any]) -> str:
+    """What "x grads" divides by: both gradients, or dE alone with a frozen head."""
+    if settings.get("frozen_head"):
+        return "the bf16 dE alone (c frozen, as in a LoRA run: no dC is asked for)"
+    return "the bf16 dE + dC"
+
+
 def _shape_label(shape: dict[str, Any]) -> str:
     return Shape(**shape).label
 
@@ -102,7 +109,7 @@ def markdown(doc: Document) -> str:
         f"rep {settings['rep_ms']:g} ms, at least {settings['min_reps']} reps, L2 cleared), cycling over "
         f"{settings['input_sets']} input sets. \"x GEMM\": time over one bf16 `e @ c.T` of the same shape timed "
         "in the same run. \"MiB\": peak allocated above the inputs during forward+backward; \"x grads\": that "
-        "over the bf16 dE + dC themselves. Relative errors ||x - ref|| / ||ref|| against a float32 reference "
+        f"over {grads_meant(settings)} themselves. Relative errors ||x - ref|| / ||ref|| against a float32 reference "
         f"(TF32 off). Bold: within the targets (fwd+bwd <= {targets['fwd_bwd_x_gemm']:.2f}x GEMM, memory <= "
         f"{targets['memory_x_grads']:.2f}x grads).",
         "",
@@ -188,8 +195,8 @@ def plot(doc: Document, png_path: Path) -> None:
         errors.set_yscale("log")
         errors.set_ylim(*_ERROR_RANGE)
         errors.set_ylabel("max rel.err of dE, dC (log)", color="C3")
-        measured = [(x, max(r["rel_err_de"], r["rel_err_dc"])) for x, r in zip(xs, results)
-                    if r["rel_err_de"] is not None and r["rel_err_dc"] is not None]
+        grad_errors = [[err for err in (r["rel_err_de"], r["rel_err_dc"]) if err is not None] for r in results]
+        measured = [(x, max(errs)) for x, errs in zip(xs, grad_errors) if errs]
         if measured:
             errors.plot(*zip(*measured), linestyle="none", marker="D", color="C3")
         ax.set_xticks(list(xs), [r["label"] for r in results], rotation=40, ha="right", fontsize=8)
@@ -198,7 +205,8 @@ def plot(doc: Document, png_path: Path) -> None:
     fig.legend(handles + [plt.Line2D([], [], linestyle="none", marker="D", color="C3")],
                labels + ["max rel.err of dE, dC (right axis)"], loc="upper center", ncol=3, frameon=False,
                bbox_to_anchor=(0.5, 1 - 0.45 / fig.get_figheight()))
-    fig.suptitle(f"cce bench: {doc['name']} ({doc['environment']['gpu']}); dashed lines: targets "
+    frozen = "; c frozen: dE alone" if doc["settings"].get("frozen_head") else ""
+    fig.suptitle(f"cce bench: {doc['name']} ({doc['environment']['gpu']}{frozen}); dashed lines: targets "
                  f"{targets['fwd_bwd_x_gemm']:.2f}x GEMM, {targets['memory_x_grads']:.2f}x grads", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.8 / fig.get_figheight()))
     fig.savefig(png_path, dpi=110)

@@ -34,6 +34,8 @@ def bench(
     budget_s: Annotated[Optional[float], typer.Option(help="start nothing new after this many seconds")] = None,
     uniform_all: Annotated[bool, typer.Option(
         help="time every impl on uniform inputs, not only the filtering ones and cce_exact")] = False,
+    frozen_head: Annotated[bool, typer.Option(
+        help="c frozen, as in a LoRA run: the backward asks for dE alone")] = False,
     render: Annotated[Optional[Path], typer.Option(
         help="only re-render the markdown and PNG of this saved JSON (needs no GPU)", exists=True, dir_okay=False)] = None,
 ) -> None:
@@ -60,7 +62,7 @@ def bench(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     settings = harness.Settings(warmup_ms=warmup_ms, rep_ms=rep_ms, input_sets=input_sets, budget_s=budget_s,
-                                uniform_all=uniform_all)
+                                uniform_all=uniform_all, frozen_head=frozen_head)
     name = name or datetime.datetime.now(datetime.timezone.utc).strftime("bench-%Y%m%d-%H%M")
     plan = {"shapes": [shape.label for shape in shape_list], "kinds": kind_list, "impls": [i.key for i in impl_list]}
     runs: list[harness.RunResult] = []

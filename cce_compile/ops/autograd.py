@@ -29,11 +29,15 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     # backward() may be called inside an autocast region: keep the op's fp32 math its own.
     override = contextlib.nullcontext() if ctx.override is None else override_config(ctx.override)
+    # Only the gradients autograd asks for are computed: a frozen head (LoRA) skips dC's GEMMs.
+    need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
     with torch.autocast(e.device.type, enabled=False), override:
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
-            grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options
+            grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options,
+            need_grad_e, need_grad_c,
         )
-    return grad_e, grad_c, None, grad_bias if bias is not None else None, None, None, None, None, None
+    return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
+            grad_bias if bias is not None else None, None, None, None, None, None)
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)

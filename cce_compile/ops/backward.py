@@ -79,11 +79,14 @@ def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
     bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
     vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+    need_grad_e: bool = True, need_grad_c: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias); grad_bias is empty when there is no bias.
 
     kept_tiles, tile_lse and vocab_order are the forward's (empty in exact mode and on the CPU
-    path, which filters from its recomputed softmax)."""
+    path, which filters from its recomputed softmax). A gradient not needed (a frozen head
+    under LoRA: need_grad_c=False) comes back empty and its GEMMs are never run: the pass
+    does three GEMMs' work instead of four and never allocates that gradient."""
     n, d = e.shape
     v = c.shape[0]
     config = config_for(e, c, filter_eps)
@@ -101,6 +104,7 @@ def linear_cross_entropy_backward(
             coef_smooth if has_smoothing else None, softcap, filter_eps,
             chunk_v=max(config.slab_v, config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=vocab_order if filtered else None, forward_block_n=config.forward.block_n,
+            need_grad_e=need_grad_e, need_grad_c=need_grad_c,
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
@@ -131,26 +135,29 @@ def linear_cross_entropy_backward(
         skipped = skipped_tiles(kept_tiles, vocab_order, weight, has_smoothing, forward_n,
                                 logits_tile.block_m, logits_tile.block_n)
         forward_tiles = tile_lse.shape[1]
-        c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
-        wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
-            c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
-        )
-        sample_size = tilt_sample_size(n_bucket(n), v, d)
-        tilt = Tilt.estimate(
-            c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, sample_size, eager_cuda,
-            tile_sums=c_tile_sums,
-        ) if sample_size else None
-        put_back_rows = torch.cat([c_tile_sums, tilt.rows()]) if tilt is not None else c_tile_sums
-        if eager_cuda:
-            put_back_rows = put_back_rows.bfloat16()
-        grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
+        if need_grad_e:  # dE's put-back: c summed per forward tile, and the tilt
+            c_tile_sums = torch.empty((forward_tiles, d), dtype=torch.float32, device=e.device)
+            wrap_triton(tile_row_sums_kernel)[(forward_tiles, cdiv(d, 64))](
+                c, vocab_order, c_tile_sums, v, d, c.stride(0), c.stride(1), TILE_N=forward_n, BLOCK_D=64,
+            )
+            sample_size = tilt_sample_size(n_bucket(n), v, d)
+            tilt = Tilt.estimate(
+                c, bias, vocab_order, skipped.tile_mass(tile_lse, coef_softmax), forward_n, sample_size, eager_cuda,
+                tile_sums=c_tile_sums,
+            ) if sample_size else None
+            put_back_rows = torch.cat([c_tile_sums, tilt.rows()]) if tilt is not None else c_tile_sums
+            if eager_cuda:
+                put_back_rows = put_back_rows.bfloat16()
+        if need_grad_c:
+            grad_c_per_tile = torch.zeros((forward_tiles, d), dtype=torch.float32, device=e.device)
         grad_bias_per_tile = (
             torch.zeros(forward_tiles, dtype=torch.float32, device=e.device) if bias is not None else None
         )
-    grad_e = torch.empty(e.shape, dtype=e.dtype, device=e.device)
-    grad_c = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+    grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
+    grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
     # 16-bit dE is summed over slabs in fp32; an fp32 dE is its own accumulator.
-    acc = torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device) if plan.fp32_accumulator else grad_e
+    acc = (torch.empty((chunk_rows, d), dtype=torch.float32, device=e.device)
+           if plan.fp32_accumulator and need_grad_e else grad_e)
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it.
     scaled = e.dtype == torch.float16
     # The d-logits scale (fp16 only); otherwise `lse` stands in for the unread pointer.
@@ -226,18 +233,24 @@ def linear_cross_entropy_backward(
                 tile_lse[row_start:row_end], coef_softmax[row_start:row_end],
                 coef_smooth[row_start:row_end] if has_smoothing else None, row_start,
             )
-            acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
             e_rows = e[row_start:row_end]
-            columns = torch.empty((rows, put_back_rows.shape[0]), dtype=put_back_rows.dtype, device=e.device)
-            columns[:, :forward_tiles].copy_(d_logits)
-            if tilt is not None:
-                tilt.columns(e_rows, row_mass, out=columns[:, forward_tiles:])
+            if need_grad_e:
+                acc_rows = acc[:rows] if plan.fp32_accumulator else grad_e[row_start:row_end]
+                columns = torch.empty((rows, put_back_rows.shape[0]), dtype=put_back_rows.dtype, device=e.device)
+                columns[:, :forward_tiles].copy_(d_logits)
+                if tilt is not None:
+                    tilt.columns(e_rows, row_mass, out=columns[:, forward_tiles:])
             if eager_cuda:  # on the tensor cores: bf16 operands (fp32's range), fp32 sums
-                torch.mm(columns, put_back_rows, out_dtype=torch.float32, out=acc_rows)
-                grad_c_per_tile.add_(torch.mm(columns[:, :forward_tiles].T, e_rows.bfloat16(), out_dtype=torch.float32))
+                if need_grad_e:
+                    torch.mm(columns, put_back_rows, out_dtype=torch.float32, out=acc_rows)
+                if need_grad_c:
+                    d_logits_t = columns[:, :forward_tiles].T if need_grad_e else d_logits.T.bfloat16()
+                    grad_c_per_tile.add_(torch.mm(d_logits_t, e_rows.bfloat16(), out_dtype=torch.float32))
             else:
-                torch.mm(columns, put_back_rows, out=acc_rows)
-                grad_c_per_tile.addmm_(d_logits.T, e_rows.to(torch.float32))
+                if need_grad_e:
+                    torch.mm(columns, put_back_rows, out=acc_rows)
+                if need_grad_c:
+                    grad_c_per_tile.addmm_(d_logits.T, e_rows.to(torch.float32))
             if grad_bias_per_tile is not None:
                 grad_bias_per_tile.add_(d_logits.sum(dim=0))
 
@@ -249,31 +262,33 @@ def linear_cross_entropy_backward(
             if step == 0:
                 put_back_skipped_tiles(row_start, rows)
             # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows.
-            launch_sparse_matmul(
-                (columns * cdiv(d, dc_tile.block_n),),
-                grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
-                lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
-                steps.step_bounds, chunk * steps.step_bounds.stride(0) + step + 1,
-                lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
-                e.stride(0), e.stride(1),
-                BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
-                BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
-                num_stages=dc_tile.num_stages, **flags,
-            )
+            if need_grad_c:
+                launch_sparse_matmul(
+                    (columns * cdiv(d, dc_tile.block_n),),
+                    grad_logits, e, row_start * e.stride(0), vocab_order, grad_c, 0, vocab_order, grad_c, 0,
+                    lists.dc_begin, lists.dc_count, chunk * vocab_tiles, first_column, columns,
+                    steps.step_bounds, chunk * steps.step_bounds.stride(0) + step + 1,
+                    lists.dc_rows, lists.dc_rows, step_index * capacity, scale, v, d, rows,
+                    e.stride(0), e.stride(1),
+                    BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                    TILE_M=logits_tile.block_n, TILE_K=logits_tile.block_m, BLOCK_N=dc_tile.block_n,
+                    BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
+                    num_stages=dc_tile.num_stages, **flags,
+                )
             # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V.
             tile_rows = cdiv(rows, logits_tile.block_m)
-            launch_sparse_matmul(
-                (tile_rows * cdiv(d, de_tile.block_n),),
-                grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
-                lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
-                lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
-                c.stride(0), c.stride(1),
-                BY_COLUMN=False, ACCUMULATE=True, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
-                TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
-                BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
-                num_stages=de_tile.num_stages, **flags,
-            )
+            if need_grad_e:
+                launch_sparse_matmul(
+                    (tile_rows * cdiv(d, de_tile.block_n),),
+                    grad_logits, c, 0, vocab_order, acc, acc_offset, vocab_order, grad_e, row_start * d,
+                    lists.de_begin, lists.de_count, step_index * chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
+                    lists.de_slots, lists.de_cols, step_index * capacity, scale, rows, d, v,
+                    c.stride(0), c.stride(1),
+                    BY_COLUMN=False, ACCUMULATE=True, FINAL=plan.fp32_accumulator and last, SCALED=scaled,
+                    TILE_M=logits_tile.block_m, TILE_K=logits_tile.block_n, BLOCK_N=de_tile.block_n,
+                    BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
+                    num_stages=de_tile.num_stages, **flags,
+                )
             if bias is not None:
                 # Slots past the step's count hold whatever was there (NaN too): selected away.
                 live = slot_ids < lists.step_counts[chunk, step]
@@ -326,13 +341,14 @@ def linear_cross_entropy_backward(
                 recompute(programs, row_start, row_start + rows, 0, v, chunk * steps.n_steps + step)
                 step_gemms(chunk, step, row_start, rows, acc_offset, first_column, end_column - first_column,
                            last=step == len(chunk_steps) - 1)
-            if chunk == 0 and len(chunk_steps) == 1 and plan.fp32_accumulator:
+            if chunk == 0 and len(chunk_steps) == 1 and plan.fp32_accumulator and need_grad_e:
                 grad_e[:rows].copy_(acc[:rows])  # its one step went ahead, not knowing it was the last
         # The skipped tiles' share of dC, added to each column of theirs (and of dbias).
-        wrap_triton(add_tile_rows_kernel)[(cdiv(v, 64), cdiv(d, 64))](
-            grad_c, vocab_order, grad_c_per_tile, v, d, grad_c.stride(0), grad_c.stride(1),
-            TILE_N=forward_n, BLOCK_P=64, BLOCK_D=64,
-        )
+        if need_grad_c:
+            wrap_triton(add_tile_rows_kernel)[(cdiv(v, 64), cdiv(d, 64))](
+                grad_c, vocab_order, grad_c_per_tile, v, d, grad_c.stride(0), grad_c.stride(1),
+                TILE_N=forward_n, BLOCK_P=64, BLOCK_D=64,
+            )
         if bias is not None:
             bias_sum[:v] += grad_bias_per_tile.repeat_interleave(forward_n)[:v]
     else:
@@ -366,38 +382,40 @@ def linear_cross_entropy_backward(
                         d_logits, d_logits_t = (
                             whole_slab if cols == plan.slab_v else (d_logits_rows[:, :cols], d_logits_rows[:, :cols].T)
                         )
-                        if chunk == 0:
+                        if need_grad_c and chunk == 0:
                             torch.mm(d_logits_t, e_chunk, out=grad_c_slabs[slab])
-                        else:
+                        elif need_grad_c:
                             grad_c_slabs[slab].addmm_(d_logits_t, e_chunk)
-                        if col_start == 0:
+                        if need_grad_e and col_start == 0:
                             torch.mm(d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                        else:
+                        elif need_grad_e:
                             torch.addmm(acc_rows, d_logits, c_slabs[slab], out_dtype=acc.dtype, out=acc_rows)
-                        if final:
+                        if need_grad_e and final:
                             grad_e[row_start:row_end].copy_(acc_rows)
                     else:
                         # dC[slab] (+)= d_logits.T @ e[chunk]: M = cols, N = d, K = rows.
-                        wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
-                            grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
-                            cols, d, rows,
-                            grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
-                            ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
-                            BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
-                            GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
-                            **flags,
-                        )
+                        if need_grad_c:
+                            wrap_triton(matmul_kernel)[(cdiv(cols, dc_tile.block_m) * cdiv(d, dc_tile.block_n),)](
+                                grad_logits, 0, e, row_start * e.stride(0), grad_c, col_start * d, grad_c, 0, scale,
+                                cols, d, rows,
+                                grad_logits.stride(1), grad_logits.stride(0), e.stride(0), e.stride(1), d, 1, d, 1,
+                                ACCUMULATE=chunk > 0, FINAL=False, SCALED=scaled,
+                                BLOCK_M=dc_tile.block_m, BLOCK_N=dc_tile.block_n, BLOCK_K=dc_tile.block_k,
+                                GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps, num_stages=dc_tile.num_stages,
+                                **flags,
+                            )
                         # dE[chunk] += d_logits @ c[slab]: M = rows, N = d, K = cols; the last slab
                         # writes dE itself.
-                        wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
-                            grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
-                            rows, d, cols,
-                            grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
-                            ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
-                            BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
-                            GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
-                            **flags,
-                        )
+                        if need_grad_e:
+                            wrap_triton(matmul_kernel)[(cdiv(rows, de_tile.block_m) * cdiv(d, de_tile.block_n),)](
+                                grad_logits, 0, c, col_start * c.stride(0), acc, acc_offset, grad_e, row_start * d, scale,
+                                rows, d, cols,
+                                grad_logits.stride(0), grad_logits.stride(1), c.stride(0), c.stride(1), d, 1, d, 1,
+                                ACCUMULATE=col_start > 0, FINAL=final, SCALED=scaled,
+                                BLOCK_M=de_tile.block_m, BLOCK_N=de_tile.block_n, BLOCK_K=de_tile.block_k,
+                                GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps, num_stages=de_tile.num_stages,
+                                **flags,
+                            )
                     if bias is not None:
                         slab_sum = grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
                         bias_slabs.append(slab_sum * scale if scaled else slab_sum)
@@ -407,7 +425,8 @@ def linear_cross_entropy_backward(
         if graphs.eligible(eager_cuda, bias):
             key = (*map(graphs.tensor_key, (e, c, targets, weight, lse, coef_softmax, coef_target, coef_smooth,
                                              scale, grad_e, grad_c, acc, grad_logits)),
-                   plan, config, softcap, label_smoothing, warp_specialized, persistent, cublas, WARP_SPECIALIZED_TILE)
+                   plan, config, softcap, label_smoothing, warp_specialized, persistent, cublas, WARP_SPECIALIZED_TILE,
+                   need_grad_e, need_grad_c)
             graphs.SLAB_LOOPS.run(key, slab_loop, e.device)
         else:
             slab_loop()

@@ -74,9 +74,10 @@ def backward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor,
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
-    forward_block_n: int = 128,
+    forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32.
+    """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
+    back empty, its GEMMs skipped.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row. As in
@@ -97,8 +98,8 @@ def backward_cpu(
         tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, over the sample
         sample = mass_sample_rows(e.shape[0], e.device)
         keep_tile = (filter_tile[0], max(filter_tile[1], forward_block_n))
-    grad_e = torch.zeros_like(e32)
-    grad_c = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+    grad_e = torch.zeros(e.shape if need_grad_e else (0,), dtype=torch.float32, device=e.device)
+    grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=torch.float32, device=c.device)
     grad_bias = torch.empty((v,), dtype=torch.float32, device=c.device) if bias is not None else None
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
@@ -124,12 +125,14 @@ def backward_cpu(
             row_mass += coef_softmax * skipped_mass.sum(dim=1)
             tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
             tile_mass.index_add_(0, tile_of_column, coef_softmax[sample].abs() @ skipped_mass[sample])
-        grad_e += grad @ c[ids].to(torch.float32)
-        grad_c[ids] = grad.T @ e32
+        if need_grad_e:
+            grad_e += grad @ c[ids].to(torch.float32)
+        if need_grad_c:
+            grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
             grad_bias[ids] = grad.sum(dim=0)
     sample_size = tilt_sample_size(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
-    if sample_size:
+    if sample_size and need_grad_e:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
         tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False)
         tilt_rows = tilt.rows()
