@@ -265,8 +265,9 @@ def test_peak_memory_within_ten_percent_of_gradients() -> None:
 def test_frozen_operand_skips_its_gradient_and_its_memory(filter_eps: float | None) -> None:
     """A LoRA step freezes the classifier: on the GPU's paths (cuBLAS GEMMs, the slab loop
     captured and replayed as a CUDA graph; filtered mode's block-sparse GEMMs) three calls give
-    the dE a step training both gives, bit for bit, and their peak holds no dC. Frozen hidden
-    states likewise give that dC."""
+    the dE a step training both gives, bit for bit, and their peak holds no dC (filtered mode's
+    forward holds a copy of c in vocab order, as large as dC, so its peak falls by less). Frozen
+    hidden states likewise give that dC."""
     n, d, v = 4096, 1024, 65536
     e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, "cuda", seed=12)
     full = (torch.empty_like(e), torch.empty_like(c))
@@ -288,12 +289,35 @@ def test_frozen_operand_skips_its_gradient_and_its_memory(filter_eps: float | No
     for _ in range(3):
         grad_e, grad_c, peak = step(True, False)
         assert grad_c is None and torch.equal(grad_e, full[0])
-        assert peak <= full_peak - 0.95 * c.numel() * c.element_size(), (peak, full_peak)
+        saved = 0.95 if filter_eps is None else 0.25
+        assert peak <= full_peak - saved * c.numel() * c.element_size(), (peak, full_peak)
         del grad_e
     for _ in range(3):
         grad_e, grad_c, peak = step(False, True)
         assert grad_e is None and torch.equal(grad_c, full[1])
         del grad_c
+
+
+@pytest.mark.parametrize("d", [896, 2048])  # the Gluon forward and the persistent TMA forward
+def test_forward_alone_peaks_at_its_per_tile_buffer(d: int) -> None:
+    """A forward with no autograd (evaluation, or what a frozen head's step holds before its
+    backward) allocates its (vocab tiles, N) log-sum-exps and little else: the merge of them
+    (merge_tile_lse_kernel) makes no temporary of their size."""
+    n, v = 8192, 65536
+    e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, "cuda", seed=13)
+    with torch.no_grad():
+        expected = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    tile_buffer = n * (v // 128) * 4  # the widest forward tile is 128 columns or more
+    assert peak <= 1.25 * tile_buffer, (peak, tile_buffer)
+    assert torch.equal(loss, expected)
+    ref_loss, _, _ = fp32_reference(e, c, targets)
+    assert relative_error(loss.mean(), ref_loss) < 1e-3
 
 
 def test_inductor_inlines_the_kernels_and_matches_eager() -> None:

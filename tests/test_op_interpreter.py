@@ -68,6 +68,22 @@ def test_frozen_head_or_hidden_states_skip_that_gradient(filter_eps, backward_ou
     assert backward_outputs == [(260 * 16, 300 * 16), (260 * 16, 0), (0, 300 * 16)]
 
 
+def test_tile_lse_merge_streams_like_torch_logsumexp() -> None:
+    """merge_tile_lse_kernel against torch.logsumexp, ragged in tiles and rows, in both layouts
+    the forward hands it, with -inf tiles, an all -inf row, +inf and NaN."""
+    from cce_compile.ops.forward import merge_tile_lse
+
+    tile_lse = torch.randn(45, 150, generator=torch.Generator().manual_seed(0)) * 8.0
+    tile_lse[::3, 10] = float("-inf")
+    tile_lse[:, 11] = float("-inf")
+    tile_lse[7, 12] = float("inf")
+    tile_lse[40, 13] = float("nan")
+    expected = torch.logsumexp(tile_lse, dim=0)
+    for layout in (tile_lse, tile_lse.T.contiguous().T):
+        torch.testing.assert_close(merge_tile_lse(layout), expected, equal_nan=True)
+    assert merge_tile_lse(tile_lse)[11] == float("-inf") and merge_tile_lse(tile_lse)[12] == float("inf")
+
+
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])
 def test_exact_mode_through_tensor_descriptors(seed: int, descriptor_fits: list[bool]) -> None:
     """16-bit inputs whose rows are 16-byte aligned take the persistent tensor-descriptor

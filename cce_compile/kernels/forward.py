@@ -151,3 +151,30 @@ def lse_forward_tma_kernel(
             tl.store(at + N * num_n, tile_lse, mask=row_mask)
         else:
             tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
+
+
+@triton.jit
+def merge_tile_lse_kernel(
+    tile_lse_ptr, lse_ptr, N, num_tiles, stride_tile, stride_row,
+    BLOCK_ROWS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+):
+    """lse[row] = log-sum-exp over tiles of tile_lse[tile, row] (strided), one streaming pass.
+
+    torch.logsumexp made temporaries the size of its input, so the forward's peak was ~3x its
+    per-tile buffer (on Qwen2.5's shape 285 MB against 78 MB), what a frozen head's call or a
+    forward alone is left with. +inf stays +inf, all -inf gives -inf, NaN stays NaN."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < N
+    row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
+    row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for start in range(0, num_tiles, BLOCK_TILES):
+        tiles = start + tl.arange(0, BLOCK_TILES)
+        at = tile_lse_ptr + tiles.to(tl.int64)[:, None] * stride_tile + rows.to(tl.int64)[None, :] * stride_row
+        x = tl.load(at, mask=(tiles < num_tiles)[:, None] & row_mask[None, :], other=float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        # Shift by 0 where the max is infinite: exp(-inf - -inf) and exp(inf - inf) would be NaN.
+        shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
+        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
+        row_max = new_max
+    shift = tl.where(tl.abs(row_max) == float("inf"), 0.0, row_max)
+    tl.store(lse_ptr + rows, shift + tl.log(row_sumexp), mask=row_mask)

@@ -8,7 +8,7 @@ from torch.library import triton_op, wrap_triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import TileConfig
-from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
+from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel, merge_tile_lse_kernel
 from ..kernels.warp_specialized import lse_forward_ws_kernel
 from .cpu_path import forward_cpu
 from .dispatch import cdiv, config_for, device_limits, kernel_flags, relaunches_directly, tensor_descriptors_fit, use_triton
@@ -58,7 +58,7 @@ def linear_cross_entropy_forward(
     if plain and warp_specialized_fits(WARP_SPECIALIZED_MAX_K_STEPS, e, c):
         # The tile named, not defaulted: benchmarks/ab_switch.py switches it.
         lse_by_tile, target_logit = forward_warp_specialized(e, c, targets, WARP_SPECIALIZED_TILE)
-        lse, weighted_sum = torch.logsumexp(lse_by_tile, dim=0), None
+        lse, weighted_sum = merge_tile_lse(lse_by_tile), None
     elif on_triton and tensor_descriptors_fit(e, c):
         # Filtered mode hands the kernel the vocabulary in vocab order (its tiles' maxima are
         # by position in it); the copy of c is freed when the forward returns.
@@ -87,7 +87,7 @@ def linear_cross_entropy_forward(
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
-        lse = torch.logsumexp(tile_stats[1], dim=1) if filtered else torch.logsumexp(lse_by_tile, dim=0)
+        lse = merge_tile_lse(tile_stats[1].T if filtered else lse_by_tile)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
         # Filtered mode's copies in vocab order (c's as large as dC) are freed before the
         # statistics below; the launcher holds them through the descriptor.
@@ -127,6 +127,18 @@ def linear_cross_entropy_forward(
         kept_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
         tile_lse = torch.empty((0, 0), dtype=torch.float16, device=e.device)
     return loss, lse, kept_tiles, tile_lse, order
+
+
+def merge_tile_lse(tile_lse: Tensor) -> Tensor:
+    """Each row's log-sum-exp from its per-tile ones (tile_lse: (tiles, N), any strides), with
+    no temporary the size of tile_lse."""
+    num_tiles, n = tile_lse.shape
+    lse = torch.empty(n, dtype=torch.float32, device=tile_lse.device)
+    block_rows = 64
+    merge_tile_lse_kernel[(cdiv(n, block_rows),)](
+        tile_lse, lse, n, num_tiles, tile_lse.stride(0), tile_lse.stride(1), BLOCK_ROWS=block_rows, BLOCK_TILES=32,
+    )
+    return lse
 
 
 def forward_warp_specialized(
