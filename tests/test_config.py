@@ -7,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from cce_compile.config import plan as plan_module
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
 from cce_compile.config.plan import (
-    FILTERED_SCRATCH_FRACTION, SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward,
+    FILTERED_SCRATCH_FRACTION, MAX_DC_ROUNDINGS, SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION, n_bucket, plan_backward,
 )
 from cce_compile.config.resolve import ProblemKey, heuristic_config
 
@@ -81,6 +82,21 @@ def test_untuned_exact_plans_take_the_least_traffic_within_the_budget(n: int, d:
     if d in (2304, 4096):
         assert uncapped.slab_v > 4096
     assert heuristic_config(ProblemKey("cuda", v, d, "bfloat16", bucket, "filtered")).slab_v == 4096
+
+
+@pytest.mark.parametrize(("n", "d", "v"), [(65536, 896, 151936), (131072, 896, 151936), (65536, 4096, 128256)])
+def test_large_batches_round_dc_at_most_sixteen_times(n: int, d: int, v: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dC sums over token chunks in bf16, one rounding per chunk: where a plan of at most
+    MAX_DC_ROUNDINGS chunks fits the budget it is taken, though the traffic model alone would
+    take more chunks on Qwen2.5's head from N = 65536."""
+    bucket = n_bucket(n)
+    config = heuristic_config(ProblemKey("cuda", v, d, "bfloat16", bucket, "exact"))
+    plan = plan_backward(bucket, v, d, 2, config)
+    assert plan.n_chunks <= MAX_DC_ROUNDINGS
+    assert plan.scratch_bytes(bucket, d, 2) <= SCRATCH_FRACTION * (n * d + v * d) * 2
+    monkeypatch.setattr(plan_module, "MAX_DC_ROUNDINGS", 1 << 20)
+    if d == 896 and n == 65536:
+        assert plan_backward(bucket, v, d, 2, config).n_chunks > MAX_DC_ROUNDINGS
 
 
 def test_small_problems_take_a_few_large_slab_steps() -> None:

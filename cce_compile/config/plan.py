@@ -35,6 +35,14 @@ the 1.10 x memory bound."""
 
 MIN_CHUNK_ROWS = 256
 
+MAX_DC_ROUNDINGS = 16
+"""Token chunks a plan takes at most where one within the budget does. dC sums over the
+chunks in its own 16-bit dtype (cuBLAS adds each chunk's product in fp32 and rounds), so each
+chunk rounds dC's running sum once: on the H200 dC's error against fp32 was 2.3-2.6e-3 at 2-4
+chunks, 3.2e-3 at 8 and 4.1-4.2e-3 at 16 (bench-h200-survey-32k.md, N = 32768), against the
+5e-3 target; at 32 it would pass it. The traffic model alone chose 32 chunks from N = 65536
+on Qwen2.5's head."""
+
 
 def n_bucket(n) -> int:
     """Smallest power of two >= n (n may be a SymInt: each comparison is a range guard)."""
@@ -83,7 +91,8 @@ def plan_backward(
     bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
 ) -> BackwardPlan:
     """The plan whose scratch fits SCRATCH_FRACTION of the gradients (or SCRATCH_FLOOR_BYTES)
-    with the least accumulator traffic; slabs within config.slab_v and at least 512 wide.
+    with the least accumulator traffic among those of at most MAX_DC_ROUNDINGS token chunks
+    (any number where none fits); slabs within config.slab_v and at least 512 wide.
     Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
     accumulator leaves (up to MAX_SLOTS; never fewer than the slab's tiles).
 
@@ -99,6 +108,7 @@ def plan_backward(
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
     best_traffic = float("inf")
+    accurate = False  # whether best keeps dC's roundings within MAX_DC_ROUNDINGS
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
     while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
@@ -109,8 +119,9 @@ def plan_backward(
             smallest = plan
             if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
                 traffic = 8 / slab + 2 * element_bytes / rows
-                if traffic < best_traffic:
-                    best, best_traffic = plan, traffic
+                within = n_chunks <= MAX_DC_ROUNDINGS
+                if (within, -traffic) > (accurate, -best_traffic):
+                    best, best_traffic, accurate = plan, traffic, within
                 break
             if slab <= 512:
                 break
