@@ -80,6 +80,24 @@ def test_loss_and_gradients_match_hf(family: str) -> None:
 
 
 @parametrize_families
+def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, backward_outputs: list) -> None:
+    """A LoRA-style step (lm_head frozen): the patched model's loss and the trained layers'
+    gradients are HF's, and the op is never asked for the head's gradient."""
+    reference, patched = twins(family)
+    for model in (reference, patched):
+        model.lm_head.weight.requires_grad_(False)
+    input_ids, labels = batch(seed=5)
+    expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert patched.lm_head.weight.grad is None
+    assert_close(patched.get_parameter("model.layers.1.mlp.down_proj.weight").grad,
+                 reference.get_parameter("model.layers.1.mlp.down_proj.weight").grad)
+    assert backward_outputs and all(grad_c == 0 < grad_e for grad_e, grad_c in backward_outputs)
+
+
+@parametrize_families
 def test_num_items_in_batch_matches_hf(family: str) -> None:
     reference, patched = twins(family)
     input_ids, labels = batch(seed=1)
