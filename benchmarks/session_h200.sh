@@ -5,7 +5,8 @@
 # every 20 s and at the end (the device tool returns only a few files, and a call cut short
 # at its limit still returns what the last tar holds).
 #
-#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall, graphs, joules, ab)
+#   STEPS="tests profile bench"   which parts, in this order (also: tune, host, sweep, wall, graphs, joules,
+#                                 chunks, ab)
 #   SHAPES="NxDxV ..."            profile shapes [the four benchmark shapes]
 #   MODES=exact,filtered          profile modes (PROFILE_ARGS: more of profile_kernels.py's options)
 #   BENCH_BUDGET_S=190            run_h200.sh starts nothing new after this (BENCH_SHAPES,
@@ -17,6 +18,8 @@
 #   WALL_ARGS="..."               wall: probe_wall.py (wall clock against GPU time, clocks)
 #   JOULES_SHAPES="NxDxV ..."     joules: probe_joules.py (each part of a pass back to back: ms and joules)
 #                                 [Qwen2.5's, Gemma-2's, Llama-3's]
+#   CHUNK_SHAPES="NxDxV ..."      chunks: probe_forward_chunks.py (the forward as one persistent grid against
+#                                 a grid per CHUNK_ROWS=8192 rows: ms and joules) [Llama-3's head at N = 32768]
 #   GRAPH_SHAPES="NxDxV ..."      graphs: probe_graphs.py (the backward's CUDA graph: memory, host and wall
 #                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
@@ -90,6 +93,9 @@ for step in $STEPS; do
         echo "ab ${ab_runs[$index]}: exit $?"
         grep -A20 "^medians" "$WORK/ab-$index.log"
       done ;;
+    chunks)
+      run_probe chunks 240 probe_forward_chunks.py --chunk-rows "${CHUNK_ROWS:-8192}" \
+        $(shape_options ${CHUNK_SHAPES:-32768x4096x128256}) ;;
     graphs)
       run_probe graphs 180 probe_graphs.py $(shape_options ${GRAPH_SHAPES:-16384x896x151936}) ;;
     joules)
