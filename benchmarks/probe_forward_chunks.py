@@ -17,53 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import lm_like_inputs  # noqa: E402
 from cce_compile.ops.forward import linear_cross_entropy_forward  # noqa: E402
-
-
-def energy_counter() -> Callable[[], int] | None:
-    """The board's energy counter in mJ, or None (no GPU, no NVML)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        board = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(board)
-    except Exception:  # noqa: BLE001 - a board without the counter still gets its times
-        return None
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def back_to_back(call: Callable[[], object], seconds: float, energy_mj: Callable[[], int] | None) -> dict:
-    """ms (and joules) per call over `seconds` of calls back to back, after as long a warm-up."""
-    for _ in range(2):
-        synchronize()
-        calls, started = 0, time.perf_counter()
-        before = energy_mj() if energy_mj else 0
-        while calls == 0 or time.perf_counter() - started < seconds:
-            call()
-            calls += 1
-        synchronize()
-        elapsed = time.perf_counter() - started
-    result = {"ms": elapsed / calls * 1000, "calls": calls}
-    if energy_mj:
-        result["joules"] = (energy_mj() - before) / 1000 / calls
-    return result
+from probe_joules import back_to_back, energy_counter  # noqa: E402
 
 
 def main() -> None:

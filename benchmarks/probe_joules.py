@@ -45,21 +45,43 @@ from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE  # noqa: E402
 from profile_kernels import pass_step  # noqa: E402
 
 
-def back_to_back(call: Callable[[], None], seconds: float, energy_mj: Callable[[], int]) -> dict[str, float]:
-    """ms and joules per call over `seconds` of calls back to back, after a second of warm-up
-    (clocks and power settle at the limit)."""
-    for budget in (1.0, seconds):
+def energy_counter() -> Callable[[], int] | None:
+    """The board's energy counter in mJ (NVML), or None where there is none (no GPU, no NVML)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        board = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(board)
+    except Exception:  # noqa: BLE001 - NVML's errors vary by driver; the caller decides
+        return None
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        calls, started, joules_before = 0, time.perf_counter(), energy_mj()
-        while time.perf_counter() - started < budget:
+
+
+def back_to_back(call: Callable[[], object], seconds: float, energy_mj: Callable[[], int] | None) -> dict[str, float]:
+    """ms and (with a counter) joules per call over `seconds` of calls back to back, after a
+    second of warm-up (clocks and power settle at the limit); at least one call each."""
+    for budget in (1.0, seconds):
+        synchronize()
+        calls, started, joules_before = 0, time.perf_counter(), energy_mj() if energy_mj else 0
+        while calls == 0 or time.perf_counter() - started < budget:
             call()
             calls += 1
             if calls % 4 == 0:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
+                synchronize()
+        synchronize()
         elapsed = time.perf_counter() - started
+    result = {"ms": elapsed / calls * 1000, "calls": calls}
+    if energy_mj:
         joules = (energy_mj() - joules_before) / 1000
-    return {"ms": elapsed / calls * 1000, "joules": joules / calls, "watts": joules / elapsed, "calls": calls}
+        result |= {"joules": joules / calls, "watts": joules / elapsed}
+    return result
 
 
 def graphed(call: Callable[[], None]) -> Callable[[], None]:
@@ -78,11 +100,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    import pynvml
-
-    pynvml.nvmlInit()
-    board = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    energy_mj = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(board)  # noqa: E731
+    energy_mj = energy_counter()
+    if energy_mj is None:
+        raise SystemExit("probe_joules.py needs a CUDA GPU with NVML's energy counter (nvidia-ml-py)")
     report: dict = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for spec in args.shape or ["16384x896x151936", "8192x2304x256000"]:
         shape = parse_shape(spec)

@@ -190,7 +190,8 @@ def reference_loss_and_grads(e: Tensor, c: Tensor, targets: Tensor) -> Reference
 
 
 def relative_errors(fn: LossFn, e: Tensor, c: Tensor, targets: Tensor, ref: Reference) -> dict[str, float]:
-    """One forward+backward of `fn` (e and c must be leaves requiring grad), against `ref`."""
+    """One forward+backward of `fn` against `ref` (e a leaf requiring grad; c one too, or frozen,
+    when dC's error is None)."""
     e.grad = c.grad = None
     loss = fn(e, c, targets)
     loss.backward()

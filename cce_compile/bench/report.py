@@ -75,7 +75,7 @@ def build_document(name: str, settings: Settings, plan: dict[str, list[str]], ru
     }
 
 
-def grads_meant(settings: dict[str, Any]) -> str:
+def _grads_meant(settings: dict[str, Any]) -> str:
     """What "x grads" divides by: both gradients, or dE alone with a frozen head."""
     if settings.get("frozen_head"):
         return "the bf16 dE alone (c frozen, as in a LoRA run: no dC is asked for)"
@@ -109,7 +109,7 @@ def markdown(doc: Document) -> str:
         f"rep {settings['rep_ms']:g} ms, at least {settings['min_reps']} reps, L2 cleared), cycling over "
         f"{settings['input_sets']} input sets. \"x GEMM\": time over one bf16 `e @ c.T` of the same shape timed "
         "in the same run. \"MiB\": peak allocated above the inputs during forward+backward; \"x grads\": that "
-        f"over {grads_meant(settings)} themselves. Relative errors ||x - ref|| / ||ref|| against a float32 reference "
+        f"over {_grads_meant(settings)} themselves. Relative errors ||x - ref|| / ||ref|| against a float32 reference "
         f"(TF32 off). Bold: within the targets (fwd+bwd <= {targets['fwd_bwd_x_gemm']:.2f}x GEMM, memory <= "
         f"{targets['memory_x_grads']:.2f}x grads).",
         "",

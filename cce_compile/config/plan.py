@@ -107,8 +107,7 @@ def plan_backward(
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
-    best_traffic = float("inf")
-    accurate = False  # whether best keeps dC's roundings within MAX_DC_ROUNDINGS
+    best_preference = (False, -float("inf"))  # (within MAX_DC_ROUNDINGS, -traffic): larger wins
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
     while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
@@ -118,10 +117,9 @@ def plan_backward(
             plan = BackwardPlan(n_chunks, slab, fp32_acc)
             smallest = plan
             if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
-                traffic = 8 / slab + 2 * element_bytes / rows
-                within = n_chunks <= MAX_DC_ROUNDINGS
-                if (within, -traffic) > (accurate, -best_traffic):
-                    best, best_traffic, accurate = plan, traffic, within
+                preference = (n_chunks <= MAX_DC_ROUNDINGS, -(8 / slab + 2 * element_bytes / rows))
+                if preference > best_preference:
+                    best, best_preference = plan, preference
                 break
             if slab <= 512:
                 break

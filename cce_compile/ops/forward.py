@@ -131,7 +131,8 @@ def linear_cross_entropy_forward(
 
 def merge_tile_lse(tile_lse: Tensor) -> Tensor:
     """Each row's log-sum-exp from its per-tile ones (tile_lse: (tiles, N), any strides), with
-    no temporary the size of tile_lse."""
+    no temporary the size of tile_lse. Launched directly: only the eager persistent forwards
+    (tensor descriptors, Gluon) make per-tile log-sum-exps."""
     num_tiles, n = tile_lse.shape
     lse = torch.empty(n, dtype=torch.float32, device=tile_lse.device)
     block_rows = 64
