@@ -19,9 +19,10 @@
 #   JOULES_SHAPES="NxDxV ..."     joules: probe_joules.py (each part of a pass back to back: ms and joules)
 #                                 [Qwen2.5's, Gemma-2's, Llama-3's]
 #   CHUNK_SHAPES="NxDxV ..."      chunks: probe_forward_chunks.py (the forward as one persistent grid against
-#                                 a grid per CHUNK_ROWS=8192 rows: ms and joules) [Llama-3's head at N = 32768]
+#                                 grids of CHUNK_ROWS=2048,4096,8192 rows: ms and joules) [Llama-3's head at N = 32768]
 #   NCU_SHAPES="NxDxV ..."        ncu: Nsight Compute's DRAM bytes, L2 hit rate and time of the op's persistent
-#                                 forward kernel, one launch per shape [Llama-3's head at N = 8192 and 32768]
+#                                 forward kernel, its first launch per shape (NCU_CHUNK_ROWS rows; all by
+#                                 default) [Llama-3's head at N = 8192 and 32768]
 #   GRAPH_SHAPES="NxDxV ..."      graphs: probe_graphs.py (the backward's CUDA graph: memory, host and wall
 #                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
@@ -96,13 +97,14 @@ for step in $STEPS; do
         grep -A20 "^medians" "$WORK/ab-$index.log"
       done ;;
     chunks)
-      run_probe chunks 240 probe_forward_chunks.py --chunk-rows "${CHUNK_ROWS:-8192}" \
+      run_probe chunks 300 probe_forward_chunks.py --chunk-rows "${CHUNK_ROWS:-2048,4096,8192}" \
         $(shape_options ${CHUNK_SHAPES:-32768x4096x128256}) ;;
     ncu)
       for shape in ${NCU_SHAPES:-8192x4096x128256 32768x4096x128256}; do
         timeout 240 ncu --clock-control none --kernel-name regex:lse_forward --launch-count 1 \
           --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__throughput.avg.pct_of_peak_sustained_elapsed \
-          python3 benchmarks/probe_forward_chunks.py --shape "$shape" --rounds 0 > "$WORK/ncu-$shape.log" 2>&1
+          python3 benchmarks/probe_forward_chunks.py --shape "$shape" --chunk-rows "${NCU_CHUNK_ROWS:-1048576}" --rounds 0 \
+          > "$WORK/ncu-$shape.log" 2>&1
         echo "ncu $shape: exit $?"
         grep -E "lse_forward|duration|dram__|lts__|sm__" "$WORK/ncu-$shape.log"
       done ;;

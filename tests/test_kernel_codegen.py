@@ -160,7 +160,8 @@ LSE_FORWARD_TMA = {
                                                 "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
                                                 "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE")},
     "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
-    "N": "i32", "V": "i32", "NEED_WEIGHTED_SUM": FALSE, "STORE_TILE_MAX": FALSE,
+    "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32", "NEED_WEIGHTED_SUM": FALSE,
+    "STORE_TILE_MAX": FALSE,
 }
 PERSISTENT = {
     "grad_logits_tma_kernel": (grad_logits_tma_kernel, GRAD_LOGITS_TMA, TMA_STAGES),
@@ -260,7 +261,7 @@ if __name__ == "__main__":
     tile = WARP_SPECIALIZED_TILE
     found["lse_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
         lse_forward_ws_kernel, {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32"},
-        ["N", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
+        ["N", "row_start", "rows_in_launch", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
         {"e_desc": tile.block_m, "c_desc": tile.block_n},
     ))
     found["grad_logits_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(

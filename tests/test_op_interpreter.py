@@ -130,6 +130,26 @@ def test_filtered_forward_through_tensor_descriptors(
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+@pytest.mark.parametrize("filter_eps", [0.0, 2.0**-12], ids=["exact", "filtered"])
+def test_persistent_forward_in_row_chunks(filter_eps: float, descriptor_fits: list[bool],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The persistent forward launched per row chunk (ops/forward.FORWARD_CHUNK_ROWS) gives what
+    one launch over all rows gives: chunks of 48 rows, narrower than a row block, so every
+    chunk's tiles hold rows of the next chunk that it must neither count nor store, and a
+    ragged last chunk; label smoothing's per-tile sums and filtered mode's tile statistics too."""
+    from cce_compile.ops import forward
+
+    e, c, targets = make_inputs("zipf", (253,), 1031, 104, torch.bfloat16, seed=11)
+    targets[::7] = -100
+    args = (e, c, targets, None, None, -100, 0.1, 0.0, filter_eps)
+    one_launch = forward.linear_cross_entropy_forward(*args)
+    monkeypatch.setattr(forward, "FORWARD_CHUNK_ROWS", 48)
+    in_chunks = forward.linear_cross_entropy_forward(*args)
+    assert descriptor_fits == [True, True]
+    for got, expected in zip(in_chunks, one_launch):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 FILTER_CASES = {
     "one chunk": dict(lead=(96,), v=512, d=32, options={}, config=None),
     "chunks, slabs, bias, weights, smoothing": dict(

@@ -94,7 +94,7 @@ def lse_forward_kernel(
 @triton.jit
 def lse_forward_tma_kernel(
     e_desc, c_desc, bias_ptr, targets_ptr, weight_ptr, tile_lse_ptr, target_logit_ptr, tile_weighted_sum_ptr,
-    tile_max_ptr, N, V, D, num_programs, softcap,
+    tile_max_ptr, N, row_start, rows_in_launch, V, D, num_programs, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
     STORE_TILE_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -105,6 +105,11 @@ def lse_forward_tma_kernel(
     next tile's operands while this tile's softmax runs (on the H200, in the op: 0.95-1.17 x a
     GEMM against lse_forward_kernel's 1.14-1.17 x, docs/performance.md v11).
 
+    A launch walks rows [row_start, row_start + rows_in_launch) of e's N: the op launches it per
+    row chunk, since one grid over a large N lets its programs drift apart over their ~1000 tiles
+    each, and the operands in flight at once outgrow L2 (ncu on the H200, Llama-3's head: 15.6 GB
+    of DRAM reads at N = 8192, 139.5 GB at 32768; docs/performance.md v29).
+
     Per tile it writes tile_lse[tile column, row], the rows' log-sum-exp over the tile's
     columns (the op merges them), the target's logit to target_logit[row] where the target
     falls in the tile (one tile per row, so no two programs write a row; out-of-range targets
@@ -114,16 +119,17 @@ def lse_forward_tma_kernel(
     to tile_max[1, row, tile column] instead of tile_lse (one (N, tiles) fp32 buffer less in
     the forward: 78 MB at Qwen2.5's shape).
     """
-    num_m = tl.cdiv(N, BLOCK_M)
+    num_m = tl.cdiv(rows_in_launch, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, num_programs, flatten=True):
         pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = row_start + local_rows
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
+        row_mask = local_rows < rows_in_launch
         col_mask = cols < V
         logits = logits_tile_tma(
-            e_desc, c_desc, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, cols, col_mask, D, softcap,
+            e_desc, c_desc, bias_ptr, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N, cols, col_mask, D, softcap,
             HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         out = pid_n.to(tl.int64) * N + rows

@@ -133,13 +133,15 @@ def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready,
 
 
 @gluon.jit
-def forward_epilogue(acc, pid_m, pid_n, rows, args):
+def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
-    row], and the target's logit where the target falls in the tile."""
-    targets_ptr, tile_lse_ptr, target_logit_ptr, N, V = args
+    row] (row = row_start + local row, of e's N), and the target's logit where the target falls
+    in the tile."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch, V = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    row_mask = rows < N
+    row_mask = local_rows < rows_in_launch
+    rows = row_start + local_rows
     # Past V the copy engine's zero fill gives logits of 0.
     logits = gl.where((cols < V)[None, :], acc, float("-inf"))
     targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
@@ -154,16 +156,17 @@ def forward_epilogue(acc, pid_m, pid_n, rows, args):
 
 
 @gluon.jit
-def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, N, V, D,
-                          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Launched with num_warps=4 (the consumer; the producer is a one-warp worker) and
-    maxnreg=128, so two programs fit an SM: the consumer takes what the producer's 24
-    registers a thread leave."""
+def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch,
+                          V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The forward over rows [row_start, row_start + rows_in_launch) of e's N (the op launches
+    it per row chunk, as lse_forward_tma_kernel). Launched with num_warps=4 (the consumer; the
+    producer is a one-warp worker) and maxnreg=128, so two programs fit an SM: the consumer
+    takes what the producer's 24 registers a thread leave."""
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
     gl.warp_specialize([
-        (consume_tiles, (forward_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, N, V, D, GROUP_M,
-                         (targets_ptr, tile_lse_ptr, target_logit_ptr, N, V))),
-        (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, 0, N, 0, V, D, GROUP_M)),
+        (consume_tiles, (forward_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
+                         (targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch, V))),
+        (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows_in_launch, 0, V, D, GROUP_M)),
     ], [1], [24])
 
 

@@ -27,6 +27,18 @@ at D = 2304-8192 it lost (1.09-1.30 against 1.06-1.10), and at 1536 and 2048 too
 alternated in one process, ab-h200-v21-forward-ws-mid-d.log: forward 14.0 -> 14.6 ms at
 16384 x 1536 x 151936, 14.7 -> 16.2 ms at 16384 x 2048 x 128256, 7.2 -> 8.0 at N = 8192)."""
 
+FORWARD_CHUNK_ROWS = 4096
+"""The persistent forwards (tensor-descriptor and Gluon) launch once per this many rows of e.
+One grid over all of N lets its programs drift apart along their tiles, and the operands they
+hold at once then outgrow L2: ncu on the H200 read 15.6 GB of DRAM for Llama-3's head at
+N = 8192 and 139.5 GB at 32768 (4 x the work), and a grid per 8192 rows took the forward at
+N = 32768 from 1.18 to 1.09-1.10 x GEMM (1.13 for the Gluon kernel at D = 896)."""
+
+
+def row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each launch of a persistent forward over n rows."""
+    return [(start, min(chunk_rows, n - start)) for start in range(0, n, chunk_rows)]
+
 
 @triton_op("cce::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(
@@ -76,22 +88,23 @@ def linear_cross_entropy_forward(
         # An eager call's launch skips Triton's binding of its ~25 arguments where an earlier
         # call compiled the same kernel, as the backward's steps do.
         launch = KernelLauncher(lse_forward_tma_kernel, relaunches_directly(e))
-        launch(
-            (min(sms, cdiv(n, tile.block_m) * vocab_tiles),),
-            TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k]),
-            TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k]),
-            bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
-            lse_by_tile, n, v, e.shape[1], sms, softcap,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=filtered, BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
-        )
+        e_desc = TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k])
+        c_desc = TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k])
+        for row_start, rows in row_chunks(n, FORWARD_CHUNK_ROWS):
+            launch(
+                (min(sms, cdiv(rows, tile.block_m) * vocab_tiles),), e_desc, c_desc,
+                bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
+                lse_by_tile, n, row_start, rows, v, e.shape[1], sms, softcap,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+                NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=filtered, BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
+            )
         lse = merge_tile_lse(tile_stats[1].T if filtered else lse_by_tile)
         weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
         # Filtered mode's copies in vocab order (c's as large as dC) are freed before the
         # statistics below; the launcher holds them through the descriptor.
-        del launch, c_walk, bias_walk, weight_walk
+        del launch, c_desc, c_walk, bias_walk, weight_walk
     elif on_triton:
         tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
         num_splits = cdiv(vocab_tiles, tiles_per_split)
@@ -152,9 +165,12 @@ def forward_warp_specialized(
     target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
     # Through the launcher, as the persistent forward: Triton's binding of the descriptors took
     # ~0.2 ms of host time a call on the H200 (the GPU idled for it in synced passes).
-    KernelLauncher(lse_forward_ws_kernel, True)(
-        (programs_for(e.device, tiles_of(n, v, tile), per_sm),),
-        *operand_descriptors(e, c, tile), targets, tile_lse, target_logit, n, v, e.shape[1],
-        GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
-    )
+    launch = KernelLauncher(lse_forward_ws_kernel, True)
+    descriptors = operand_descriptors(e, c, tile)
+    for row_start, rows in row_chunks(n, FORWARD_CHUNK_ROWS):
+        launch(
+            (programs_for(e.device, tiles_of(rows, v, tile), per_sm),),
+            *descriptors, targets, tile_lse, target_logit, n, row_start, rows, v, e.shape[1],
+            GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
+        )
     return tile_lse, target_logit
