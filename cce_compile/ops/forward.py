@@ -27,12 +27,15 @@ at D = 2304-8192 it lost (1.09-1.30 against 1.06-1.10), and at 1536 and 2048 too
 alternated in one process, ab-h200-v21-forward-ws-mid-d.log: forward 14.0 -> 14.6 ms at
 16384 x 1536 x 151936, 14.7 -> 16.2 ms at 16384 x 2048 x 128256, 7.2 -> 8.0 at N = 8192)."""
 
-FORWARD_CHUNK_ROWS = 4096
-"""The persistent forwards (tensor-descriptor and Gluon) launch once per this many rows of e.
-One grid over all of N lets its programs drift apart along their tiles, and the operands they
-hold at once then outgrow L2: ncu on the H200 read 15.6 GB of DRAM for Llama-3's head at
-N = 8192 and 139.5 GB at 32768 (4 x the work), and a grid per 8192 rows took the forward at
-N = 32768 from 1.18 to 1.09-1.10 x GEMM (1.13 for the Gluon kernel at D = 896)."""
+FORWARD_CHUNK_ROWS = 2048
+"""The persistent forwards (tensor-descriptor and Gluon) launch once per this many rows of e (a
+group of 16 row blocks, so each launch's programs sweep c together). One grid over all of N
+lets its programs drift apart along their tiles, and the operands they hold at once then
+outgrow L2: ncu on the H200 read 15.6 GB of DRAM for Llama-3's head at N = 8192 and 139.5 GB at
+32768 (4 x the work). Back to back (benchmarks/results/probe-forward-chunks-h200.*), one grid
+against 2048-row launches: Llama-3's head 1.08-1.09 -> 1.07 x GEMM at N = 8192 and 1.15 -> 1.07
+at 32768, Qwen2.5's (Gluon) 1.14-1.15 -> 1.11, Gemma-2's 1.09 -> 1.08, D = 8192 1.06 -> 1.05;
+4096 rows level with 2048, 1024 slower (1.09-1.13)."""
 
 
 def row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
