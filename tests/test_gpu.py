@@ -165,7 +165,8 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     filtered mode's sparse GEMMs) and the forward (Gluon or persistent) relaunched with an
     earlier launch's compiled kernel (ops/launch.py) give the gradients that launching each
     through Triton's JIT gives, bit for bit, and relaunches do reuse: exact mode's 2 token
-    chunks (the second ragged) x 16 slabs need 2 variants, and a second call of the op none."""
+    chunks (the second ragged) x 16 slabs need 2 variants, the forward's 2 row chunks (the
+    second ragged) 2, and a second call of the op none."""
     from cce_compile.ops import launch
     from cce_compile.ops import forward as op_forward
 
@@ -203,7 +204,10 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
         assert torch.equal(again, expected)
     assert all(jit == 0 for jit, _ in second.values()), second
     forward = "lse_forward_ws_kernel" if (mode, d) == ("exact", 896) else "lse_forward_tma_kernel"
-    assert first[forward] == (1, 1), first
+    # The forward launches per row chunk (2048 and a ragged 952 rows): a compile per integer class.
+    chunks = op_forward.row_chunks(e.shape[0], op_forward.FORWARD_CHUNK_ROWS)
+    assert len(chunks) > 1
+    assert first[forward] == (len({launch.integer_class(rows) for _, rows in chunks}), len(chunks)), first
     if mode == "exact":
         recompute = "grad_logits_ws_kernel" if d == 896 else "grad_logits_tma_kernel"
         assert first[recompute] == (2, 32), first
