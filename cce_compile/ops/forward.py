@@ -95,7 +95,7 @@ def linear_cross_entropy_forward(
         c_desc = TensorDescriptor.from_tensor(c_walk, [tile.block_n, tile.block_k])
         for row_start, rows in row_chunks(n, FORWARD_CHUNK_ROWS):
             launch(
-                (min(sms, cdiv(rows, tile.block_m) * vocab_tiles),), e_desc, c_desc,
+                (programs_for(e.device, tiles_of(rows, v, tile), 1),), e_desc, c_desc,
                 bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
                 lse_by_tile, n, row_start, rows, v, e.shape[1], sms, softcap,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
