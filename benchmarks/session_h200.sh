@@ -22,7 +22,8 @@
 #                                 grids of CHUNK_ROWS=2048,4096,8192 rows: ms and joules) [Llama-3's head at N = 32768]
 #   NCU_SHAPES="NxDxV ..."        ncu: Nsight Compute's DRAM bytes, L2 hit rate and time of the op's persistent
 #                                 forward kernel, its first launch per shape (NCU_CHUNK_ROWS rows; all by
-#                                 default) [Llama-3's head at N = 8192 and 32768]
+#                                 default) [Llama-3's head at N = 8192 and 32768]; NCU_SECTIONS="SpeedOfLight
+#                                 WarpStateStats ...": Nsight's sections as well (stall reasons, pipes)
 #   GRAPH_SHAPES="NxDxV ..."      graphs: probe_graphs.py (the backward's CUDA graph: memory, host and wall
 #                                 time per call, graphs on and off) [Qwen2.5's]
 #   AB_ARGS="--switch ...[;...]"  ab: ab_switch.py (a module switch's values or --plans alternated, one
@@ -103,10 +104,11 @@ for step in $STEPS; do
       for shape in ${NCU_SHAPES:-8192x4096x128256 32768x4096x128256}; do
         timeout 240 ncu --clock-control none --kernel-name regex:lse_forward --launch-count 1 \
           --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+          $(for section in ${NCU_SECTIONS:-}; do printf -- '--section %s ' "$section"; done) \
           python3 benchmarks/probe_forward_chunks.py --shape "$shape" --chunk-rows "${NCU_CHUNK_ROWS:-1048576}" --rounds 0 \
           > "$WORK/ncu-$shape.log" 2>&1
         echo "ncu $shape: exit $?"
-        grep -E "lse_forward|duration|dram__|lts__|sm__" "$WORK/ncu-$shape.log"
+        grep -E "lse_forward|duration|dram__|lts__|sm__|Throughput|Stall|Registers|Warp Cycles|Eligible|Issued|Shared Memory Config|Waves" "$WORK/ncu-$shape.log"
       done ;;
     graphs)
       run_probe graphs 180 probe_graphs.py $(shape_options ${GRAPH_SHAPES:-16384x896x151936}) ;;
