@@ -239,12 +239,14 @@ def test_huge_classifier_needs_64bit_offsets() -> None:
     assert relative_error(c.grad[tail], ref_tail) < 1e-2
 
 
-def test_peak_memory_within_ten_percent_of_gradients() -> None:
+@pytest.mark.parametrize(("n", "d", "v"), [(8192, 2048, 65536), (20000, 896, 151936)])
+def test_peak_memory_within_ten_percent_of_gradients(n: int, d: int, v: int) -> None:
     """The first call compiles the kernels (and makes the capture stream's cuBLAS workspace,
     once per process: ops/graphs.capture_stream); of the next four, one captures the backward's
     slab loop as a CUDA graph and the later ones replay it (which call captures depends on when
-    the caching allocator settles on the same blocks), each within 10% of the gradients."""
-    n, d, v = 8192, 2048, 65536
+    the caching allocator settles on the same blocks), each within 10% of the gradients. N =
+    20000 is planned for itself, not its bucket: its scratch is 9.8% of the gradients, the most
+    the plan allows."""
     e, c, targets = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=1, device="cuda")
     e.requires_grad_()
     c.requires_grad_()

@@ -13,6 +13,11 @@ from .kernel_config import KernelConfig
 SCRATCH_FRACTION = 0.10
 """Backward scratch allowed, as a fraction of the gradients' own bytes (the memory target)."""
 
+OTHER_BUFFERS_FRACTION = 0.002
+"""What the op holds beside the scratch at the backward's peak (per-row vectors, the allocator's
+rounding), kept out of SCRATCH_FRACTION so that the whole peak stays within the target: on the
+H200 the most seen was Qwen2.5's 1.082 x the gradients against 0.080 of scratch."""
+
 FILTERED_SCRATCH_FRACTION = 0.25
 """Filtered mode's backward scratch. Its steps store only the d-logits tiles the filter keeps,
 one per slot, and each step's three launches get little work: the more slots, the fewer and
@@ -52,6 +57,16 @@ def n_bucket(n) -> int:
     return bucket
 
 
+def planning_tokens(n) -> int:
+    """The token count a backward plans for: N itself where it is known (eager calls, static
+    compiles), its bucket where torch.compile traces N symbolically (the plan must then hold
+    for every N of the bucket, and each comparison on N would be a guard). Planned for its
+    bucket, an N between powers of two got chunks sized for the bucket: Qwen2.5's head at
+    N = 20000 took 16 chunks of 1280 rows (608 steps, 5.34 x GEMM on the H200) where 8 of 2560
+    fit (304 steps, 4.84 x; docs/performance.md v29c). An empty batch plans for one token."""
+    return max(n, 1) if isinstance(n, int) else n_bucket(n)
+
+
 def next_pow2(value: int) -> int:
     return 1 << max(0, (int(value) - 1).bit_length())
 
@@ -79,18 +94,21 @@ class BackwardPlan:
     def chunk_rows(self, n, block_m: int):
         return (self.rows_per_chunk(n) + block_m - 1) // block_m * block_m
 
-    def accumulator_bytes(self, bucket: int, d: int) -> int:
+    def accumulator_bytes(self, n: int, d: int, block_m: int) -> int:
         """The fp32 dE accumulator of one token chunk (none for fp32 inputs)."""
-        return self.rows_per_chunk(bucket) * d * 4 if self.fp32_accumulator else 0
+        return self.chunk_rows(n, block_m) * d * 4 if self.fp32_accumulator else 0
 
-    def scratch_bytes(self, bucket: int, d: int, element_bytes: int) -> int:
-        return self.accumulator_bytes(bucket, d) + self.rows_per_chunk(bucket) * self.slab_v * element_bytes
+    def scratch_bytes(self, n: int, d: int, element_bytes: int, block_m: int) -> int:
+        """The accumulator and the slab's d-logits, both of a chunk's rows padded to block_m
+        rows, as the backward allocates them."""
+        return self.accumulator_bytes(n, d, block_m) + self.chunk_rows(n, block_m) * self.slab_v * element_bytes
 
 
 def plan_backward(
-    bucket: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
+    n: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
 ) -> BackwardPlan:
-    """The plan whose scratch fits SCRATCH_FRACTION of the gradients (or SCRATCH_FLOOR_BYTES)
+    """The plan for n tokens (planning_tokens: N or its bucket) whose scratch fits
+    SCRATCH_FRACTION of the gradients less OTHER_BUFFERS_FRACTION (or SCRATCH_FLOOR_BYTES)
     with the least accumulator traffic among those of at most MAX_DC_ROUNDINGS token chunks
     (any number where none fits); slabs within config.slab_v and at least 512 wide.
     Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
@@ -102,21 +120,23 @@ def plan_backward(
     chunk_rows bytes; a short K also spends a GEMM's epilogue on little work (measured on the
     H200: dE over 2048-column slabs cost 1.21 x GEMM against 0.92 x for dC over 8192 rows).
     Ties go to fewer token chunks; when nothing fits, the smallest plan tried."""
-    grad_bytes = (bucket * d + v * d + v) * element_bytes
-    budget = max((FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION) * grad_bytes, SCRATCH_FLOOR_BYTES)
+    grad_bytes = (n * d + v * d + v) * element_bytes
+    fraction = FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION - OTHER_BUFFERS_FRACTION
+    budget = max(fraction * grad_bytes, SCRATCH_FLOOR_BYTES)
+    block_m = config.grad_logits.block_m
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
     best_preference = (False, -float("inf"))  # (within MAX_DC_ROUNDINGS, -traffic): larger wins
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
-    while n_chunks == 1 or -(-bucket // n_chunks) >= MIN_CHUNK_ROWS:
-        rows = -(-bucket // n_chunks)
+    while n_chunks == 1 or -(-n // n_chunks) >= MIN_CHUNK_ROWS:
+        rows = -(-n // n_chunks)
         slab = widest
         while True:
             plan = BackwardPlan(n_chunks, slab, fp32_acc)
             smallest = plan
-            if plan.scratch_bytes(bucket, d, element_bytes) <= budget:
+            if plan.scratch_bytes(n, d, element_bytes, block_m) <= budget:
                 preference = (n_chunks <= MAX_DC_ROUNDINGS, -(8 / slab + 2 * element_bytes / rows))
                 if preference > best_preference:
                     best, best_preference = plan, preference
@@ -129,6 +149,6 @@ def plan_backward(
     if not filtered:
         return plan
     tile = config.grad_logits
-    room_slots = int(budget - plan.accumulator_bytes(bucket, d)) // (tile.block_m * tile.block_n * element_bytes)
-    slab_slots = -(-plan.rows_per_chunk(bucket) // tile.block_m) * -(-plan.slab_v // tile.block_n)
+    room_slots = int(budget - plan.accumulator_bytes(n, d, block_m)) // (tile.block_m * tile.block_n * element_bytes)
+    slab_slots = -(-plan.rows_per_chunk(n) // tile.block_m) * -(-plan.slab_v // tile.block_n)
     return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room_slots)))
