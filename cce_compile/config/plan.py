@@ -107,10 +107,11 @@ class BackwardPlan:
 def plan_backward(
     n: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False
 ) -> BackwardPlan:
-    """The plan for n tokens (planning_tokens: N or its bucket) whose scratch fits
-    SCRATCH_FRACTION of the gradients less OTHER_BUFFERS_FRACTION (or SCRATCH_FLOOR_BYTES)
-    with the least accumulator traffic among those of at most MAX_DC_ROUNDINGS token chunks
-    (any number where none fits); slabs within config.slab_v and at least 512 wide.
+    """The plan for n tokens (made for planning_tokens(n): n itself, or its bucket where n is
+    symbolic) whose scratch fits SCRATCH_FRACTION of the gradients less OTHER_BUFFERS_FRACTION
+    (or SCRATCH_FLOOR_BYTES) with the least accumulator traffic among those of at most
+    MAX_DC_ROUNDINGS token chunks (any number where none fits); slabs within config.slab_v and
+    at least 512 wide.
     Filtered mode plans within FILTERED_SCRATCH_FRACTION, and its slots fill what the
     accumulator leaves (up to MAX_SLOTS; never fewer than the slab's tiles).
 
@@ -120,6 +121,7 @@ def plan_backward(
     chunk_rows bytes; a short K also spends a GEMM's epilogue on little work (measured on the
     H200: dE over 2048-column slabs cost 1.21 x GEMM against 0.92 x for dC over 8192 rows).
     Ties go to fewer token chunks; when nothing fits, the smallest plan tried."""
+    n = planning_tokens(n)
     grad_bytes = (n * d + v * d + v) * element_bytes
     fraction = FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION - OTHER_BUFFERS_FRACTION
     budget = max(fraction * grad_bytes, SCRATCH_FLOOR_BYTES)

@@ -27,7 +27,7 @@ from torch.library import triton_op, wrap_triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import TileConfig
-from ..config.plan import n_bucket, plan_backward, planning_tokens
+from ..config.plan import n_bucket, plan_backward
 from ..kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from ..kernels.dropped_tiles import add_tile_rows_kernel, tile_row_sums_kernel
 from ..kernels.warp_specialized import grad_logits_ws_kernel
@@ -108,7 +108,7 @@ def linear_cross_entropy_backward(
         )
         return grad_e, grad_c, grad_bias if grad_bias is not None else c.new_empty((0,))
 
-    plan = plan_backward(planning_tokens(n), v, d, e.element_size(), config, filtered)
+    plan = plan_backward(n, v, d, e.element_size(), config, filtered)
     logits_tile, dc_tile, de_tile = config.grad_logits, config.grad_classifier, config.grad_hidden
     chunk_rows = plan.chunk_rows(n, logits_tile.block_m)
     chunk_tile_rows, slab_tiles = cdiv(chunk_rows, logits_tile.block_m), cdiv(plan.slab_v, logits_tile.block_n)

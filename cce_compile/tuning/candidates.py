@@ -17,7 +17,7 @@ import torch
 
 from cce_compile.config import sources
 from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
-from cce_compile.config.plan import n_bucket, next_pow2, plan_backward, planning_tokens
+from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
 from cce_compile.config.resolve import ProblemKey
 from cce_compile.ops import backward, dispatch, forward
 from cce_compile.ops.warp_specialized import short_k
@@ -167,7 +167,7 @@ class KernelSpace:
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
-            plan = plan_backward(planning_tokens(p.n), p.v, p.d, p.element_bytes, config, p.mode == "filtered")
+            plan = plan_backward(p.n, p.v, p.d, p.element_bytes, config, p.mode == "filtered")
             if tile is None:  # the d-logits buffer still has the config's chunk rows
                 return (plan, plan.chunk_rows(p.n, config.grad_logits.block_m))
             if p.mode == "exact" and p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
