@@ -11,6 +11,7 @@ this times, in one process and on the same inputs:
 - `do_bench`: the pass as the benchmark times it (grads to None, L2 cleared, back to back);
 - `kernels`: the pass's summed kernel time under torch.profiler (what profile_kernels reports);
 - `rested`: single passes after 0.3 s of GPU rest, timed by CUDA events;
+and counts each phase's cudaMalloc calls (time between kernels that no kernel shows),
 while nvidia-smi samples the SM clock and power every 50 ms (`smi` rows, with each phase's
 start and end on the same clock), so a slower phase can be matched to a lower clock.
 """
@@ -138,6 +139,12 @@ def rested_ms(step, passes: int = 5, rest_s: float = 0.3) -> float:
     return statistics.median(times)
 
 
+def device_allocs() -> int:
+    """cudaMalloc calls so far: the caching allocator calls it (and cudaFree, which waits for
+    the device) only when no cached block fits, so a phase that counts any paid for it."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8192x2304x256000,8192x4096x128256,16384x896x151936")
@@ -156,9 +163,10 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(), "smi_fields": smi_fields, "runs": []}
 
     def phase(run: dict, name: str, measure) -> None:
-        started = time.time()
-        run[name] = {"ms": measure(), "start": started, "end": time.time()}
-        print(f"  {name:9s} {run[name]['ms']:8.3f} ms = {run[name]['ms'] / run['gemm']['ms']:.3f} x GEMM", flush=True)
+        started, allocs = time.time(), device_allocs()
+        run[name] = {"ms": measure(), "start": started, "end": time.time(), "device_allocs": device_allocs() - allocs}
+        print(f"  {name:9s} {run[name]['ms']:8.3f} ms = {run[name]['ms'] / run['gemm']['ms']:.3f} x GEMM, "
+              f"{run[name]['device_allocs']} cudaMalloc", flush=True)
 
     for spec in args.shapes.split(","):
         shape = parse_shape(spec)
