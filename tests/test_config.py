@@ -134,10 +134,11 @@ def test_small_problems_take_a_few_large_slab_steps() -> None:
     """A 32k x 512 head over 4096 tokens: 10% of its gradients would mean ~100 slab steps;
     the floor lets it take a handful, still within the floor."""
     n, d, v = 4096, 512, 32000
-    plan = plan_backward(n_bucket(n), v, d, 2, KernelConfig())
+    config = KernelConfig()
+    plan = plan_backward(n_bucket(n), v, d, 2, config)
     steps = plan.n_chunks * -(-v // plan.slab_v)
     assert steps <= 16
-    assert SCRATCH_FRACTION * (n * d + v * d) * 2 < plan.scratch_bytes(n, d, 2, 128) <= SCRATCH_FLOOR_BYTES
+    assert SCRATCH_FRACTION * (n * d + v * d) * 2 < plan.scratch_bytes(n, d, 2, config.grad_logits.block_m) <= SCRATCH_FLOOR_BYTES
 
 
 def test_n_bucket() -> None:

@@ -125,7 +125,7 @@ def plan_backward(
     grad_bytes = (n * d + v * d + v) * element_bytes
     fraction = FILTERED_SCRATCH_FRACTION if filtered else SCRATCH_FRACTION - OTHER_BUFFERS_FRACTION
     budget = max(fraction * grad_bytes, SCRATCH_FLOOR_BYTES)
-    block_m = config.grad_logits.block_m
+    tile = config.grad_logits
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))
     best: BackwardPlan | None = None
@@ -133,13 +133,13 @@ def plan_backward(
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
     while n_chunks == 1 or -(-n // n_chunks) >= MIN_CHUNK_ROWS:
-        rows = -(-n // n_chunks)
         slab = widest
         while True:
             plan = BackwardPlan(n_chunks, slab, fp32_acc)
             smallest = plan
-            if plan.scratch_bytes(n, d, element_bytes, block_m) <= budget:
-                preference = (n_chunks <= MAX_DC_ROUNDINGS, -(8 / slab + 2 * element_bytes / rows))
+            if plan.scratch_bytes(n, d, element_bytes, tile.block_m) <= budget:
+                traffic = 8 / slab + 2 * element_bytes / plan.rows_per_chunk(n)
+                preference = (n_chunks <= MAX_DC_ROUNDINGS, -traffic)
                 if preference > best_preference:
                     best, best_preference = plan, preference
                 break
@@ -150,7 +150,6 @@ def plan_backward(
     plan = best if best is not None else smallest
     if not filtered:
         return plan
-    tile = config.grad_logits
-    room_slots = int(budget - plan.accumulator_bytes(n, d, block_m)) // (tile.block_m * tile.block_n * element_bytes)
-    slab_slots = -(-plan.rows_per_chunk(n) // tile.block_m) * -(-plan.slab_v // tile.block_n)
+    room_slots = int(budget - plan.accumulator_bytes(n, d, tile.block_m)) // (tile.block_m * tile.block_n * element_bytes)
+    slab_slots = plan.chunk_rows(n, tile.block_m) // tile.block_m * -(-plan.slab_v // tile.block_n)
     return replace(plan, slots=max(slab_slots, min(MAX_SLOTS, room_slots)))
