@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .ops.dispatch import SUPPORTED_DTYPES
+from .ops.problem import SUPPORTED_DTYPES
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")

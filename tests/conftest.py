@@ -1,11 +1,14 @@
 """Test setup: the Triton interpreter on CPU-only machines, and the `interpreter` marker.
 
 TRITON_INTERPRET is read when kernels are decorated, so it is set before anything imports
-cce_compile. The op's CPU dispatch then follows `dispatch.INTERPRET`: tests marked
-`interpreter` run the real Triton kernels on CPU tensors, all others the plain-PyTorch path.
+cce_compile. Tests marked `interpreter` run the real Triton kernels on CPU tensors (the
+policy's triton_on_cpu), all others the plain-PyTorch path.
 """
 
+import contextlib
 import os
+from dataclasses import replace
+from typing import Callable
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cce_compile.ops import dispatch  # noqa: E402
+from cce_compile.plan.launch import LaunchPlan  # noqa: E402
+from cce_compile.plan.policy import Policy, active_policy, override_policy  # noqa: E402
 
 pytest_plugins = ["tests.db_fixtures"]  # the database fixtures (sqlite_url, db_url, engine, ...)
 
@@ -29,21 +33,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def use_policy() -> Callable[..., Policy]:
+    """`use_policy(field=value, ...)`: the rest of the test runs under the active policy with
+    those fields changed; returns that policy."""
+    with contextlib.ExitStack() as stack:
+        def change(**fields) -> Policy:
+            policy = replace(active_policy(), **fields)
+            stack.enter_context(override_policy(policy))
+            return policy
+
+        yield change
+
+
 @pytest.fixture(autouse=True)
-def _cpu_dispatch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cpu_dispatch(request: pytest.FixtureRequest, use_policy: Callable[..., Policy]) -> None:
     wants_kernels = request.node.get_closest_marker("interpreter") is not None
     if wants_kernels and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter tests need TRITON_INTERPRET=1 set before import (CPU-only machines)")
-    monkeypatch.setattr(dispatch, "INTERPRET", wants_kernels)
+    use_policy(triton_on_cpu=wants_kernels)
 
 
 @pytest.fixture
-def block_sparse_always(monkeypatch: pytest.MonkeyPatch) -> None:
+def block_sparse_always(use_policy: Callable[..., Policy]) -> None:
     """Filtered mode's block-sparse backward however many tiles are kept: tests of that path
-    on small or dense shapes, where the dense fallback (filtering.DENSE_FRACTION) would run."""
-    from cce_compile.ops import filtering
+    on small or dense shapes, where the dense fallback (Policy.dense_fraction) would run."""
+    use_policy(dense_fraction=1.0)
 
-    monkeypatch.setattr(filtering, "DENSE_FRACTION", 1.0)
+
+@pytest.fixture
+def launch_plans(monkeypatch: pytest.MonkeyPatch) -> list[LaunchPlan]:
+    """Every launch plan the ops make (forward, then backward), in order."""
+    from cce_compile.ops import library
+
+    plans: list[LaunchPlan] = []
+    plan_launch = library.plan_launch
+
+    def recorded(*args) -> LaunchPlan:
+        plans.append(plan_launch(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(library, "plan_launch", recorded)
+    return plans
 
 
 @pytest.fixture
@@ -65,40 +96,25 @@ def block_sparse_backwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.fixture
-def descriptor_fits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """One entry per choice the op makes between its tensor-descriptor and pointer kernels
-    (forward, then backward), with the persistent recompute allowed at any K length so the
-    tests' small D reaches it, and the Gluon kernels for short K off (their own tests compare
-    them with the tensor-descriptor kernels)."""
-    from cce_compile.ops import backward, forward
-
-    fits: list[bool] = []
-
-    def spy(*tensors: torch.Tensor) -> bool:
-        fits.append(dispatch.tensor_descriptors_fit(*tensors))
-        return fits[-1]
-
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "tensor_descriptors_fit", spy)
-    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
-    return fits
+def descriptor_kernels(use_policy: Callable[..., Policy]) -> None:
+    """The tensor-descriptor kernels wherever they fit: the persistent recompute at any K
+    length, so the tests' small D reaches it, and the Gluon kernels off (their own tests
+    compare them with the tensor-descriptor kernels)."""
+    use_policy(recompute_tma_min_k_steps=1, forward_gluon_max_k_steps=0, recompute_gluon_max_k_steps=0)
 
 
 @pytest.fixture
 def backward_outputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(grad_e's, grad_c's element count) per call autograd makes to the backward op (the real
-    op runs; traced calls record fake tensors' counts)."""
-    from cce_compile.ops import autograd
+    """(grad_e's, grad_c's element count) per call autograd makes to the backward op."""
+    from cce_compile.ops import library
 
     outputs: list[tuple[int, int]] = []
-    backward_op = autograd.linear_cross_entropy_backward
+    backward_op = library.linear_cross_entropy_backward
 
     def spy(*args):
         grad_e, grad_c, grad_bias = backward_op(*args)
         outputs.append((grad_e.numel(), grad_c.numel()))
         return grad_e, grad_c, grad_bias
 
-    monkeypatch.setattr(autograd, "linear_cross_entropy_backward", spy)
+    monkeypatch.setattr(library, "linear_cross_entropy_backward", spy)
     return outputs

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import ContextManager
 
 import torch
 from torch import Tensor
 
 import cce_compile
+from cce_compile.plan.policy import active_policy, override_policy
 from cce_compile.bench.inputs import lm_like_inputs
 
 from .reference import reference_loss
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 """Relative error allowed against float64 (norm ratio): fp32 accumulation, inputs rounded."""
+
+
+def on_kernels(kernels: bool) -> ContextManager[None]:
+    """CPU calls in the block run the Triton kernels (interpreter) or the plain-PyTorch path."""
+    return override_policy(replace(active_policy(), triton_on_cpu=kernels))
 
 
 def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.dtype, seed: int,

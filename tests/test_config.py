@@ -7,13 +7,18 @@ from dataclasses import replace
 
 import pytest
 
-from cce_compile.config import plan as plan_module
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
-from cce_compile.config.plan import (
-    FILTERED_SCRATCH_FRACTION, MAX_DC_ROUNDINGS, OTHER_BUFFERS_FRACTION, SCRATCH_FLOOR_BYTES, SCRATCH_FRACTION,
-    n_bucket, plan_backward, planning_tokens,
-)
-from cce_compile.config.resolve import ProblemKey, heuristic_config
+from cce_compile.config.keys import ProblemKey, n_bucket
+from cce_compile.plan.backward import plan_backward, planning_tokens
+from cce_compile.plan.policy import Policy
+from cce_compile.resolve.heuristic import heuristic_config
+
+POLICY = Policy()
+SCRATCH_FRACTION = POLICY.scratch_fraction
+FILTERED_SCRATCH_FRACTION = POLICY.filtered_scratch_fraction
+OTHER_BUFFERS_FRACTION = POLICY.other_buffers_fraction
+MAX_DC_ROUNDINGS = POLICY.max_dc_roundings
+SCRATCH_FLOOR_BYTES = POLICY.scratch_floor_bytes
 
 
 def test_round_trip_through_json() -> None:
@@ -86,7 +91,7 @@ def test_untuned_exact_plans_take_the_least_traffic_within_the_budget(n: int, d:
 
 
 @pytest.mark.parametrize(("n", "d", "v"), [(65536, 896, 151936), (131072, 896, 151936), (65536, 4096, 128256)])
-def test_large_batches_round_dc_at_most_sixteen_times(n: int, d: int, v: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_batches_round_dc_at_most_sixteen_times(n: int, d: int, v: int) -> None:
     """dC sums over token chunks in bf16, one rounding per chunk: where a plan of at most
     MAX_DC_ROUNDINGS chunks fits the budget it is taken, though the traffic model alone would
     take more chunks on Qwen2.5's head from N = 65536."""
@@ -95,9 +100,9 @@ def test_large_batches_round_dc_at_most_sixteen_times(n: int, d: int, v: int, mo
     plan = plan_backward(bucket, v, d, 2, config)
     assert plan.n_chunks <= MAX_DC_ROUNDINGS
     assert plan.scratch_bytes(bucket, d, 2, config.grad_logits.block_m) <= SCRATCH_FRACTION * (n * d + v * d) * 2
-    monkeypatch.setattr(plan_module, "MAX_DC_ROUNDINGS", 1 << 20)
     if d == 896 and n == 65536:
-        assert plan_backward(bucket, v, d, 2, config).n_chunks > MAX_DC_ROUNDINGS
+        unbounded = replace(POLICY, max_dc_roundings=1 << 20)
+        assert plan_backward(bucket, v, d, 2, config, policy=unbounded).n_chunks > MAX_DC_ROUNDINGS
 
 
 def test_a_known_token_count_is_planned_for_itself_a_traced_one_for_its_bucket() -> None:
@@ -143,3 +148,38 @@ def test_small_problems_take_a_few_large_slab_steps() -> None:
 
 def test_n_bucket() -> None:
     assert [n_bucket(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+
+
+def test_kernel_version_follows_the_launched_code_only() -> None:
+    """Comments, docstrings and layout do not change what a kernel compiles to; code does."""
+    from cce_compile.resolve.platform import launched_source
+
+    kernel = 'def f(x):\n    """Why."""\n    # a note\n    return x + 1  # another\n'
+    same = "def f(x):\n\n    return x + 1\n"
+    other = "def f(x):\n    return x + 2\n"
+    assert launched_source(kernel) == launched_source(same) != launched_source(other)
+
+
+def test_kernel_version_covers_the_kernels_and_the_policy(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cce_compile.resolve import platform
+
+    def version() -> str:
+        platform.kernel_version.cache_clear()
+        return platform.kernel_version()
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "k.py").write_text("def k(x):\n    return x\n")
+    monkeypatch.setattr(platform, "KERNELS_DIR", kernels)
+    try:
+        first = version()
+        (kernels / "k.py").write_text('def k(x):\n    """A docstring."""\n    return x  # why\n')
+        assert version() == first
+        (kernels / "k.py").write_text("def k(x):\n    return -x\n")
+        changed = version()
+        assert changed != first
+        monkeypatch.setattr(platform, "Policy", lambda: replace(Policy(), forward_chunk_rows=4096))
+        assert version() != changed
+    finally:
+        monkeypatch.undo()
+        platform.kernel_version.cache_clear()

@@ -27,23 +27,27 @@ from typer.testing import CliRunner
 
 from cce_compile import linear_cross_entropy, override_config
 from cce_compile.cli.main import app as cce
-from cce_compile.config import resolve, sources
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.resolve import ProblemKey, Resolution, heuristic_config, resolution_for, resolve_config, resolved
-from cce_compile.ops import dispatch, forward
+from cce_compile.config.keys import ProblemKey
+from cce_compile.ops import library
+from cce_compile.plan.policy import Policy, override_policy
+from cce_compile.resolve import client, platform, sources
+from cce_compile.resolve import ladder as resolve
+from cce_compile.resolve.heuristic import heuristic_config
+from cce_compile.resolve.ladder import Resolution, resolution_for, resolve_config, resolved
 from service.process import REPO_ROOT, serving
 from tests.db_fixtures import GPU_H100, H100_KEY, measurement_data
 
 READ_TOKEN, WRITE_TOKEN = "read-token-0003", "write-token-0003"
 TOKENS_ENV = {"CCE_SERVICE_TOKENS": f"{READ_TOKEN}:read;{WRITE_TOKEN}:write"}
 
-H100 = sources.Platform(
+H100 = platform.Platform(
     gpu=H100_KEY,
     compute_capability=GPU_H100["compute_capability"],
     sm_count=GPU_H100["sm_count"],
     shared_memory_bytes=232_448,
-    kernel_version=sources.kernel_version(),
-    triton_version=sources.triton_version(),
+    kernel_version=platform.kernel_version(),
+    triton_version=platform.triton_version(),
 )
 """The platform every test resolves for (patched in), so CPU machines and GPUs agree."""
 
@@ -76,9 +80,10 @@ def _heuristic(key: ProblemKey) -> Resolution:
     return Resolution(heuristic_config(key), "heuristic", "none")
 
 
-def _bundle(directory: Path, key: ProblemKey, config: dict[str, Any]) -> None:
+def _bundle(directory: Path, key: ProblemKey, config: dict[str, Any], kernel_version: str | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    entry = {"gpu": GPU_H100["name"], **_problem(key, key.n_bucket), "config": config}
+    entry = {"gpu": GPU_H100["name"], **_problem(key, key.n_bucket), "config": config,
+             "kernel_version": kernel_version or platform.kernel_version()}
     (directory / "h100.json").write_text(json.dumps({"entries": [entry]}))
 
 
@@ -90,7 +95,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(sources.CACHE_DIR_ENV, str(tmp_path / "configs"))
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path / "bundled")
-    monkeypatch.setattr(sources, "local_platform", lambda device: H100)
+    monkeypatch.setattr(resolve, "local_platform", lambda device: H100)
     resolve.reset()
     yield
     resolve.reset()
@@ -207,12 +212,12 @@ def test_a_hanging_service_costs_one_timeout_per_process() -> None:
     with fake_service(200, None) as (url, fake):
         settings = sources.Settings(url, None, False, Path("unused"), 0.0)
         start = time.monotonic()
-        assert sources.fetch_from_service(settings, H100, KEY) is None
+        assert client.fetch_from_service(settings, H100, KEY) is None
         first = time.monotonic() - start
         start = time.monotonic()
-        assert sources.fetch_from_service(settings, H100, SMALL_KEY) is None
+        assert client.fetch_from_service(settings, H100, SMALL_KEY) is None
         second = time.monotonic() - start
-    assert 0.9 * sources.SERVICE_TIMEOUT_S <= first < 3.0
+    assert 0.9 * client.SERVICE_TIMEOUT_S <= first < 3.0
     assert second < 0.5
     assert len(fake.requests) == 1, "a timeout is not retried, and the breaker stops the second lookup"
 
@@ -260,10 +265,18 @@ def test_an_invalid_bundled_entry_is_skipped(tmp_path: Path) -> None:
     assert resolution_for(KEY) == _heuristic(KEY)
 
 
-def test_the_shipped_bundled_configs_are_valid() -> None:
-    for path in sorted(Path(resolve.__file__).with_name("bundled").glob("*.json")):
+def test_a_bundled_entry_for_other_kernels_is_skipped(tmp_path: Path) -> None:
+    _bundle(tmp_path / "bundled", KEY, TUNED, kernel_version="0123456789ab")
+    assert resolution_for(KEY) == _heuristic(KEY)
+
+
+def test_the_shipped_bundled_configs_are_valid_and_tuned_for_these_kernels() -> None:
+    """Editing a kernel (or a Policy threshold) orphans the bundled configs until they are
+    re-tuned, or re-stamped after the benchmark confirms them (config/bundled/README.md)."""
+    for path in sorted(sources.BUNDLED_DIR.glob("*.json")):
         for entry in json.loads(path.read_text())["entries"]:
             KernelConfig.from_dict(entry["config"])
+            assert entry["kernel_version"] == platform.kernel_version(), f"{path.name}: stale entry {entry}"
 
 
 # (4) the disk cache -------------------------------------------------------------------
@@ -342,7 +355,7 @@ def test_the_op_loads_no_web_stack_without_a_reachable_service(tmp_path: Path) -
     check = (
         "import sys, torch, cce_compile\n"
         "cce_compile.linear_cross_entropy(torch.randn(8, 16), torch.randn(64, 16), torch.zeros(8, dtype=torch.long))\n"
-        "from cce_compile.config.resolve import resolved\n"
+        "from cce_compile.resolve.ladder import resolved\n"
         "print([r.source for r in resolved().values()], "
         "[m for m in ('httpx', 'fastapi', 'sqlalchemy', 'pydantic') if m in sys.modules])\n"
     )
@@ -387,16 +400,20 @@ def _rank_config(rank: int, use: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, root: str) -> None:
+    with override_policy(Policy(triton_on_cpu=False)):
+        _rank_main_body(rank, root)
+
+
+def _rank_main_body(rank: int, root: str) -> None:
     """One gloo rank with its own disk cache and override: eager calls, then a compiled one
     that resolves a new key at trace time (under the tracer's fake tensors)."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
-    dispatch.INTERPRET = False
-    sources.local_platform = lambda device: H100
+    resolve.local_platform = lambda device: H100
     for use, key in enumerate((SMALL_KEY, replace(SMALL_KEY, n_bucket=512))):
         sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
     launched: list[KernelConfig] = []
-    resolve_here = forward.config_for
-    forward.config_for = lambda *args: launched.append(resolve_here(*args)) or launched[-1]
+    run_forward = library.run_forward
+    library.run_forward = lambda plan, config, *args: launched.append(config) or run_forward(plan, config, *args)
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     try:
         e, c, targets = _small_inputs()
@@ -417,14 +434,18 @@ def _rank_main(rank: int, root: str) -> None:
 
 
 def _failing_rank_main(rank: int, root: str) -> None:
+    with override_policy(Policy(triton_on_cpu=False)):
+        _failing_rank_main_body(rank, root)
+
+
+def _failing_rank_main_body(rank: int, root: str) -> None:
     """Rank 0 cannot resolve (its platform lookup fails): every rank must raise, none wait."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
-    dispatch.INTERPRET = False
     if rank == 0:
         def broken(device: str):
             raise RuntimeError("no GPU identity")
 
-        sources.local_platform = broken
+        resolve.local_platform = broken
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     try:
         linear_cross_entropy(*_small_inputs())
@@ -435,12 +456,16 @@ def _failing_rank_main(rank: int, root: str) -> None:
 
 
 def _unordered_rank_main(rank: int, root: str) -> None:
+    with override_policy(Policy(triton_on_cpu=False)):
+        _unordered_rank_main_body(rank, root)
+
+
+def _unordered_rank_main_body(rank: int, root: str) -> None:
     """The ranks meet the keys in opposite orders, and rank 1 also meets a bucket rank 0
     never runs: nobody hangs, shared keys get rank 0's config, the lone key rank 1's own."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1",
                        resolve.WAIT_ENV: "2"})
-    dispatch.INTERPRET = False
-    sources.local_platform = lambda device: H100
+    resolve.local_platform = lambda device: H100
     keys = [SMALL_KEY, replace(SMALL_KEY, n_bucket=512)]
     for use, key in enumerate(keys):
         sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
@@ -478,4 +503,4 @@ def test_every_rank_launches_rank_0s_config(tmp_path: Path) -> None:
     rank0 = [KernelConfig.from_dict(_rank_config(0, use)).to_dict() for use in (0, 2, 0, 1)]
     assert reports[0]["launched"][:3] == rank0[:3] and reports[0]["source"] == "disk"
     traced = reports[0]["launched"][3:]
-    assert traced and all(config == rank0[3] for config in traced), "resolved at trace time, from rank 0"
+    assert traced and all(config == rank0[3] for config in traced), "resolved from rank 0"

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cce_compile import ops as cce_ops
 from cce_compile.integrations.transformers import patch
-from cce_compile.ops import dispatch
+from cce_compile.plan.policy import Policy, override_policy
 
 from .op_cases import relative_error
 from .test_transformers import batch, tiny_model
@@ -170,7 +170,11 @@ def _separately_sharded_head_is_refused(device: torch.device) -> None:
 
 def _worker(rank: int, check: str, store: str) -> None:
     """One gloo rank on CPU: the op's plain-PyTorch path (fast), one thread per process."""
-    dispatch.INTERPRET = False
+    with override_policy(Policy(triton_on_cpu=False)):
+        _worker_body(rank, check, store)
+
+
+def _worker_body(rank: int, check: str, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))

@@ -7,9 +7,11 @@ import torch
 
 import cce_compile
 from cce_compile.bench.inputs import lm_like_inputs
-from cce_compile.config.plan import BackwardPlan
-from cce_compile.ops import backward, graphs
-from cce_compile.ops.forward import linear_cross_entropy_forward
+from cce_compile.ops import graphs, library
+from cce_compile.ops.library import linear_cross_entropy_backward, linear_cross_entropy_forward
+from cce_compile.ops.problem import config_for
+from cce_compile.plan.backward import BackwardPlan
+from cce_compile.plan.policy import Policy, active_policy, policy_to_json
 
 from .op_cases import make_inputs, relative_error
 
@@ -36,6 +38,22 @@ def fp32_reference(e, c, targets, **options):
     return loss.detach(), ee.grad, cc.grad
 
 
+def backward_op(grad_loss, e, c, targets, lse, kept_tiles, tile_lse, order, filter_eps: float = 0.0,
+                label_smoothing: float = 0.0, softcap: float = 0.0, policy: Policy | None = None):
+    """The backward op called directly, with the config and policy the forward launched with."""
+    policy = policy or active_policy()
+    config = library.config_to_json(config_for(e, c, filter_eps > 0.0, policy))
+    return linear_cross_entropy_backward(
+        grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
+        label_smoothing, softcap, filter_eps, True, True, config, policy_to_json(policy))
+
+
+def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
+    wide = torch.empty(t.shape[0], stride, dtype=t.dtype, device=t.device)
+    return wide[:, : t.shape[1]].copy_(t)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
 def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
@@ -53,29 +71,27 @@ def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
         assert relative_error(grad, ref) < max(tol, 2 * relative_error(ref.to(dtype), ref))
 
 
+@pytest.mark.usefixtures("descriptor_kernels")
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}])
-def test_tensor_descriptor_kernels_match_the_pointer_kernels(
-    options: dict, descriptor_fits: list[bool], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tensor_descriptor_kernels_match_the_pointer_kernels(options: dict, launch_plans: list) -> None:
     """Exact mode's persistent tensor-descriptor kernels (16-bit inputs) against the pointer
-    kernels they replace, on a ragged vocabulary with a bias: the same fp32 math, so only
-    the order of the dot products' sums differs."""
-    from cce_compile.ops import forward
-
+    kernels they replace (rows at an odd stride, which no descriptor takes), on a ragged
+    vocabulary with a bias: the same fp32 math, so only the order of the dot products' sums
+    differs."""
     e, c, targets = make_inputs("zipf", (4096,), 50257, 768, torch.bfloat16, seed=3, device="cuda")
     bias = torch.randn(50257, device="cuda", dtype=torch.bfloat16) * 0.5
 
-    def run() -> list[torch.Tensor]:
-        leaves = [t.detach().clone().requires_grad_() for t in (e, c, bias)]
+    def run(row_stride: int) -> list[torch.Tensor]:
+        leaves = [with_row_stride(t, row_stride).requires_grad_() for t in (e, c)]
+        leaves.append(bias.detach().clone().requires_grad_())
         loss = cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2], **options)
         loss.backward()
         return [loss.detach()] + [t.grad for t in leaves]
 
-    with_descriptors = run()  # D = 768 is 12 K steps: the fixture lets the recompute persist
-    assert descriptor_fits == [True, True]
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "tensor_descriptors_fit", lambda *tensors: False)
-    with_pointers = run()
+    with_descriptors = run(768)  # D = 768 is 12 K steps: the fixture lets the recompute persist
+    with_pointers = run(769)
+    kernels = [(plan.forward, plan.recompute) for plan in launch_plans]
+    assert kernels == [("tma", "tma")] * 2 + [("split", "pointer")] * 2
     torch.testing.assert_close(with_descriptors[0], with_pointers[0], rtol=1e-5, atol=1e-5)
     for got, expected in zip(with_descriptors[1:], with_pointers[1:]):
         assert relative_error(got, expected) < 2e-3
@@ -84,30 +100,19 @@ def test_tensor_descriptor_kernels_match_the_pointer_kernels(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [896, 1000])
 def test_warp_specialized_forward_matches_the_tma_kernel(
-    dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, d: int, launch_plans: list, use_policy
 ) -> None:
     """The Gluon forward (short K, plain exact mode) against lse_forward_tma_kernel on ragged
     rows and vocabulary, a K tail (D = 1000) and ignored tokens: the same fp32 math over other
     tiles, so loss and lse agree to fp32 rounding."""
-    from cce_compile.ops import forward
-
     e, c, targets = make_inputs("zipf", (3001,), 50001, d, dtype, seed=7, device="cuda")
     targets[::11] = -100
-    original = forward.forward_warp_specialized
-    taken: list[bool] = []
-
-    def spy(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        taken.append(True)
-        return original(*args)
-
-    monkeypatch.setattr(forward, "forward_warp_specialized", spy)
     with torch.no_grad():
         loss = cce_compile.linear_cross_entropy(e, c, targets, reduction="none")
-        ws_loss, ws_lse, *_ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
-        assert taken == [True, True]
-        monkeypatch.setattr(forward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
-        tma_loss, tma_lse, *_ = forward.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
-    assert taken == [True, True]
+        ws_loss, ws_lse, *_ = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+        use_policy(forward_gluon_max_k_steps=0)
+        tma_loss, tma_lse, *_ = linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
+    assert [plan.forward for plan in launch_plans] == ["gluon", "gluon", "tma"]
     torch.testing.assert_close(ws_lse, tma_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ws_loss, tma_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, ws_loss)
@@ -117,7 +122,7 @@ def test_warp_specialized_forward_matches_the_tma_kernel(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [896, 1000, 4000])
 def test_warp_specialized_recompute_matches_the_tma_kernel(
-    dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, d: int, monkeypatch: pytest.MonkeyPatch, use_policy
 ) -> None:
     """The Gluon recompute (short K, plain exact mode) against grad_logits_tma_kernel over two
     token chunks (the second ragged) x seven slabs (the last ragged, not a tile multiple), K
@@ -126,7 +131,7 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
     tolerance."""
     from cce_compile.kernels.backward import grad_logits_tma_kernel
     from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel
-    from cce_compile.ops import launch
+    from cce_compile.ops import launch, recompute
 
     e, c, targets = make_inputs("zipf", (3001,), 50001, d, dtype, seed=7, device="cuda")
     targets[::11] = -100
@@ -143,12 +148,11 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
         (cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets) * loss_scale(dtype)).backward()
         return [t.grad for t in leaves]
 
-    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 8192, True))
-    monkeypatch.setattr(backward, "PERSISTENT_MIN_K_STEPS", 1)
-    monkeypatch.setattr(backward, "KernelLauncher", SpyingLauncher)
+    use_policy(backward_plan=BackwardPlan(2, 8192, True), recompute_tma_min_k_steps=1)
+    monkeypatch.setattr(recompute, "KernelLauncher", SpyingLauncher)
     warp_specialized = run()
     assert launched == [grad_logits_ws_kernel] * 14
-    monkeypatch.setattr(backward, "WARP_SPECIALIZED_MAX_K_STEPS", 0)
+    use_policy(recompute_gluon_max_k_steps=0)
     persistent = run()
     assert launched == [grad_logits_tma_kernel] * 14
     for got, expected in zip(warp_specialized, persistent):
@@ -159,7 +163,7 @@ def test_warp_specialized_recompute_matches_the_tma_kernel(
 @pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize(("mode", "d"), [("exact", 896), ("exact", 8192), ("filtered", 896)])
 def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
-    mode: str, d: int, monkeypatch: pytest.MonkeyPatch
+    mode: str, d: int, monkeypatch: pytest.MonkeyPatch, use_policy
 ) -> None:
     """The backward's per-step kernels (the Gluon recompute, the persistent one at D = 8192,
     filtered mode's sparse GEMMs) and the forward (Gluon or persistent) relaunched with an
@@ -167,7 +171,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     through Triton's JIT gives, bit for bit, and relaunches do reuse: exact mode's 2 token
     chunks (the second ragged) x 16 slabs need 2 variants, the forward's 2 row chunks (the
     second ragged) 2, and a second call of the op none."""
-    from cce_compile.ops import launch
+    from cce_compile.ops import backward_filtered, launch, recompute
     from cce_compile.ops import forward as op_forward
 
     e, c, targets = make_inputs("zipf", (3000,), 16000, d, torch.bfloat16, seed=5, device="cuda")
@@ -190,9 +194,9 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
         cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, filter_eps=filter_eps).backward()
         return [t.grad for t in leaves], {it.kernel.fn.__name__: (it.jit_launches, it.launches) for it in launchers}
 
-    monkeypatch.setattr(backward, "plan_backward", lambda *args: BackwardPlan(2, 1024, True))
-    monkeypatch.setattr(backward, "KernelLauncher", CountingLauncher)
-    monkeypatch.setattr(op_forward, "KernelLauncher", CountingLauncher)
+    policy = use_policy(backward_plan=BackwardPlan(2, 1024, True))
+    for module in (op_forward, recompute, backward_filtered):
+        monkeypatch.setattr(module, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(launch, "COMPILED", {})
     reusing = True
     reused, first = run()
@@ -205,7 +209,7 @@ def test_relaunches_reuse_compiled_kernels_and_match_fresh_launches(
     assert all(jit == 0 for jit, _ in second.values()), second
     forward = "lse_forward_ws_kernel" if (mode, d) == ("exact", 896) else "lse_forward_tma_kernel"
     # The forward launches per row chunk (2048 and a ragged 952 rows): a compile per integer class.
-    chunks = op_forward.row_chunks(e.shape[0], op_forward.FORWARD_CHUNK_ROWS)
+    chunks = op_forward.row_chunks(e.shape[0], policy.forward_chunk_rows)
     assert len(chunks) > 1
     assert first[forward] == (len({launch.integer_class(rows) for _, rows in chunks}), len(chunks)), first
     if mode == "exact":
@@ -326,7 +330,9 @@ def test_forward_alone_peaks_at_its_per_tile_buffer(d: int) -> None:
     assert relative_error(loss.mean(), ref_loss) < 1e-3
 
 
-def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
+def test_inductor_calls_the_op_whole_and_matches_eager() -> None:
+    """Inductor's code calls the forward op as one extern kernel, which launches eager's
+    kernels, and inlines none of them."""
     from torch._inductor.utils import run_and_get_code
 
     e, c, targets = make_inputs("zipf", (1024,), 8192, 512, torch.bfloat16, seed=2, device="cuda")
@@ -335,7 +341,8 @@ def test_inductor_inlines_the_kernels_and_matches_eager() -> None:
 
     compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t), fullgraph=True)
     loss, code = run_and_get_code(compiled, e, c, targets)
-    assert any("lse_forward_kernel" in chunk for chunk in code)
+    assert any("cce.linear_cross_entropy_forward" in chunk for chunk in code)
+    assert not any("lse_forward" in chunk for chunk in code)
     expected = cce_compile.linear_cross_entropy(e, c, targets)
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
@@ -372,8 +379,10 @@ def test_filtered_mode_tilt_on_heavy_tail(monkeypatch: pytest.MonkeyPatch) -> No
         cce_compile.linear_cross_entropy(ee, cc, targets, filter_eps=2.0**-12).backward()
         return ee.grad, cc.grad
 
+    from cce_compile.ops import backward_filtered
+
     tilted = grads()
-    monkeypatch.setattr(backward, "tilt_sample_size", lambda n, v, d: 0)
+    monkeypatch.setattr(backward_filtered, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads()
     with_tilt, without = relative_error(tilted[0], ref_de), relative_error(untilted[0], ref_de)
     print(f"dE error: {with_tilt:.2e} with the tilt, {without:.2e} without")
@@ -398,8 +407,7 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
     def both_ops() -> None:
         _, lse, kept_tiles, tile_lse, order = linear_cross_entropy_forward(
             e, c, targets, None, None, -100, 0.0, 0.0, filter_eps)
-        backward.linear_cross_entropy_backward(grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse,
-                                               kept_tiles, tile_lse, order, -100, 0.0, 0.0, filter_eps)
+        backward_op(grad_loss, e, c, targets, lse, kept_tiles, tile_lse, order, filter_eps)
 
     def syncs_in(work) -> list[str]:
         """Where `work` made synchronizing CUDA calls, by the sync debug mode's warnings."""
@@ -425,10 +433,9 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
 
 @pytest.mark.usefixtures("block_sparse_always")  # eager block-sparse too, however dense
 def test_filtered_mode_compiled_matches_eager() -> None:
-    """Filtered mode inside torch.compile(fullgraph=True): the vocab order, tile maxima, tile
-    lists and block-sparse GEMMs traced into one graph (fixed slabs) give eager's gradients
-    (packed steps), and a target of token 0 (what columns past V read in the vocab order) gets
-    exactly its own loss."""
+    """Filtered mode inside torch.compile(fullgraph=True), the ops opaque in the graph, gives
+    eager's gradients, and a target of token 0 (what columns past V read in the vocab order)
+    gets exactly its own loss."""
     e, c, targets = lm_like_inputs(3000, 512, 20000, torch.bfloat16, "cuda", seed=4)  # ragged N and V
     targets[::7] = 0
 
@@ -449,7 +456,7 @@ def test_filtered_mode_compiled_matches_eager() -> None:
 
 def test_filtered_mode_on_flat_logits_runs_dense(block_sparse_backwards: list[int]) -> None:
     """Uniform logits keep most tiles, where the block-sparse backward is slower than the dense
-    one (ops/filtering.DENSE_FRACTION): filtered mode then runs exact mode's dense backward."""
+    one (Policy.dense_fraction): filtered mode then runs exact mode's dense backward."""
     from cce_compile.bench.inputs import uniform_inputs
 
     e, c, targets = uniform_inputs(4096, 1024, 65536, torch.bfloat16, "cuda", seed=5)
@@ -471,9 +478,8 @@ class DirectBackward:
     allocator hands each call the same blocks."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seed: int, names: tuple[str, ...]) -> None:
-        self.monkeypatch = monkeypatch
         self.e, self.c, self.targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=seed)
-        monkeypatch.setattr(backward, "plan_backward", lambda *args, **kwargs: BackwardPlan(2, 4096, True))
+        self.policy = Policy(backward_plan=BackwardPlan(2, 4096, True))
         self.loops = graphs.LoopGraphs()
         monkeypatch.setattr(graphs, "SLAB_LOOPS", self.loops)
         self.grad_loss = torch.full(self.targets.shape, 1.0 / self.targets.numel(), device="cuda")
@@ -485,13 +491,13 @@ class DirectBackward:
         return linear_cross_entropy_forward(hidden, self.c, self.targets, None, None, -100, label_smoothing, softcap, 0.0)
 
     def graphs(self, enabled: bool) -> None:
-        self.monkeypatch.setattr(graphs, "ENABLED", enabled)
+        self.policy = Policy(backward_plan=self.policy.backward_plan, cuda_graphs=enabled)
 
     def into(self, name: str, hidden: torch.Tensor | None = None, label_smoothing: float = 0.0,
              softcap: float = 0.0) -> None:
-        grad_e, grad_c, _ = backward.linear_cross_entropy_backward(
-            self.grad_loss, self.grad_lse, self.e if hidden is None else hidden, self.c, self.targets, None, None,
-            self.lse, self.kept_tiles, self.tile_lse, self.order, -100, label_smoothing, softcap, 0.0)
+        grad_e, grad_c, _ = backward_op(
+            self.grad_loss, self.e if hidden is None else hidden, self.c, self.targets, self.lse, self.kept_tiles,
+            self.tile_lse, self.order, 0.0, label_smoothing, softcap, self.policy)
         self.results[name][0].copy_(grad_e)
         self.results[name][1].copy_(grad_c)
 

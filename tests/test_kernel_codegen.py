@@ -29,8 +29,8 @@ from cce_compile.config.kernel_config import TileConfig
 from cce_compile.kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from cce_compile.kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
 from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel, lse_forward_ws_kernel
-from cce_compile.ops.dispatch import stages_beside_output
-from cce_compile.ops.warp_specialized import WARP_SPECIALIZED_TILE
+from cce_compile.ops.problem import stages_beside_output
+from cce_compile.plan.policy import Policy
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ONE = "one"
@@ -184,7 +184,7 @@ def compile_warp_specialized(kernel: Any, pointers: dict[str, str], integers: li
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def descriptor(rows: int) -> str:
-        block = [rows, WARP_SPECIALIZED_TILE.block_k]
+        block = [rows, Policy().gluon_tile.block_k]
         return f"tensordesc<bf16[{rows}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
     kinds = {name: descriptor(rows) for name, rows in descriptors.items()} | pointers | dict.fromkeys(integers, "i32")
@@ -258,7 +258,7 @@ if __name__ == "__main__":
             "fits": tma.metadata.shared <= H200_SHARED_MEMORY, "bare exps": bare_exps(tma.asm["ptx"]),
             "wgmma pipelined": wgmma_pipelined(tma.asm["ptx"]),
         }
-    tile = WARP_SPECIALIZED_TILE
+    tile = Policy().gluon_tile
     found["lse_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
         lse_forward_ws_kernel, {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32"},
         ["N", "row_start", "rows_in_launch", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},

@@ -48,7 +48,7 @@ def test_tensor_descriptors_match_by_block_shape_and_classes() -> None:
 
 
 def test_gluon_descriptors_match_by_block_shape_and_layout() -> None:
-    from cce_compile.ops.warp_specialized import gluon_descriptor
+    from cce_compile.ops.gluon import gluon_descriptor
 
     a = torch.zeros(256, 128, dtype=torch.bfloat16)
     base = launch_key((gluon_descriptor(a, [128, 64]),), {})

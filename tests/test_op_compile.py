@@ -8,6 +8,9 @@ import torch._dynamo.testing
 
 import cce_compile
 from cce_compile import ops
+from cce_compile.ops.library import config_to_json
+from cce_compile.ops.problem import config_for
+from cce_compile.plan.policy import active_policy, policy_to_json
 
 from .op_cases import make_inputs
 
@@ -34,8 +37,10 @@ def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
     e, c, targets, bias, _ = _op_args(29, True)
     loss, lse, kept_tiles, tile_lse, order = ops.linear_cross_entropy_forward(
         e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
+    policy = active_policy()
     args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
-            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, need_grad_e, need_grad_c)
+            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, need_grad_e, need_grad_c,
+            config_to_json(config_for(e, c, False, policy)), policy_to_json(policy))
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 
 
@@ -118,16 +123,15 @@ def test_dynamic_n_does_not_recompile_within_a_bucket() -> None:
 
 @pytest.mark.interpreter
 def test_compiled_graph_runs_the_interpreted_kernels() -> None:
-    """With the op kept opaque, Inductor calls it and the real Triton kernels run on CPU."""
+    """Inductor calls the op, opaque, and the real Triton kernels run on CPU."""
     e, c, targets, _, _ = _op_args(45, False)
 
     def loss_fn(e, c, targets):
         return cce_compile.linear_cross_entropy(e, c, targets, label_smoothing=0.1)
 
-    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-        compiled = torch.compile(loss_fn, fullgraph=True)
-        loss = compiled(e, c, targets)
-        loss.backward()
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    loss = compiled(e, c, targets)
+    loss.backward()
     ref_e, ref_c = (t.detach().clone().requires_grad_() for t in (e, c))
     expected = loss_fn(ref_e, ref_c, targets)
     expected.backward()
@@ -137,7 +141,7 @@ def test_compiled_graph_runs_the_interpreted_kernels() -> None:
 
 @pytest.mark.interpreter
 def test_filtered_mode_compiles_with_its_tile_statistics() -> None:
-    """Filtered mode under torch.compile(fullgraph=True), the op kept opaque: the forward's
+    """Filtered mode under torch.compile(fullgraph=True), the op opaque: the forward's
     kept tiles (int8) and fp16 tile log-sum-exps propagate as fake tensors, are saved for the
     backward and reach it, and the compiled step gives eager's loss and gradients."""
     e, c, targets = make_inputs("zipf", (96,), 512, 32, torch.bfloat16, seed=1)
@@ -146,12 +150,41 @@ def test_filtered_mode_compiles_with_its_tile_statistics() -> None:
         return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=2.0**-12)
 
     compiled_leaves = [t.clone().requires_grad_() for t in (e, c)]
-    with torch._functorch.config.patch(decompose_custom_triton_ops=False):
-        loss = torch.compile(loss_fn, fullgraph=True)(*compiled_leaves, targets)
-        loss.backward()
+    loss = torch.compile(loss_fn, fullgraph=True)(*compiled_leaves, targets)
+    loss.backward()
     eager_leaves = [t.clone().requires_grad_() for t in (e, c)]
     expected = loss_fn(*eager_leaves, targets)
     expected.backward()
     torch.testing.assert_close(loss, expected)
     for compiled_leaf, eager_leaf in zip(compiled_leaves, eager_leaves):
         torch.testing.assert_close(compiled_leaf.grad, eager_leaf.grad)
+
+
+def inductor_code_of_a_step(v: int) -> str:
+    """Inductor's code for one compiled forward + backward of the op on the CPU path."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    e, c, targets = make_inputs("zipf", (64,), v, 32, torch.float32, seed=v)
+    e.requires_grad_()
+    c.requires_grad_()
+    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t), fullgraph=True)
+
+    def step() -> None:
+        compiled(e, c, targets).backward()
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        _, code = run_and_get_code(step)
+    return "\n".join(code)
+
+
+def test_compiled_graph_does_not_grow_with_the_slab_count() -> None:
+    """Inductor sees each direction as one opaque op: 4 slabs of the CPU path's vocabulary or
+    64, the generated code is the same size and calls each op once."""
+    slab_v = config_for(torch.empty(64, 32), torch.empty(65536, 32), False, active_policy()).slab_v
+    assert 65536 // slab_v >= 32, "the large head must take many slabs for the test to show anything"
+    small, large = inductor_code_of_a_step(4 * slab_v), inductor_code_of_a_step(65536)
+    for code in (small, large):
+        assert code.count("cce.linear_cross_entropy_forward.default(") == 1
+        assert code.count("cce.linear_cross_entropy_backward.default(") == 1
+    assert abs(len(large.splitlines()) - len(small.splitlines())) <= 4

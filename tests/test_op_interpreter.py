@@ -10,10 +10,12 @@ import torch
 
 import cce_compile
 from cce_compile.config.kernel_config import KernelConfig, TileConfig
-from cce_compile.config import plan as plan_module
-from cce_compile.config.plan import plan_backward
+from cce_compile.ops import linear_cross_entropy_forward
+from cce_compile.ops.problem import config_for
+from cce_compile.plan.backward import plan_backward
+from cce_compile.plan.policy import active_policy
 
-from .op_cases import check_against_reference, check_frozen_operands, make_inputs, relative_error
+from .op_cases import check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error
 from .test_op_options import make_case
 
 pytestmark = pytest.mark.interpreter
@@ -22,10 +24,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def no_scratch_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_scratch_floor(use_policy) -> None:
     """Shapes this small fit the scratch floor whole; without it the 10% budget splits them
     into token chunks and slabs, the paths big problems take."""
-    monkeypatch.setattr(plan_module, "SCRATCH_FLOOR_BYTES", 0)
+    use_policy(scratch_floor_bytes=0)
 
 
 @pytest.mark.parametrize("seed", range(9))
@@ -49,7 +51,7 @@ def test_several_token_chunks_and_slabs() -> None:
     e, c, targets = make_inputs("peaked", (520,), 300, 16, torch.bfloat16, seed=3)
     tile = TileConfig(32, 32, 16, 4, 4, 1)
     config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
-    plan = plan_backward(1024, 300, 16, 2, config)
+    plan = plan_backward(1024, 300, 16, 2, config, policy=active_policy())
     assert plan.n_chunks > 1 and plan.slab_v < 300
     with cce_compile.override_config(config):
         check_against_reference(e, c, targets, {"reduction": "sum"}, bias=torch.randn(300).bfloat16())
@@ -85,7 +87,8 @@ def test_tile_lse_merge_streams_like_torch_logsumexp() -> None:
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])
-def test_exact_mode_through_tensor_descriptors(seed: int, descriptor_fits: list[bool]) -> None:
+@pytest.mark.usefixtures("descriptor_kernels")
+def test_exact_mode_through_tensor_descriptors(seed: int, launch_plans: list) -> None:
     """16-bit inputs whose rows are 16-byte aligned take the persistent tensor-descriptor
     kernels (lse_forward_tma_kernel; grad_logits_tma_kernel, which the op picks for long K
     loops only): ragged N and V, D a multiple of 8 but not of BLOCK_K (the copy engine's zero
@@ -94,34 +97,35 @@ def test_exact_mode_through_tensor_descriptors(seed: int, descriptor_fits: list[
     dtype = (torch.float16, torch.bfloat16)[seed % 2]
     e, c, targets, options, bias, weight = make_case(seed, dtype, lead=(253,), v=1031, d=104)
     check_against_reference(e, c, targets, options, bias=bias, weight=weight)
-    assert descriptor_fits == [True, True]
+    assert [(plan.forward, plan.recompute) for plan in launch_plans[:2]] == [("tma", "tma")] * 2
 
 
+def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
+    wide = torch.empty(t.shape[0], stride, dtype=t.dtype)
+    return wide[:, : t.shape[1]].copy_(t)
+
+
+@pytest.mark.usefixtures("descriptor_kernels")
 @pytest.mark.parametrize(("label_smoothing", "softcap"), [(0.1, 0.0), (0.0, 20.0)])
-def test_filtered_forward_through_tensor_descriptors(
-    label_smoothing: float, softcap: float, descriptor_fits: list[bool], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_filtered_forward_through_tensor_descriptors(label_smoothing: float, softcap: float, launch_plans: list) -> None:
     """Filtered mode's forward on 16-bit inputs walks a copy of c in vocab order with the
     persistent kernel (filtering.in_vocab_order): the loss, lse, kept tiles and tile
     log-sum-exps (by position in the order) of the pointer kernel, which gathers c's rows
     through the order and sums each tile's exps at its running maximum; with a bias,
     class weights under label smoothing, and ignored targets, whose positions stay outside."""
-    from cce_compile.ops import forward
-    from cce_compile.ops.dispatch import config_for
-
     e, c, targets = make_inputs("zipf", (253,), 1031, 104, torch.bfloat16, seed=7)
     targets[::7] = -100
     g = torch.Generator().manual_seed(8)
     bias = (torch.randn(1031, generator=g) * 0.5).bfloat16()
     weight = torch.rand(1031, generator=g) + 0.5
-    args = (e, c, targets, bias, weight, -100, label_smoothing, softcap, 2.0**-12)
-    through_descriptors = forward.linear_cross_entropy_forward(*args)
-    assert descriptor_fits == [True]
-    monkeypatch.setattr(forward, "tensor_descriptors_fit", lambda *tensors: False)
-    through_pointers = forward.linear_cross_entropy_forward(*args)
+    options = (bias, weight, -100, label_smoothing, softcap, 2.0**-12)
+    through_descriptors = linear_cross_entropy_forward(e, c, targets, *options)
+    through_pointers = linear_cross_entropy_forward(with_row_stride(e, 105), with_row_stride(c, 105), targets, *options)
+    assert [plan.forward for plan in launch_plans] == ["tma", "split"]
     kept_tiles, tile_lse = through_descriptors[2:4]
     assert kept_tiles.dtype == torch.int8 and kept_tiles.any() and not kept_tiles.all()
-    forward_n = config_for(e, c, 2.0**-12).forward.block_n
+    forward_n = config_for(e, c, True, active_policy()).forward.block_n
     assert tile_lse.dtype == torch.float16 and tile_lse.shape == (253, -(-1031 // forward_n))
     assert (tile_lse <= 1e-3).all()  # each tile's share of its row's softmax, in log space
     for got, expected in zip(through_descriptors, through_pointers):
@@ -130,22 +134,20 @@ def test_filtered_forward_through_tensor_descriptors(
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+@pytest.mark.usefixtures("descriptor_kernels")
 @pytest.mark.parametrize("filter_eps", [0.0, 2.0**-12], ids=["exact", "filtered"])
-def test_persistent_forward_in_row_chunks(filter_eps: float, descriptor_fits: list[bool],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent forward launched per row chunk (ops/forward.FORWARD_CHUNK_ROWS) gives what
+def test_persistent_forward_in_row_chunks(filter_eps: float, launch_plans: list, use_policy) -> None:
+    """The persistent forward launched per row chunk (Policy.forward_chunk_rows) gives what
     one launch over all rows gives: chunks of 48 rows, narrower than a row block, so every
     chunk's tiles hold rows of the next chunk that it must neither count nor store, and a
     ragged last chunk; label smoothing's per-tile sums and filtered mode's tile statistics too."""
-    from cce_compile.ops import forward
-
     e, c, targets = make_inputs("zipf", (253,), 1031, 104, torch.bfloat16, seed=11)
     targets[::7] = -100
     args = (e, c, targets, None, None, -100, 0.1, 0.0, filter_eps)
-    one_launch = forward.linear_cross_entropy_forward(*args)
-    monkeypatch.setattr(forward, "FORWARD_CHUNK_ROWS", 48)
-    in_chunks = forward.linear_cross_entropy_forward(*args)
-    assert descriptor_fits == [True, True]
+    one_launch = linear_cross_entropy_forward(*args)
+    use_policy(forward_chunk_rows=48)
+    in_chunks = linear_cross_entropy_forward(*args)
+    assert [(plan.forward, plan.forward_chunk_rows) for plan in launch_plans] == [("tma", 2048), ("tma", 48)]
     for got, expected in zip(in_chunks, one_launch):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
@@ -171,17 +173,13 @@ FILTER_CASES = {
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 @pytest.mark.parametrize("steps", ["packed", "slabs"])
 @pytest.mark.parametrize("case", FILTER_CASES, ids=list(FILTER_CASES))
-def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, use_policy) -> None:
     """Filtered mode's sorted vocab, tile masks and block-sparse GEMMs (kernels) against the
-    CPU path's dense arithmetic on the same tiles; and filtering really drops tiles. Eager
-    calls pack the steps; traced ones (torch.compile) take fixed slabs, forced here."""
-    from cce_compile.ops import backward as op_backward
-    from cce_compile.ops import dispatch, filtering
+    CPU path's dense arithmetic on the same tiles; and filtering really drops tiles. Calls
+    pack the steps; under a CUDA graph capture they take fixed slabs, forced here."""
 
     if steps == "slabs":
-        monkeypatch.setattr(op_backward, "filtered_steps",
-                            lambda mask, capacity, slab_tiles, packed: filtering.filtered_steps(
-                                mask, capacity, slab_tiles, packed=False))
+        use_policy(filtered_packing=False)
 
     spec = FILTER_CASES[case]
     e, c, targets = make_inputs("zipf", spec["lead"], spec["v"], spec["d"], torch.float32, seed=4)
@@ -190,15 +188,15 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
     bias = torch.randn(spec["v"], generator=g) * 0.1
     weight = torch.rand(spec["v"], generator=g) + 0.5 if spec["options"] else None
     if spec.get("chunked"):
-        assert plan_backward(1024, spec["v"], spec["d"], 4, spec["config"]).n_chunks > 1
+        assert plan_backward(1024, spec["v"], spec["d"], 4, spec["config"], policy=active_policy()).n_chunks > 1
 
     def grads(interpret: bool, filter_eps: float | None):
-        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
         leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-        loss = cce_compile.linear_cross_entropy(
-            leaves[0], leaves[1], targets, bias=leaves[2], weight=weight, filter_eps=filter_eps, **spec["options"]
-        )
-        loss.backward()
+        with on_kernels(interpret):
+            loss = cce_compile.linear_cross_entropy(
+                leaves[0], leaves[1], targets, bias=leaves[2], weight=weight, filter_eps=filter_eps, **spec["options"]
+            )
+            loss.backward()
         return [t.grad for t in leaves]
 
     with cce_compile.override_config(spec["config"]) if spec["config"] else contextlib.nullcontext():
@@ -209,11 +207,10 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, monke
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
-def test_flat_rows_are_computed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flat_rows_are_computed_whole() -> None:
     """Rows whose softmax reaches filter_eps nowhere (an untrained head's; filtering.flat_rows)
     get exact mode's dE from the kernels and from the CPU path, with their row blocks; the
     peaked rows beside them stay filtered."""
-    from cce_compile.ops import dispatch
 
     e, c, targets = make_inputs("zipf", (96,), 2048, 32, torch.float32, seed=4)
     e[:40] *= 0.01  # flat: every softmax entry ~1/2048, under 2^-7
@@ -221,9 +218,8 @@ def test_flat_rows_are_computed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
 
     def grad_e(interpret: bool, filter_eps: float | None) -> torch.Tensor:
-        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
         leaf = e.clone().requires_grad_()
-        with cce_compile.override_config(config):
+        with cce_compile.override_config(config), on_kernels(interpret):
             cce_compile.linear_cross_entropy(leaf, c, targets, filter_eps=filter_eps).backward()
         return leaf.grad
 
@@ -235,20 +231,18 @@ def test_flat_rows_are_computed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 @pytest.mark.parametrize("steps", ["packed", "slabs"])
-def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkeypatch: pytest.MonkeyPatch,
+                                                             use_policy) -> None:
     """Where the skipped tiles hold real mass (an LM-like head whose rows share a mean, and
     a coarse filter_eps, 2^-7: at this size 2^-12 skips nothing): the kernels put back each
     skipped tile's row sums and dE's tilt (filtering.Tilt) from the forward's tile
     log-sum-exps, the CPU path from the recomputed softmax, and the two agree, bias, class
     weights and label smoothing included; without either the gradients move by far more.
     Equal forward and backward tile widths, so the two paths skip the same tiles."""
-    from cce_compile.ops import backward as op_backward
-    from cce_compile.ops import cpu_path, dispatch, filtering
+    from cce_compile.ops import backward_filtered, cpu_path, filtering
 
     if steps == "slabs":
-        monkeypatch.setattr(op_backward, "filtered_steps",
-                            lambda mask, capacity, slab_tiles, packed: filtering.filtered_steps(
-                                mask, capacity, slab_tiles, packed=False))
+        use_policy(filtered_packing=False)
     tile = TileConfig(32, 32, 16, 4, 4, 1)
     config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
     e, c, targets = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
@@ -258,9 +252,8 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkey
     options = {"label_smoothing": 0.05, "reduction": "sum"}
 
     def grads(interpret: bool):
-        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
         leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-        with cce_compile.override_config(config):
+        with cce_compile.override_config(config), on_kernels(interpret):
             cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2], weight=weight,
                                              filter_eps=2.0**-7, **options).backward()
         return [t.grad for t in leaves]
@@ -270,7 +263,7 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkey
         # The kernels read the forward's tile log-sum-exps in fp16: dE 9e-6 apart without the
         # tilt, 1.2e-5 with it (which moves dE by 3% here).
         assert relative_error(kernel_grad, cpu_grad) < 2e-5
-    monkeypatch.setattr(op_backward, "tilt_sample_size", lambda n, v, d: 0)
+    monkeypatch.setattr(backward_filtered, "tilt_sample_size", lambda n, v, d: 0)
     monkeypatch.setattr(cpu_path, "tilt_sample_size", lambda n, v, d: 0)
     untilted = grads(True), grads(False)
     for path, without_tilt in zip((kernels, cpu), untilted):
@@ -308,7 +301,7 @@ def test_step_lists_match_the_mask(case: str, steps: str) -> None:
     """The filtered backward's work lists (step_lists_kernel), per (chunk, step), against the
     mask they come from: the step's kept tiles in column-major slots (grad_logits), each tile
     column's contiguous slots and their tile rows (dC), each tile row's slots and tile
-    columns in column order (dE); fixed slabs (traced calls) or packed steps (eager), which
+    columns in column order (dE); fixed slabs (under a CUDA graph capture) or packed steps, which
     never hold more than their capacity and never split a column."""
     from cce_compile.ops.filtering import chunk_tile_mask, filtered_steps, step_lists
 
@@ -367,11 +360,10 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_gradient_reads_unwritten_memory(
-    dtype: torch.dtype, filter_eps: float | None, poisoned_empty: None, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, filter_eps: float | None, poisoned_empty: None
 ) -> None:
     """Token chunks, slabs or several packed steps per chunk, and a bias (whose filtered sums
     once read the scratch's unset slots: NaN on a GPU whose memory held NaN there)."""
-    from cce_compile.ops import dispatch
 
     e, c, targets = make_inputs("zipf", (300,), 700, 32, dtype, seed=3)
     e = e * 3.0  # peaked: filtered mode drops most tiles
@@ -379,9 +371,9 @@ def test_no_gradient_reads_unwritten_memory(
     tile = TileConfig(32, 32, 16, 4, 4, 1)
 
     def grads(interpret: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(dispatch, "INTERPRET", interpret)
         leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-        with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)):
+        with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)), \
+                on_kernels(interpret):
             cce_compile.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2], filter_eps=filter_eps).backward()
         return [t.grad for t in leaves]
 

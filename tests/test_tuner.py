@@ -17,9 +17,12 @@ from typer.testing import CliRunner
 
 from cce_compile import linear_cross_entropy
 from cce_compile.cli.main import app as cce
-from cce_compile.config import sources
 from cce_compile.config.kernel_config import KernelConfig, TileConfig
-from cce_compile.ops import dispatch
+from cce_compile.config.keys import KERNEL_NAME
+from cce_compile.ops.problem import config_for
+from cce_compile.plan.policy import Policy, active_policy, override_policy
+from cce_compile.resolve import sources
+from cce_compile.resolve.platform import local_platform
 from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
 from cce_compile.tuning.publish import (
     DatabasePublisher,
@@ -42,7 +45,7 @@ def _corrupting_op(e: Any, c: Any, targets: Any) -> Any:
     """The op, except that a config with WRONG_BLOCK_M grad_logits rows computes 1.5x the
     loss and gradients: a candidate that computes something else."""
     loss = linear_cross_entropy(e, c, targets)
-    wrong = dispatch.config_for(e, c, 0.0).grad_logits.block_m == WRONG_BLOCK_M
+    wrong = config_for(e, c, False, active_policy()).grad_logits.block_m == WRONG_BLOCK_M
     return loss * 1.5 if wrong else loss
 
 
@@ -59,8 +62,7 @@ def tuned() -> TuneResult:
         KernelSpace("grad_logits", {"block_n": (16,), "block_m": (WRONG_BLOCK_M,)}, TINY, limits),
     ]
     timer = WallClockTimer(warmup=0, runs=2)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dispatch, "INTERPRET", True)
+    with override_policy(Policy(triton_on_cpu=True)):
         tuner = Tuner(TINY, "interpreter", spaces, timer, budget_s=600, input_sets=2, loss_fn=_corrupting_op)
         return tuner.run()
 
@@ -72,9 +74,9 @@ def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _best(url: str, problem: Problem, kernel: str = sources.KERNEL_NAME) -> dict[str, Any]:
+def _best(url: str, problem: Problem, kernel: str = KERNEL_NAME) -> dict[str, Any]:
     """GET /v1/configs/best for `problem` on the interpreter, asked as the op asks."""
-    platform = sources.local_platform("interpreter")
+    platform = local_platform("interpreter")
     params = {
         "gpu": platform.gpu, "kernel": kernel, "kernel_version": platform.kernel_version,
         "triton_version": platform.triton_version, "V": problem.v, "D": problem.d, "dtype": problem.dtype,
@@ -136,7 +138,7 @@ def test_db_url_publishing_writes_through_the_store(tuned: TuneResult, sqlite_ur
     publisher.check()
     bodies = measurements(tuned, local_identity("interpreter"), "tester")
     assert all(outcome.accepted for outcome in publisher.publish(bodies))
-    platform = sources.local_platform("interpreter")
+    platform = local_platform("interpreter")
     query = LookupQuery(
         gpu=platform.gpu, kernel="cce", kernel_version=platform.kernel_version,
         triton_version=platform.triton_version, V=TINY.v, D=TINY.d, dtype=TINY.dtype, tokens=TINY.n, mode=TINY.mode,
@@ -160,7 +162,7 @@ def test_bundled_entries_replace_the_same_key_and_the_op_reads_them(
     mine = next(entry for entry in entries if entry["V"] == TINY.v)
     assert mine["tokens"] == TINY.n and KernelConfig.from_dict(mine["config"]) == tuned.best_config
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path)
-    found = sources.bundled_config(sources.local_platform("interpreter"), TINY.key("interpreter"))
+    found = sources.bundled_config(local_platform("interpreter"), TINY.key("interpreter"))
     assert found is not None and KernelConfig.from_dict(found.config) == tuned.best_config
 
 
@@ -281,8 +283,8 @@ def test_filtered_mode_tunes_its_sparse_gemm_tiles_in_eager_cuda() -> None:
     mode's block-sparse GEMMs are Triton kernels, so the tuner searches their tiles too."""
     from cce_compile.tuning.candidates import kernel_spaces, untuned_kernels
 
-    assert set(untuned_kernels("cuda", "bfloat16", "exact")) == {"grad_classifier", "grad_hidden"}
-    assert untuned_kernels("cuda", "bfloat16", "filtered") == {}
     problem = Problem(n=8192, v=128256, d=4096, dtype="bfloat16", mode="filtered")
+    assert set(untuned_kernels(replace(problem, mode="exact"), "cuda")) == {"grad_classifier", "grad_hidden"}
+    assert untuned_kernels(problem, "cuda") == {}
     spaces = kernel_spaces(problem, "cuda", Limits(232448, 2))
     assert {space.kernel for space in spaces} == {"forward", "grad_logits", "grad_classifier", "grad_hidden"}

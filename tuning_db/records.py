@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.sources import MATCH_LEVELS, MatchLevel, normalize_gpu_name  # noqa: F401 (re-exported)
+from cce_compile.config.keys import MATCH_LEVELS, MatchLevel, normalize_gpu_name  # noqa: F401 (re-exported)
 
 NEAREST_BUCKET_FACTOR = 4
 """A config tuned for another token bucket is used only within this factor (never snap far)."""

@@ -19,7 +19,7 @@ from sqlalchemy import ColumnElement, Engine, Row, and_, bindparam, func, or_, s
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from cce_compile.config.plan import n_bucket
+from cce_compile.config.keys import n_bucket
 from tuning_db.engine import read_session, write_session
 from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement
 from tuning_db.records import (

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-if TYPE_CHECKING:  # the package imports torch: only inside the command
-    from cce_compile.config.resolve import ProblemKey, Resolution
-    from cce_compile.config.sources import Platform
+if TYPE_CHECKING:
+    from cce_compile.config.keys import ProblemKey
+    from cce_compile.resolve.ladder import Resolution
+    from cce_compile.resolve.platform import Platform
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -38,9 +39,9 @@ def lookup(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Print the resolved config, its source and match level."""
-    from cce_compile.config import sources
-    from cce_compile.config.plan import n_bucket
-    from cce_compile.config.resolve import ProblemKey, look_up
+    from cce_compile.config.keys import ProblemKey, n_bucket
+    from cce_compile.resolve import sources
+    from cce_compile.resolve.ladder import look_up
 
     dtype_name = checked_problem_options(dtype, mode)
     platform = _platform(gpu)
@@ -61,14 +62,15 @@ def lookup(
 
 def _platform(gpu: str | None) -> Platform:
     """This machine's platform, or a named GPU's (its shared memory is then unknown)."""
-    from cce_compile.config import sources
+    from cce_compile.config.keys import normalize_gpu_name
+    from cce_compile.resolve.platform import Platform, kernel_version, local_platform, triton_version
 
     if gpu is None:
         import torch
 
-        return sources.local_platform("cuda" if torch.cuda.is_available() else "cpu")
-    name = gpu if gpu in ("cpu", "interpreter") else sources.normalize_gpu_name(gpu)
-    return sources.Platform(name, None, None, None, sources.kernel_version(), sources.triton_version())
+        return local_platform("cuda" if torch.cuda.is_available() else "cpu")
+    name = gpu if gpu in ("cpu", "interpreter") else normalize_gpu_name(gpu)
+    return Platform(name, None, None, None, kernel_version(), triton_version())
 
 
 def _print_table(gpu: str, key: ProblemKey, resolution: Resolution) -> None:

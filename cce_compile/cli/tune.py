@@ -53,7 +53,7 @@ def tune(
 ) -> None:
     """Tune the kernel config for one problem: coordinate descent from the heuristic, one
     kernel at a time, every candidate checked against the default config's results."""
-    from cce_compile.ops import dispatch
+    from cce_compile.plan.policy import active_policy
     from cce_compile.tuning import candidates, publish as results
     from cce_compile.tuning.tuner import Tuner, default_timer
 
@@ -62,10 +62,10 @@ def tune(
         raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
     import torch
 
-    device = "cuda" if torch.cuda.is_available() or not dispatch.INTERPRET else "interpreter"
+    device = "cuda" if torch.cuda.is_available() or not active_policy().triton_on_cpu else "interpreter"
     problem = candidates.Problem(tokens, vocab, hidden, dtype_name, mode)
     limits = candidates.device_limits(problem)
-    untuned = candidates.untuned_kernels(device, dtype_name, mode)
+    untuned = candidates.untuned_kernels(problem, device)
     spaces = candidates.kernel_spaces(problem, device, limits)
     tuner = Tuner(problem, device, spaces, default_timer(device), budget_s, input_sets=input_sets, seed=seed)
     _print_plan(tuner, limits, untuned)
@@ -107,7 +107,7 @@ def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> None:
 
 def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
     """The configured publisher, checked before any GPU time is spent."""
-    from cce_compile.config import sources
+    from cce_compile.resolve import sources
     from cce_compile.tuning import publish as results
 
     try:

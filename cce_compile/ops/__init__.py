@@ -1,7 +1,6 @@
-"""The op layer: triton_op registrations (forward, backward), their autograd, the CPU path."""
+"""The op layer: the torch.library ops (library.py) and their runners, one file per path:
+forward.py, backward_dense.py, backward_filtered.py, cpu_path.py."""
 
-from . import autograd  # noqa: F401  (registers the backward)
-from .backward import linear_cross_entropy_backward
-from .forward import linear_cross_entropy_forward
+from .library import linear_cross_entropy_backward, linear_cross_entropy_forward
 
 __all__ = ["linear_cross_entropy_forward", "linear_cross_entropy_backward"]

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..config.plan import n_bucket
+from ..config.keys import n_bucket
 from .filtering import Tilt, flat_rows, mass_sample_rows, tile_widths, tilt_sample_size
 
 

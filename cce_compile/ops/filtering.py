@@ -20,11 +20,10 @@ import numpy as np
 import torch
 import triton
 from torch import Tensor
-from torch.library import wrap_triton
 from torch.nn import functional as F
 
 from ..kernels.step_lists import step_lists_kernel
-from .dispatch import cdiv
+from .problem import cdiv
 
 
 def vocab_order(e: Tensor, c: Tensor, bias: Tensor | None) -> Tensor:
@@ -90,7 +89,7 @@ def kept_tile_mask(
         keep = F.pad(keep, (0, (-keep.shape[1]) % ratio)).reshape(n, -1, ratio).amax(dim=2)
     keep = keep[:, : cdiv(v, block_n)].contiguous()
     keep = F.pad(keep, (0, 0, 0, (-n) % block_m))
-    return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1)
+    return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1).contiguous()  # the fake says contiguous
 
 
 def backward_tile_stats(
@@ -339,13 +338,6 @@ def chunk_tile_mask(tile_mask: Tensor, n_chunks: int, chunk_tile_rows) -> Tensor
     return mask.reshape(n_chunks, chunk_tile_rows, cols)
 
 
-DENSE_FRACTION = 0.4
-"""Share of d-logits tiles kept above which an eager filtered backward runs exact mode's dense
-path instead. On the H200 (bench at f18b492) the block-sparse backward took about
-0.4 + 7 x that share GEMMs against exact mode's 3.2-3.8, so they cross near 0.4-0.5; LM-like
-inputs keep 11-22% of the 128 x 256 tiles, uniform logits 59-79%."""
-
-
 @lru_cache(maxsize=None)
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for the read-back, made on first use."""
@@ -403,13 +395,13 @@ class Steps:
         counts = [(kept[b[1:n + 1]] - kept[b[:n]]).tolist() for kept, b, n in zip(kept_before, bounds, chunk_steps)]
         return Steps(self.step_bounds, self.n_steps, columns, counts)
 
-    def dense_is_faster(self, tile_rows: int, tile_columns: int) -> bool:
-        """Whether so many of the tile_rows x tile_columns tiles are kept (known only for
-        packed steps) that the dense backward beats the block-sparse one (DENSE_FRACTION)."""
+    def dense_is_faster(self, tile_rows: int, tile_columns: int, dense_fraction: float) -> bool:
+        """Whether more than dense_fraction of the tile_rows x tile_columns tiles are kept
+        (known only for packed steps), where the dense backward beats the block-sparse one."""
         if self.counts is None:
             return False
         kept = sum(sum(chunk) for chunk in self.counts)
-        return kept > DENSE_FRACTION * tile_rows * tile_columns
+        return kept > dense_fraction * tile_rows * tile_columns
 
 
 def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Steps:
@@ -446,8 +438,7 @@ def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
     in one launch of step_lists_kernel: one list builder for eager and traced calls. Packed
     steps' lists are built before the backward's host sync, so none of their work sits
     between the sync and the first step (a torch build of the same lists was ~120 small
-    operations there, which the GPU waited for). The lists are separate buffers, not views
-    of one (torch.compile follows a kernel's writes by buffer)."""
+    operations there, which the GPU waited for)."""
     n_chunks, rows, cols = mask.shape
     n_steps = steps.n_steps
     shapes = {
@@ -458,7 +449,7 @@ def step_lists(mask: Tensor, steps: Steps, capacity: int) -> StepLists:
     }
     lists = StepLists(**{name: mask.new_empty(shape, dtype=torch.int32) for name, shape in shapes.items()})
     block_rows = triton.next_power_of_2(rows)
-    wrap_triton(step_lists_kernel)[(n_chunks * n_steps,)](
+    step_lists_kernel[(n_chunks * n_steps,)](
         mask, steps.step_bounds, steps.step_bounds.stride(0), lists.step_tiles, lists.step_counts,
         lists.de_begin, lists.de_count, lists.de_slots, lists.de_cols, lists.dc_begin, lists.dc_count, lists.dc_rows,
         n_steps, rows, cols, capacity, BLOCK_C=max(4096 // block_rows, 1), BLOCK_R=block_rows, num_warps=4,

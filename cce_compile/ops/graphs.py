@@ -7,12 +7,12 @@ step on tensors the caching allocator puts at the same addresses: the second cal
 tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
 launches into a graph, and every later one replays it in one launch. Any other call runs the
 loop as before. A graph reads its tensors when it runs, so new values at the same addresses are
-what it computes on; it allocates nothing (the loop's tensors are the call's own).
+what it computes on; it allocates nothing (the loop's tensors are the call's own). Which calls
+take this path is the launch plan's `cuda_graphs`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -21,10 +21,6 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
-
-ENABLED = os.environ.get("CCE_CUDA_GRAPHS", "1") != "0"
-"""Whether eager CUDA calls capture and replay the loop: on unless CCE_CUDA_GRAPHS=0 (which
-also spares the capture stream's cuBLAS workspace; benchmarks/ab_switch.py switches it)."""
 
 CAPACITY = 8
 """Graphs kept (least recently replayed dropped first): a training loop needs one per set of
@@ -121,10 +117,3 @@ class LoopGraphs:
 
 SLAB_LOOPS = LoopGraphs()
 """The process's graphs of exact mode's backward slab loop."""
-
-
-def eligible(eager_cuda: bool, bias: Tensor | None) -> bool:
-    """Whether a backward call's slab loop goes through SLAB_LOOPS: eager CUDA calls, not
-    inside someone else's capture (theirs takes the launches), without a bias (whose per-slab
-    sums allocate)."""
-    return ENABLED and eager_cuda and bias is None and not torch.cuda.is_current_stream_capturing()

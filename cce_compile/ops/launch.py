@@ -2,8 +2,7 @@
 
 The backward launches its kernels once per slab step: 304 steps on Qwen2.5's shape. Each
 Triton launch binds and specializes every argument (~40 of them) before it finds its compiled
-kernel: on the H200's host 20-70 us of a step whose GPU work is ~80 us, so the GPU waited
-(benchmarks/results/probe-host-h200-*.json).
+kernel: on the H200's host 20-70 us of a step whose GPU work is ~80 us, so the GPU waited.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.library import wrap_triton
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -65,12 +63,12 @@ backward's host sync held its next step back)."""
 
 
 class KernelLauncher:
-    """`launcher(grid, *args, **kwargs)` launches `kernel` as `wrap_triton(kernel)[grid]` does
-    (what torch.compile traces). With `reuse` (eager CUDA calls) a launch whose launch_key
-    matches an earlier one's, in this op call or an earlier, goes straight to the driver with
-    that launch's compiled kernel, skipping Triton's binding and cache lookup; within the call
-    it is found by identity_key, cheaper per step. One launcher serves one op call: it holds
-    the objects its identity keys name. `jit_launches` counts the launches Triton bound."""
+    """`launcher(grid, *args, **kwargs)` launches `kernel` as `kernel[grid](...)` does. With
+    `reuse` (CUDA calls) a launch whose launch_key matches an earlier one's, in this op call or
+    an earlier, goes straight to the driver with that launch's compiled kernel, skipping
+    Triton's binding and cache lookup; within the call it is found by identity_key, cheaper
+    per step. One launcher serves one op call: it holds the objects its identity keys name.
+    `jit_launches` counts the launches Triton bound."""
 
     def __init__(self, kernel: Any, reuse: bool) -> None:
         self.kernel = kernel
@@ -81,7 +79,7 @@ class KernelLauncher:
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         if not self.reuse:
             self.jit_launches += 1
-            wrap_triton(self.kernel)[grid](*args, **kwargs)
+            self.kernel[grid](*args, **kwargs)
             return
         identity = identity_key(args, kwargs)
         entry = self.by_identity.get(identity)

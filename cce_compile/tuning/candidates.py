@@ -10,17 +10,18 @@ the whole grid is only counted, for the plan.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator
 
 import torch
 
-from cce_compile.config import sources
 from cce_compile.config.kernel_config import KERNELS, ConfigError, KernelConfig, TileConfig
-from cce_compile.config.plan import n_bucket, next_pow2, plan_backward
-from cce_compile.config.resolve import ProblemKey
-from cce_compile.ops import backward, dispatch, forward
-from cce_compile.ops.warp_specialized import short_k
+from cce_compile.config.keys import ProblemKey, n_bucket
+from cce_compile.ops.problem import descriptor_rows_fit, runs_wgmma, stages_beside_output
+from cce_compile.plan import launch
+from cce_compile.plan.backward import next_pow2
+from cce_compile.plan.policy import Policy, default_policy
+from cce_compile.resolve.platform import local_platform
 
 PLANNING_SHARED_MEMORY = 232448
 """Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
@@ -62,20 +63,14 @@ class Problem:
     def element_bytes(self) -> int:
         return getattr(torch, self.dtype).itemsize
 
-    @property
-    def persistent_logits(self) -> bool:
-        """Whether the logits kernels can run persistent on tensor descriptors here
-        (ops/dispatch.py; the tuner's inputs are contiguous): the forward then has no vocab
-        splits, and exact mode's recompute clamps its stages (where its K loop is long enough)."""
-        return dispatch.descriptor_rows_fit(self.element_bytes, self.d)
-
-    def warp_specialized(self, kernel: str) -> bool:
-        """Whether, on a Hopper GPU, an eager call runs this logits kernel as a Gluon kernel of
-        fixed tile (ops/warp_specialized.py): exact mode's plain loss, 16-bit, short K; the
-        config's tile is then not launched."""
-        max_k_steps = {"forward": forward.WARP_SPECIALIZED_MAX_K_STEPS,
-                       "grad_logits": backward.WARP_SPECIALIZED_MAX_K_STEPS}.get(kernel, 0)
-        return self.mode == "exact" and self.persistent_logits and short_k(self.d, max_k_steps)
+    def launch_plan(self, device: str, config: KernelConfig, hopper: bool, policy: Policy) -> launch.LaunchPlan:
+        """What the op launches for this problem with `config` (plan_launch), on the tuner's
+        contiguous inputs with the plain loss."""
+        problem = launch.Problem(
+            n=self.n, v=self.v, d=self.d, dtype=self.dtype, on_cuda=device == "cuda", hopper=hopper,
+            descriptors_fit=descriptor_rows_fit(self.element_bytes, self.d), capturing=False,
+        )
+        return launch.plan_launch(problem, launch.Options(filtered=self.mode == "filtered"), config, policy)
 
     def gemm_dims(self, kernel: str) -> tuple[int, int, int]:
         """(M, N, K) of the kernel's output tile and reduction (upper bounds)."""
@@ -103,17 +98,13 @@ class Limits:
         )
 
 
-def gemm_kernels_run_in_triton(device: str, dtype: str, mode: str) -> bool:
-    """Whether grad_classifier/grad_hidden tiles matter to an eager call: not where the op
-    runs those GEMMs in cuBLAS (their tiles then only matter under compile)."""
-    return not backward.gradient_gemms_in_cublas(device == "cuda", getattr(torch, dtype), mode == "filtered")
-
-
-def untuned_kernels(device: str, dtype: str, mode: str) -> dict[str, str]:
-    """Kernels the tuner leaves at the default, with why."""
-    if gemm_kernels_run_in_triton(device, dtype, mode):
+def untuned_kernels(problem: Problem, device: str, policy: Policy | None = None) -> dict[str, str]:
+    """Kernels the tuner leaves at the default, with why: the gradient GEMMs where the op runs
+    them in cuBLAS."""
+    plan = problem.launch_plan(device, KernelConfig(), hopper=False, policy=policy or default_policy())
+    if plan.filtered or plan.gradient_gemms != "cublas":
         return {}
-    why = "cuBLAS in eager bf16/fp32: not timed"
+    why = "cuBLAS in bf16/fp32: not timed"
     return {"grad_classifier": why, "grad_hidden": why}
 
 
@@ -127,6 +118,7 @@ class KernelSpace:
     axes: dict[str, tuple[int, ...]]
     problem: Problem
     limits: Limits
+    policy: Policy = field(default_factory=default_policy)
 
     def with_value(self, config: KernelConfig, axis: str, value: int) -> KernelConfig | None:
         """`config` with one value changed, or None if that config is invalid or does not fit."""
@@ -154,26 +146,27 @@ class KernelSpace:
                 yield candidate
 
     def launches(self, config: KernelConfig) -> tuple[object, ...]:
-        """What this kernel's launches depend on: its tile (with the stages it launches with;
-        none where a Gluon kernel runs its own) and the effective vocab split (the pointer
-        forward) or backward plan (grad_logits)."""
+        """What this kernel's launches depend on, by the op's launch plan: its tile (with the
+        stages it launches with; none where a Gluon kernel runs its own) and the effective
+        vocab split (the pointer forward) or backward plan (grad_logits)."""
         tile = getattr(config, self.kernel)
         p = self.problem
-        if self.limits.hopper and p.warp_specialized(self.kernel):
-            tile = None  # the Gluon kernel's own tile runs, whatever the config's
+        plan = p.launch_plan("cuda", config, self.limits.hopper, self.policy)
         if self.kernel == "forward":
-            if p.persistent_logits:
+            if plan.forward == "gluon":
+                return (None,)
+            if plan.forward == "tma":
                 return (tile,)
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
         if self.kernel == "grad_logits":
-            plan = plan_backward(p.n, p.v, p.d, p.element_bytes, config, p.mode == "filtered")
-            if tile is None:  # the d-logits buffer still has the config's chunk rows
-                return (plan, plan.chunk_rows(p.n, config.grad_logits.block_m))
-            if p.mode == "exact" and p.persistent_logits and backward.recompute_is_persistent(p.d, tile):
-                stages = dispatch.stages_beside_output(tile, p.element_bytes, self.limits.shared_memory_bytes)
-                tile = replace(tile, num_stages=stages)
-            return (tile, plan)
+            steps = plan.backward
+            if plan.recompute == "gluon" and not plan.filtered:  # the d-logits buffer keeps the config's rows
+                return (steps, steps.chunk_rows(p.n, config.grad_logits.block_m))
+            if plan.recompute == "tma" and not plan.filtered:
+                tile = replace(tile, num_stages=stages_beside_output(tile, p.element_bytes,
+                                                                      self.limits.shared_memory_bytes))
+            return (tile, steps)
         return (tile,)
 
     def size(self, start: KernelConfig) -> int:
@@ -196,8 +189,8 @@ class KernelSpace:
 
 
 def kernel_spaces(problem: Problem, device: str, limits: Limits) -> list[KernelSpace]:
-    """The search spaces of the kernels an eager call on `device` launches with Triton."""
-    skipped = untuned_kernels(device, problem.dtype, problem.mode)
+    """The search spaces of the kernels a call on `device` launches with Triton."""
+    skipped = untuned_kernels(problem, device)
     return [
         KernelSpace(kernel, {**PIPELINE_AXES, **CONFIG_AXES.get(kernel, {}), **SHAPE_AXES}, problem, limits)
         for kernel in KERNELS
@@ -210,5 +203,5 @@ def device_limits(problem: Problem) -> Limits:
     it is a Hopper."""
     if not torch.cuda.is_available():
         return Limits(PLANNING_SHARED_MEMORY, problem.element_bytes)
-    shared = sources.local_platform("cuda").shared_memory_bytes
-    return Limits(shared, problem.element_bytes, hopper=dispatch.runs_wgmma(torch.device("cuda", torch.cuda.current_device())))
+    shared = local_platform("cuda").shared_memory_bytes
+    return Limits(shared, problem.element_bytes, hopper=runs_wgmma(torch.device("cuda", torch.cuda.current_device())))

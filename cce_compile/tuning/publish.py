@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
-from cce_compile.config import sources
+from cce_compile.config.keys import KERNEL_NAME
+from cce_compile.resolve import sources
+from cce_compile.resolve.platform import kernel_version, local_platform, triton_version
 from cce_compile.config.kernel_config import KernelConfig
 
 from .tuner import Timing, TuneResult
@@ -37,8 +39,8 @@ class Identity:
     """What a measurement is valid for besides the problem: the GPU and the code versions.
 
     The GPU name is torch's, unnormalized: the service and the bundled-config reader
-    normalize it as the op's resolution does (config.sources.normalize_gpu_name). Off the
-    GPU the name is the op's device ("interpreter"), as config.sources.local_platform
+    normalize it as the op's resolution does (config.keys.normalize_gpu_name). Off the
+    GPU the name is the op's device ("interpreter"), as resolve.platform.local_platform
     names it."""
 
     gpu: dict[str, Any]
@@ -50,7 +52,7 @@ class Identity:
 def local_identity(device: str) -> Identity:
     if device == "cuda":
         index = torch.cuda.current_device()
-        platform = sources.local_platform("cuda")  # the same device, cached
+        platform = local_platform("cuda")  # the same device, cached
         gpu = {
             "name": torch.cuda.get_device_name(index),
             "compute_capability": platform.compute_capability,
@@ -59,7 +61,7 @@ def local_identity(device: str) -> Identity:
         }
     else:
         gpu = {"name": device, "compute_capability": "0.0", "sm_count": 1, "memory_bytes": 0}
-    return Identity(gpu, sources.kernel_version(), sources.triton_version(), torch.__version__)
+    return Identity(gpu, kernel_version(), triton_version(), torch.__version__)
 
 
 def _name(text: str) -> str:
@@ -103,10 +105,10 @@ def measurements(result: TuneResult, identity: Identity, submitter: str) -> list
 
     # (kernel, config, its time, the default config's time), the whole op first
     rows: list[tuple[str, KernelConfig, Timing, Timing]] = [
-        (sources.KERNEL_NAME, result.best_config, result.best_whole, result.default_whole)
+        (KERNEL_NAME, result.best_config, result.best_whole, result.default_whole)
     ]
     for kernel, outcome in result.kernels.items():
-        name = f"{sources.KERNEL_NAME}.{kernel}"
+        name = f"{KERNEL_NAME}.{kernel}"
         rows.append((name, result.default_config, outcome.default, outcome.default))
         rows += [
             (name, trial.config, trial.time, outcome.default)
@@ -239,8 +241,21 @@ def write_bundled(path: Path, result: TuneResult, identity: Identity) -> None:
 
     replaced = sources.bundled_key(entry)
     entries = json.loads(path.read_text(encoding="utf-8"))["entries"] if path.exists() else []
-    entries = sorted([item for item in entries if sources.bundled_key(item) != replaced] + [entry], key=sources.bundled_key)
+    _write_entries(path, [item for item in entries if sources.bundled_key(item) != replaced] + [entry])
+
+
+def restamp_bundled(path: Path) -> None:
+    """Mark every entry of a bundled-configs file as tuned for the kernels of this checkout.
+    Only for a change of the launched code that leaves the tuned tiles' ranking alone, once
+    the benchmark on the GPU has confirmed them (config/bundled/README.md); otherwise re-tune."""
+    entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
+    _write_entries(path, [{**entry, "kernel_version": kernel_version()} for entry in entries])
+
+
+def _write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
+    """Sorted as the reader keys them, a line per entry; written atomically."""
+    entries = sorted(entries, key=sources.bundled_key)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".tmp")
     with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        file.write('{"entries": [\n' + ",\n".join(json.dumps(item) for item in entries) + "\n]}\n")  # a line per entry
+        file.write('{"entries": [\n' + ",\n".join(json.dumps(item) for item in entries) + "\n]}\n")
     os.replace(temporary, path)

@@ -24,7 +24,8 @@ from cce_compile.bench.inputs import InputSet, cycling, lm_like_inputs
 from cce_compile.bench.metrics import relative_error
 from cce_compile.bench.peers import LossFn
 from cce_compile.config.kernel_config import KernelConfig
-from cce_compile.config.resolve import heuristic_config, override_config
+from cce_compile.resolve.heuristic import heuristic_config
+from cce_compile.resolve.ladder import override_config
 
 from .candidates import KernelSpace, Problem
 

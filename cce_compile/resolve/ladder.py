@@ -20,29 +20,19 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
-import torch
-
-from . import sources
-from .kernel_config import ConfigError, KernelConfig, TileConfig
+from ..config.kernel_config import ConfigError, KernelConfig
+from ..config.keys import ProblemKey
+from . import client, sources
+from .heuristic import heuristic_config
+from .platform import Platform, local_platform
 
 log = logging.getLogger("cce_compile.config")
 
 BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
 WAIT_ENV = "CCE_CONFIG_WAIT_S"
 DEFAULT_WAIT_S = 600.0
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 """How long a rank waits for rank 0's config for a key (rank 0 may be compiling)."""
-
-
-@dataclass(frozen=True)
-class ProblemKey:
-    """What a best config depends on; the key of every cache and of the tuning database."""
-
-    device: str  # "cuda" / "cpu" / "interpreter"
-    v: int
-    d: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
-    n_bucket: int
-    mode: str  # "exact" | "filtered"
 
 
 _local = threading.local()
@@ -65,60 +55,6 @@ def active_override() -> KernelConfig | None:
     """The override this thread runs under, if any. Autograd runs a CUDA backward on its own
     device thread, which does not see it: the op's autograd carries it over from the forward."""
     return getattr(_local, "override", None)
-
-
-HEURISTIC_EXACT_SLAB_V = 16384
-"""Exact mode's slab cap where nothing was tuned: wide enough that config.plan's traffic model
-picks the plan within the scratch budget. Back to back at the H200's 700 W limit the plan with
-the least dE-accumulator and dC traffic won or tied on every shape tried (ab_switch.py --plans,
-benchmarks/results/ab-h200-plans-*.log): Gemma-2 2 x 8192 against the 4096 cap's 2 x 4096 4.34
-against 4.41 x GEMM, and at N = 16384 4 x 8192 against 4 x 4096 4.37 against 4.49; Llama-3 at
-N = 16384 8 x 16384 against 4 x 4096 4.40 against 4.49 (and its tuned N = 8192 config took
-16384); 4096 x 8192 x 128256 level; Qwen2.5's plan is the same under either cap."""
-
-
-HEURISTIC_LOGITS_GROUP_M = 16
-"""The logits kernels' grouping where nothing was tuned. A group of group_m row blocks reads C
-once, so at large N a small group re-reads C from HBM many times. Alternated at N = 16384 (no
-tuned config; benchmarks/results/ab-h200-v20-heuristic-group-m.log), forward 8 -> 16 -> 32:
-Llama-3 30.47 -> 28.66 -> 28.73 ms, Gemma-2 34.15 -> 32.42 -> 32.25 ms (1.22 -> 1.14-1.16 x
-GEMM, as tuned N = 8192 runs); the tuned H200 configs took 16 as well."""
-
-
-def heuristic_config(key: ProblemKey) -> KernelConfig:
-    """A sound config with no measurement behind it: the last rung of the ladder."""
-    if key.device != "cuda":
-        # Interpreter and CPU: few, large programs are what is cheap there.
-        tile = TileConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1)
-        return KernelConfig(tile, tile, tile, tile, slab_v=1024, vocab_splits=4)
-    # Measured on an H200 (bf16; docs/performance.md): 128 x 256 logits tiles, 4 stages.
-    wide = key.dtype != "float32"
-    gemm = TileConfig(128, 128, 64 if wide else 32, 8, 8, 3)
-    logits = TileConfig(128, 256, 64, HEURISTIC_LOGITS_GROUP_M, 8, 4) if wide else gemm
-    grad_hidden = gemm
-    if key.mode == "filtered" and wide:
-        # The block-sparse dE GEMM reads each kept d-logits tile once per block_n columns of
-        # dE: 256 wide where D is large (benchmarks/results/sweep-h200-filtered-*.json:
-        # 0.07-0.17 x GEMM of fwd+bwd), 128 wide with 4 warps where it is small (Qwen2.5's
-        # D = 896 at v14's steps: 2.48 against 2.62 x for 64 wide, sweep-h200-v15-filtered-*).
-        grad_hidden = TileConfig(128, 256, 64, 8, 8, 4) if key.d >= 2048 else TileConfig(128, 128, 64, 8, 4, 4)
-    return KernelConfig(
-        forward=logits,
-        grad_logits=logits,
-        grad_classifier=gemm,
-        grad_hidden=grad_hidden,
-        slab_v=HEURISTIC_EXACT_SLAB_V if key.mode == "exact" else 4096,
-        vocab_splits=_vocab_splits(key.n_bucket, block_m=128),
-    )
-
-
-def _vocab_splits(n_bucket: int, block_m: int, programs_wanted: int = 4 * 132) -> int:
-    """Enough vocab splits that the forward has a few waves of programs on an H100/H200."""
-    row_blocks = max(1, n_bucket // block_m)
-    splits = 1
-    while splits * row_blocks < programs_wanted and splits < 64:
-        splits *= 2
-    return splits
 
 
 @dataclass(frozen=True)
@@ -162,9 +98,9 @@ def resolution_for(key: ProblemKey) -> Resolution:
         if resolution is not None:
             return resolution
         if _distributed():
-            resolution = _from_rank0(key, lambda: look_up(key, sources.local_platform(key.device)), "ladder")
+            resolution = _from_rank0(key, lambda: look_up(key, local_platform(key.device)), "ladder")
         else:
-            resolution = look_up(key, sources.local_platform(key.device))
+            resolution = look_up(key, local_platform(key.device))
         _memo[key] = resolution
     log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
     return resolution
@@ -181,18 +117,18 @@ def reset() -> None:
     with _memo_lock:
         _memo.clear()
         _override_uses.clear()
-    sources.reset_breaker()
+    client.reset_breaker()
 
 
 def look_up(
-    key: ProblemKey, platform: sources.Platform, settings: sources.Settings | None = None
+    key: ProblemKey, platform: Platform, settings: sources.Settings | None = None
 ) -> Resolution:
     """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic."""
     settings = settings or sources.Settings.from_env()
     cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
     if cached is not None:
         return cached
-    served = _accept("service", sources.fetch_from_service(settings, platform, key), platform, key)
+    served = _accept("service", client.fetch_from_service(settings, platform, key), platform, key)
     if served is not None:
         sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
         return served
@@ -202,14 +138,14 @@ def look_up(
     return Resolution(heuristic_config(key), "heuristic", "none")
 
 
-def _accept(source: str, found: sources.Found | None, platform: sources.Platform, key: ProblemKey) -> Resolution | None:
+def _accept(source: str, found: sources.Found | None, platform: Platform, key: ProblemKey) -> Resolution | None:
     """`found` as a Resolution if it is a valid config that fits the GPU; None otherwise."""
     if found is None:
         return None
     try:
         config = KernelConfig.from_dict(found.config)
         if platform.shared_memory_bytes is not None:
-            config.check_limits(platform.shared_memory_bytes, getattr(torch, key.dtype).itemsize)
+            config.check_limits(platform.shared_memory_bytes, ELEMENT_BYTES[key.dtype])
     except ConfigError as error:
         log.warning("rejected the %s config for %s: %s", source, key, error)
         return None

@@ -1,0 +1,136 @@
+"""The op as torch.library sees it: the forward and backward custom ops, their fake (shape)
+functions, and the autograd that joins them.
+
+Both are opaque to torch.compile: Dynamo and AOTAutograd see one node per direction (the fake
+functions give their outputs' shapes, so a dynamic N traces without specializing), and
+Inductor calls each as an extern kernel that runs the same code as an eager call: the same
+kernels, cuBLAS for the gradient GEMMs, the slab loop's CUDA graph. So the compiled graph's
+size does not grow with the backward's slab count, and compiled and eager calls launch alike.
+The forward picks its config and policy when it runs; the autograd passes both to the
+backward as strings, so the backward launches with the forward's (filtered mode's kept tiles
+are laid out by its tiles), on whatever thread autograd runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ..config.kernel_config import KernelConfig
+from ..plan.launch import plan_launch, runs_triton
+from ..plan.policy import active_policy, policy_from_json, policy_to_json
+from .backward import run_backward
+from .forward import run_forward
+from .problem import cdiv, config_for, options_of, problem_of
+
+ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("cce::linear_cross_entropy_forward", mutates_args=())
+def linear_cross_entropy_forward(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
+    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+) -> ForwardOutputs:
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles, tile_lse, vocab_order).
+
+    loss and lse are fp32; `softcap` 0 means none, `filter_eps` 0 exact mode. With
+    filter_eps > 0 the forward also returns what the backward filters with: the vocabulary
+    order and, on the Triton path, the kept tiles and tile log-sum-exps (ops/filtering.py);
+    otherwise these are empty."""
+    policy = active_policy()
+    filtered = filter_eps > 0.0
+    config = config_for(e, c, filtered, policy)
+    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps), config, policy)
+    return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
+
+
+@linear_cross_entropy_forward.register_fake
+def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps) -> ForwardOutputs:
+    n, v = e.shape[0], c.shape[0]
+    policy = active_policy()
+    filtered = filter_eps > 0.0
+    kept_shape = tile_lse_shape = (0, 0)
+    if filtered and runs_triton(problem_of(e, c), policy):
+        config = config_for(e, c, filtered, policy)
+        kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
+        tile_lse_shape = (n, cdiv(v, config.forward.block_n))
+    return (
+        e.new_empty((n,), dtype=torch.float32),
+        e.new_empty((n,), dtype=torch.float32),
+        e.new_empty(kept_shape, dtype=torch.int8),
+        e.new_empty(tile_lse_shape, dtype=torch.float16),
+        targets.new_empty((v,) if filtered else (0,), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("cce::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
+    vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+    need_grad_e: bool, need_grad_c: bool, config: str, policy: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (grad_e, grad_c, grad_bias), with the forward's `config` and `policy` (as JSON). A
+    gradient not needed (a frozen head under LoRA: need_grad_c False) comes back empty and its
+    GEMMs never run; grad_bias is empty when there is no bias."""
+    kernel_config, launch_policy = config_from_json(config), policy_from_json(policy)
+    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps),
+                       kernel_config, launch_policy)
+    grad_e, grad_c, grad_bias = run_backward(
+        plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
+        vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
+    )
+    if grad_bias is None:
+        return grad_e, grad_c, c.new_empty((0,))
+    return grad_e, grad_c, grad_bias.to(c.dtype)
+
+
+@linear_cross_entropy_backward.register_fake
+def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
+                   ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c, config, policy):
+    return (
+        e.new_empty(e.shape if need_grad_e else (0,)),
+        c.new_empty(c.shape if need_grad_c else (0,)),
+        c.new_empty(c.shape[:1] if bias is not None else (0,)),
+    )
+
+
+@lru_cache(maxsize=64)
+def config_from_json(text: str) -> KernelConfig:
+    return KernelConfig.from_dict(json.loads(text))
+
+
+def config_to_json(config: KernelConfig) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps = inputs
+    _, lse, kept_tiles, tile_lse, order = output
+    ctx.save_for_backward(e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order)
+    ctx.mark_non_differentiable(kept_tiles, tile_lse, order)
+    ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
+    policy = active_policy()
+    ctx.config = config_to_json(config_for(e, c, filter_eps > 0.0, policy))
+    ctx.policy = policy_to_json(policy)
+
+
+def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_order):
+    e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order = ctx.saved_tensors
+    grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
+    # backward() may be called inside an autocast region: keep the op's fp32 math its own.
+    with torch.autocast(e.device.type, enabled=False):
+        grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
+            grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options,
+            need_grad_e, need_grad_c, ctx.config, ctx.policy,
+        )
+    return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
+            grad_bias if bias is not None else None, None, None, None, None, None)
+
+
+linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,101 @@
+"""What an op call's tensors say about how it can run: the Problem that plan_launch takes,
+the key its config is resolved for, and the device facts the runners size launches by."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from ..config.kernel_config import KernelConfig, TileConfig
+from ..config.keys import ProblemKey, n_bucket
+from ..plan.launch import Options, Problem
+from ..plan.policy import Policy
+from ..resolve.ladder import resolve_config
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def descriptor_rows_fit(element_bytes: int, row_stride: int) -> bool:
+    """Whether rows of 16-bit elements this far apart suit the copy engine (16-byte aligned)."""
+    return element_bytes == 2 and row_stride * element_bytes % 16 == 0
+
+
+def tensor_descriptors_fit(*tensors: Tensor) -> bool:
+    """Whether the tensor-descriptor kernels can take these 2-D tensors: real ones (a fake
+    tensor's address is 0), no empty dimension (descriptors cannot describe one), a
+    contiguous last dimension, 16-bit elements, 16-byte aligned bases and row strides."""
+    return all(
+        not is_fake(t) and t.numel() > 0 and t.stride(-1) == 1
+        and descriptor_rows_fit(t.element_size(), t.stride(0)) and t.data_ptr() % 16 == 0
+        for t in tensors
+    )
+
+
+@lru_cache(maxsize=None)
+def runs_wgmma(device: torch.device) -> bool:
+    """Whether the GPU is a Hopper (sm_90), whose wgmma the Gluon kernels are written in."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@lru_cache(maxsize=None)
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(programs a persistent kernel launches, shared memory one program may opt into): one
+    program per SM on a GPU; under the interpreter a few, so the loop over tiles runs more
+    than once, and no memory limit."""
+    if device.type != "cuda":
+        return 3, 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def problem_of(e: Tensor, c: Tensor) -> Problem:
+    on_cuda = e.is_cuda
+    return Problem(
+        n=e.shape[0], v=c.shape[0], d=c.shape[1], dtype=dtype_name(e.dtype), on_cuda=on_cuda,
+        hopper=on_cuda and runs_wgmma(e.device),
+        descriptors_fit=tensor_descriptors_fit(e, c),
+        capturing=on_cuda and torch.cuda.is_current_stream_capturing(),
+    )
+
+
+def options_of(bias: Tensor | None, weight: Tensor | None, softcap: float, label_smoothing: float,
+               filter_eps: float) -> Options:
+    return Options(has_bias=bias is not None, has_weight=weight is not None, has_softcap=softcap > 0.0,
+                   has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0)
+
+
+def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> ProblemKey:
+    device = "cuda" if e.is_cuda else ("interpreter" if policy.triton_on_cpu else "cpu")
+    return ProblemKey(device=device, v=int(c.shape[0]), d=int(c.shape[1]), dtype=dtype_name(e.dtype),
+                      n_bucket=n_bucket(e.shape[0]), mode="filtered" if filtered else "exact")
+
+
+def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> KernelConfig:
+    return resolve_config(problem_key(e, c, filtered, policy))
+
+
+def kernel_flags(e: Tensor) -> dict[str, bool]:
+    """UPCAST: the interpreter multiplies bf16 bit patterns in tl.dot (triton#11584), so
+    operands go to fp32 there. IEEE: fp32 inputs get fp32 dots, not TF32."""
+    upcast = not e.is_cuda and e.dtype == torch.bfloat16
+    return {"UPCAST": upcast, "IEEE": upcast or e.dtype == torch.float32}
+
+
+def stages_beside_output(tile: TileConfig, element_bytes: int, shared_memory: int) -> int:
+    """The tile's pipeline stages, as many as fit in `shared_memory` beside the output tile
+    that a tensor-descriptor store stages there (1 KiB left for barriers)."""
+    per_stage = (tile.block_m + tile.block_n) * tile.block_k * element_bytes
+    room = shared_memory - tile.block_m * tile.block_n * element_bytes - 1024
+    return max(1, min(tile.num_stages, room // per_stage))
+
+
+def cdiv(a, b):
+    """Ceil division that works on ints and SymInts alike."""
+    return (a + b - 1) // b

@@ -1,0 +1,107 @@
+"""How the backward walks the (tokens x vocab) plane: token chunks, vocab slabs, slots.
+
+Runs at trace time under torch.compile, where N may be symbolic: only comparisons against N
+(range guards, one per bucket) and integer arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config.kernel_config import KernelConfig
+from ..config.keys import n_bucket
+from .policy import Policy
+
+
+def planning_tokens(n) -> int:
+    """The token count a backward plans for: N itself where it is known (eager calls, static
+    compiles), its bucket where torch.compile traces N symbolically (the plan must then hold
+    for every N of the bucket, and each comparison on N would be a guard). Planning an N
+    between powers of two for its bucket gives it chunks sized for twice its rows. An empty
+    batch plans for one token."""
+    return max(n, 1) if isinstance(n, int) else n_bucket(n)
+
+
+def next_pow2(value: int) -> int:
+    return 1 << max(0, (int(value) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """`n_chunks` token chunks of at most `chunk_rows` rows (a multiple of the grad_logits
+    row block); within a chunk, vocab slabs of `slab_v` columns. Scratch per chunk: the
+    slab's d logits (chunk_rows x slab_v, input dtype) and, for 16-bit inputs, an fp32
+    accumulator for dE (chunk_rows x D). Filtered mode's packed steps store `slots` kept
+    tiles instead of a slab (0: as many as the slab holds)."""
+
+    n_chunks: int
+    slab_v: int
+    fp32_accumulator: bool
+    slots: int = 0
+
+    def rows_per_chunk(self, n):
+        """n tokens' share per chunk, rounded up (n may be symbolic under torch.compile)."""
+        return (n + self.n_chunks - 1) // self.n_chunks
+
+    def chunk_rows(self, n, block_m: int):
+        return (self.rows_per_chunk(n) + block_m - 1) // block_m * block_m
+
+    def accumulator_bytes(self, n: int, d: int, block_m: int) -> int:
+        """The fp32 dE accumulator of one token chunk (none for fp32 inputs)."""
+        return self.chunk_rows(n, block_m) * d * 4 if self.fp32_accumulator else 0
+
+    def scratch_bytes(self, n: int, d: int, element_bytes: int, block_m: int) -> int:
+        """The accumulator and the slab's d-logits, both of a chunk's rows padded to block_m
+        rows, as the backward allocates them."""
+        return self.accumulator_bytes(n, d, block_m) + self.chunk_rows(n, block_m) * self.slab_v * element_bytes
+
+
+def plan_backward(
+    n: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False,
+    policy: Policy = Policy(),
+) -> BackwardPlan:
+    """The plan for n tokens (planned for planning_tokens(n)) whose scratch fits the policy's
+    share of the gradients (or its floor) with the least accumulator traffic among those of
+    at most policy.max_dc_roundings token chunks (any number where none fits); slabs within
+    config.slab_v and at least 512 wide. Filtered mode plans within its own share, and its
+    slots fill what the accumulator leaves (up to policy.max_slots; never fewer than a slab's
+    tiles).
+
+    The two gradient GEMMs sum over short K: dE over a slab's columns (each slab re-reads and
+    re-writes the fp32 dE accumulator), dC over a chunk's rows (each chunk re-reads and
+    re-writes dC). Per element of the N x V x D product that is 8 / slab_v + 2 * element_bytes /
+    chunk_rows bytes, and a short K also spends a GEMM's epilogue on little work. Ties go to
+    fewer token chunks; when nothing fits, the smallest plan tried."""
+    n = planning_tokens(n)
+    grad_bytes = (n * d + v * d + v) * element_bytes
+    fraction = (policy.filtered_scratch_fraction if filtered
+                else policy.scratch_fraction - policy.other_buffers_fraction)
+    budget = max(fraction * grad_bytes, policy.scratch_floor_bytes)
+    tile = config.grad_logits
+    fp32_acc = element_bytes < 4
+    widest = min(config.slab_v, next_pow2(v))
+    best: BackwardPlan | None = None
+    best_preference = (False, -float("inf"))  # (within max_dc_roundings, -traffic): larger wins
+    smallest: BackwardPlan  # the last plan tried; the loops run at least once
+    n_chunks = 1
+    while n_chunks == 1 or -(-n // n_chunks) >= policy.min_chunk_rows:
+        slab = widest
+        while True:
+            plan = BackwardPlan(n_chunks, slab, fp32_acc)
+            smallest = plan
+            if plan.scratch_bytes(n, d, element_bytes, tile.block_m) <= budget:
+                traffic = 8 / slab + 2 * element_bytes / plan.rows_per_chunk(n)
+                preference = (n_chunks <= policy.max_dc_roundings, -traffic)
+                if preference > best_preference:
+                    best, best_preference = plan, preference
+                break
+            if slab <= 512:
+                break
+            slab //= 2
+        n_chunks *= 2
+    plan = best if best is not None else smallest
+    if not filtered:
+        return plan
+    room_slots = int(budget - plan.accumulator_bytes(n, d, tile.block_m)) // (tile.block_m * tile.block_n * element_bytes)
+    slab_slots = plan.chunk_rows(n, tile.block_m) // tile.block_m * -(-plan.slab_v // tile.block_n)
+    return replace(plan, slots=max(slab_slots, min(policy.max_slots, room_slots)))

@@ -1,0 +1,144 @@
+"""Which kernels an op call launches: `plan_launch`, one pure function of explicit inputs.
+
+Read `plan_launch` to name the kernels of any call. The op reads a `Problem` off its tensors
+(ops/problem.py), resolves a `KernelConfig` (cce_compile.resolve) and takes the active
+`Policy`; the tuner and the benchmarks call plan_launch the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..config.kernel_config import KernelConfig, TileConfig
+from .backward import BackwardPlan, plan_backward
+from .policy import Policy
+
+ForwardKernel = Literal["gluon", "tma", "split", "cpu"]
+"""lse_forward_ws_kernel (Gluon, warp-specialized), lse_forward_tma_kernel (persistent, tensor
+descriptors), lse_forward_kernel (pointers, vocab splits), or the plain-PyTorch path."""
+
+RecomputeKernel = Literal["gluon", "tma", "pointer", "cpu"]
+"""The dense backward's recompute: grad_logits_ws_kernel, grad_logits_tma_kernel,
+grad_logits_kernel, or the plain-PyTorch path."""
+
+GradientGemms = Literal["cublas", "triton", "cpu"]
+"""The dense backward's dE and dC GEMMs: torch.mm (cuBLAS), matmul_kernel, or the CPU path."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the tensors of a call say about where and how it can run."""
+
+    n: int  # tokens (a SymInt while torch.compile traces a dynamic N)
+    v: int
+    d: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    on_cuda: bool
+    hopper: bool  # sm_90: the Gluon kernels' wgmma
+    descriptors_fit: bool  # e and c suit tensor descriptors (16-bit, aligned rows, real tensors)
+    capturing: bool  # the current stream is capturing a CUDA graph (someone else's)
+
+    @property
+    def element_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+
+@dataclass(frozen=True)
+class Options:
+    """The loss options that change which kernels can run."""
+
+    has_bias: bool = False
+    has_weight: bool = False
+    has_softcap: bool = False
+    has_smoothing: bool = False
+    filtered: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """The loss the Gluon kernels compute: no bias, class weights, soft-cap or smoothing."""
+        return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The kernels a call launches and how; `backward` is None on the plain-PyTorch path.
+
+    Filtered mode's backward runs grad_logits_kernel over kept tiles and sparse_matmul_kernel.
+    With `packed_steps` it packs its steps from the kept tiles (one host sync) and, where more
+    than `dense_fraction` of tiles are kept, runs the dense path instead; under someone
+    else's CUDA graph capture (torch.compile's reduce-overhead) no sync may run, so it takes
+    fixed slabs."""
+
+    forward: ForwardKernel
+    recompute: RecomputeKernel
+    gradient_gemms: GradientGemms
+    filtered: bool
+    packed_steps: bool
+    cuda_graphs: bool  # the dense slab loop replays as a CUDA graph once a call recurs
+    direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
+    forward_chunk_rows: int
+    gluon_tile: TileConfig
+    gluon_programs_per_sm: int
+    dense_fraction: float
+    backward: BackwardPlan | None
+
+
+def k_steps(d: int, block_k: int) -> int:
+    return -(-d // block_k)
+
+
+def runs_triton(problem: Problem, policy: Policy) -> bool:
+    """Triton on CUDA; CPU tensors under the interpreter where the policy says so."""
+    return problem.on_cuda or policy.triton_on_cpu
+
+
+def forward_kernel(problem: Problem, options: Options, policy: Policy) -> ForwardKernel:
+    if not runs_triton(problem, policy):
+        return "cpu"
+    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
+    if (options.plain and not options.filtered and problem.on_cuda and problem.hopper
+            and problem.descriptors_fit and gluon_steps <= policy.forward_gluon_max_k_steps):
+        return "gluon"
+    return "tma" if problem.descriptors_fit else "split"
+
+
+def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
+    if not runs_triton(problem, policy):
+        return "cpu"
+    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
+    if (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
+            and gluon_steps <= policy.recompute_gluon_max_k_steps):
+        return "gluon"
+    long_k = k_steps(problem.d, config.grad_logits.block_k) >= policy.recompute_tma_min_k_steps
+    return "tma" if long_k and problem.descriptors_fit else "pointer"
+
+
+def gradient_gemms(problem: Problem, policy: Policy) -> GradientGemms:
+    """cuBLAS on CUDA for bf16 and fp32; fp16's d-logits are scaled, which only the Triton
+    GEMMs undo."""
+    if not runs_triton(problem, policy):
+        return "cpu"
+    cublas = problem.on_cuda and problem.dtype != "float16" and policy.gemm_backend == "cublas"
+    return "cublas" if cublas else "triton"
+
+
+def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> LaunchPlan:
+    """The launch of one call (forward and backward alike: both ops plan the same)."""
+    triton = runs_triton(problem, policy)
+    return LaunchPlan(
+        forward=forward_kernel(problem, options, policy),
+        recompute=recompute_kernel(problem, options, config, policy),
+        gradient_gemms=gradient_gemms(problem, policy),
+        filtered=options.filtered,
+        packed_steps=options.filtered and policy.filtered_packing and not problem.capturing,
+        cuda_graphs=(policy.cuda_graphs and problem.on_cuda and not options.has_bias
+                     and not problem.capturing),
+        direct_launch=problem.on_cuda,
+        forward_chunk_rows=policy.forward_chunk_rows,
+        gluon_tile=policy.gluon_tile,
+        gluon_programs_per_sm=policy.gluon_programs_per_sm,
+        dense_fraction=policy.dense_fraction,
+        backward=(policy.backward_plan or plan_backward(problem.n, problem.v, problem.d, problem.element_bytes,
+                                                        config, options.filtered, policy)) if triton else None,
+    )

@@ -1,0 +1,132 @@
+"""Every threshold that picks a kernel or sizes a plan, in one frozen Policy.
+
+The op reads the active policy (`active_policy()`), never module constants; tests and A/B
+scripts run a block under another one with `override_policy(Policy(...))`. The reasons below
+are the measurements behind each default (the investigations: docs/notes/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Iterator, Literal
+
+from ..config.kernel_config import TileConfig
+
+if TYPE_CHECKING:
+    from .backward import BackwardPlan
+
+GemmBackend = Literal["cublas", "triton"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Kernel-choice thresholds and memory budgets (defaults measured on the H200)."""
+
+    triton_on_cpu: bool = False
+    """CPU tensors run the Triton kernels under the interpreter (TRITON_INTERPRET=1 at import), else the PyTorch path."""
+
+    forward_gluon_max_k_steps: int = 16
+    """The plain forward runs the Gluon kernel up to this many K steps (D <= 1024): it won at D = 896, lost from 1536 up."""
+
+    recompute_gluon_max_k_steps: int = 64
+    """The plain recompute runs the Gluon kernel up to this many K steps (D <= 4096): it won to 4096, lost at 5120 and 8192."""
+
+    recompute_tma_min_k_steps: int = 32
+    """Other recomputes run persistent on tensor descriptors from this many K steps: each tile restarts the K pipeline."""
+
+    forward_chunk_rows: int = 2048
+    """The persistent forwards launch per this many rows: one grid over large N lets its programs drift and thrash L2."""
+
+    gluon_tile: TileConfig = field(default_factory=lambda: TileConfig(128, 128, 64, 16, 4, 3))
+    """The Gluon kernels' tile: 128 x 128, group 16, 3 stages beat group 8 / 32 and one program per SM at D = 896."""
+
+    gluon_programs_per_sm: int = 2
+    """Two Gluon programs per SM, so one's MMAs overlap the other's softmax."""
+
+    gemm_backend: GemmBackend = "cublas"
+    """The exact backward's gradient GEMMs on CUDA: cuBLAS; fp16 takes Triton (its d-logits are scaled)."""
+
+    cuda_graphs: bool = True
+    """Eager calls that recur on the same tensors replay the backward's slab loop as one CUDA graph (CCE_CUDA_GRAPHS=0: off)."""
+
+    filtered_packing: bool = True
+    """Filtered steps pack as many vocab tiles as their kept tiles fill (one host sync); off: fixed slabs."""
+
+    dense_fraction: float = 0.4
+    """A filtered backward that keeps more than this share of tiles runs the dense path: block-sparse costs ~0.4 + 7 x share GEMMs."""
+
+    scratch_fraction: float = 0.10
+    """Exact mode's backward scratch, as a share of the gradients' bytes: the memory target."""
+
+    other_buffers_fraction: float = 0.002
+    """What the op holds beside the scratch at the backward's peak, kept out of scratch_fraction."""
+
+    filtered_scratch_fraction: float = 0.25
+    """Filtered mode's scratch: more slots make fewer, fuller steps (Qwen2.5 2.84 -> 2.45 x GEMM from 256 to 1024)."""
+
+    max_slots: int = 2048
+    """Filtered steps hold at most this many kept tiles: doubling further gained under 1.5%."""
+
+    scratch_floor_bytes: int = 24 * 2**20
+    """Scratch always allowed: 10% of a small head cuts the backward into ~100 launch-bound steps."""
+
+    min_chunk_rows: int = 256
+    """The fewest rows a token chunk of the backward takes."""
+
+    max_dc_roundings: int = 16
+    """Token chunks at most where the budget allows: dC sums over chunks in its own dtype, 4.2e-3 error at 16."""
+
+    backward_plan: BackwardPlan | None = None
+    """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
+
+
+_local = threading.local()
+
+
+def default_policy() -> Policy:
+    """The defaults as the environment sets them: TRITON_INTERPRET=1 (read by Triton when the
+    kernels are decorated) runs CPU calls on the kernels, CCE_CUDA_GRAPHS=0 turns the graphs off."""
+    return _from_env(os.environ.get("TRITON_INTERPRET") == "1", os.environ.get("CCE_CUDA_GRAPHS", "1") != "0")
+
+
+@lru_cache(maxsize=4)
+def _from_env(triton_on_cpu: bool, cuda_graphs: bool) -> Policy:
+    return Policy(triton_on_cpu=triton_on_cpu, cuda_graphs=cuda_graphs)
+
+
+def active_policy() -> Policy:
+    """The policy this thread's op calls run under."""
+    policy = getattr(_local, "policy", None)
+    return default_policy() if policy is None else policy
+
+
+@contextlib.contextmanager
+def override_policy(policy: Policy) -> Iterator[None]:
+    """Run every op call in this block (on this thread) under `policy`; the op's autograd
+    carries it to the backward, which autograd may run on another thread."""
+    previous = getattr(_local, "policy", None)
+    _local.policy = policy
+    try:
+        yield
+    finally:
+        _local.policy = previous
+
+
+def policy_to_json(policy: Policy) -> str:
+    """The policy as a string: how the forward op hands its policy to the backward op."""
+    return json.dumps(asdict(policy), sort_keys=True)
+
+
+@lru_cache(maxsize=64)
+def policy_from_json(text: str) -> Policy:
+    from .backward import BackwardPlan
+
+    values = json.loads(text)
+    plan = values["backward_plan"]
+    return Policy(**{**values, "gluon_tile": TileConfig(**values["gluon_tile"]),
+                     "backward_plan": None if plan is None else BackwardPlan(**plan)})

@@ -1,0 +1,196 @@
+"""Where a tuned config can come from besides the service (client.py): the local disk cache
+and the configs bundled with the package.
+
+Every source hands back raw, untrusted data (`Found`); ladder.py validates it against the
+GPU before anything launches with it. Nothing here raises on a bad source: a corrupt file
+or a stale entry is a miss, logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..config.keys import MATCH_LEVELS, ProblemKey, n_bucket, normalize_gpu_name
+from .platform import Platform
+
+log = logging.getLogger("cce_compile.config")
+
+URL_ENV = "CCE_TUNING_URL"
+TOKEN_ENV = "CCE_TUNING_TOKEN"
+OFFLINE_ENV = "CCE_TUNING_OFFLINE"
+CACHE_DIR_ENV = "CCE_CONFIG_CACHE_DIR"
+CACHE_TTL_ENV = "CCE_CONFIG_CACHE_TTL_S"
+DEFAULT_TTL_S = 7 * 24 * 3600.0
+
+BUNDLED_DIR = Path(__file__).parents[1] / "config" / "bundled"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A source's answer before validation: the config as plain data and how well it matches."""
+
+    config: Any
+    match_level: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where to look, from the environment (CCE_TUNING_*, CCE_CONFIG_CACHE_*)."""
+
+    url: str | None
+    token: str | None
+    offline: bool
+    cache_dir: Path
+    ttl_s: float
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        cache_dir = os.environ.get(CACHE_DIR_ENV)
+        if not cache_dir:
+            import platformdirs
+
+            cache_dir = str(Path(platformdirs.user_cache_dir("cce_compile")) / "configs")
+        return cls(
+            url=os.environ.get(URL_ENV) or None,
+            token=os.environ.get(TOKEN_ENV) or None,
+            offline=os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on"),
+            cache_dir=Path(cache_dir),
+            ttl_s=_ttl_from_env(),
+        )
+
+    def with_url(self, url: str | None) -> "Settings":
+        return self if url is None else replace(self, url=url)
+
+
+def _ttl_from_env() -> float:
+    raw = os.environ.get(CACHE_TTL_ENV)
+    if not raw:
+        return DEFAULT_TTL_S
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        log.warning("ignoring %s=%r (not a number of seconds); using %s", CACHE_TTL_ENV, raw, DEFAULT_TTL_S)
+        return DEFAULT_TTL_S
+
+
+def match_level_of(value: Any) -> str | None:
+    """`value` if it is one of the database's match levels that carries a config."""
+    return value if isinstance(value, str) and value in MATCH_LEVELS and value != "none" else None
+
+
+# --- disk cache -------------------------------------------------------------------------
+
+
+def cache_path(settings: Settings, platform: Platform, key: ProblemKey) -> Path:
+    """One JSON file per platform and key, named readably (unsafe characters replaced)."""
+    parts = (
+        platform.gpu, key.v, key.d, key.dtype, key.n_bucket, key.mode,
+        f"k{platform.kernel_version}", f"triton{platform.triton_version}",
+    )
+    name = re.sub(r"[^A-Za-z0-9.+-]", "_", "_".join(str(part) for part in parts))
+    return settings.cache_dir / f"{name}.json"
+
+
+def read_cache(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
+    """The cached service answer for `key`, unless missing, unreadable, corrupt or older
+    than the TTL."""
+    path = cache_path(settings, platform, key)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        log.warning("config cache %s unreadable (%s); ignoring it", path, error)
+        return None
+    stored_at = data.get("stored_at") if isinstance(data, dict) else None
+    level = match_level_of(data.get("match_level")) if isinstance(data, dict) else None
+    if isinstance(stored_at, bool) or not isinstance(stored_at, (int, float)) or level is None:
+        log.warning("config cache %s is malformed; ignoring it", path)
+        return None
+    if not 0 <= time.time() - stored_at <= settings.ttl_s:
+        log.info("config cache %s expired (TTL %ss)", path, settings.ttl_s)
+        return None
+    return Found(data.get("config"), level)
+
+
+def write_cache(settings: Settings, platform: Platform, key: ProblemKey, found: Found) -> None:
+    """Store a validated service answer; atomic (a reader sees the old file or the new one),
+    and a failure to write only costs the next process a service call."""
+    path = cache_path(settings, platform, key)
+    record = {"stored_at": time.time(), "match_level": found.match_level, "config": found.config}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}", suffix=".tmp")
+    except OSError as error:
+        log.warning("could not write config cache %s: %s", path, error)
+        return
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(record, file)
+        os.replace(temporary, path)
+    except OSError as error:
+        log.warning("could not write config cache %s: %s", path, error)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+# --- bundled defaults -------------------------------------------------------------------
+
+
+def bundled_config(platform: Platform, key: ProblemKey) -> Found | None:
+    """The config shipped in the package for this GPU and key, if any (an exact match), and
+    only if it was tuned for the kernels this process launches (its `kernel_version`)."""
+    found = _bundled_index(BUNDLED_DIR).get((platform.gpu, key.v, key.d, key.dtype, key.n_bucket, key.mode))
+    if found is None:
+        return None
+    version, config = found
+    if version != platform.kernel_version:
+        log.warning("bundled config for %s was tuned for kernel version %s, not %s; skipping it",
+                    key, version, platform.kernel_version)
+        return None
+    return Found(config, "exact")
+
+
+@lru_cache(maxsize=4)
+def _bundled_index(directory: Path) -> dict[tuple[Any, ...], tuple[Any, Any]]:
+    """Every bundled entry's (kernel_version, config) by (gpu, V, D, dtype, n_bucket, mode);
+    bad files and entries are logged and skipped (read once per process)."""
+    index: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
+            for number, entry in enumerate(entries):
+                _add_bundled(index, entry, f"{path.name} entry {number}")
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+            log.warning("bundled configs %s unreadable (%s: %s); skipping it", path, type(error).__name__, error)
+    return index
+
+
+BUNDLED_FIELDS = ("gpu", "V", "D", "dtype", "tokens", "mode", "kernel_version", "config")
+
+
+def _add_bundled(index: dict[tuple[Any, ...], tuple[Any, Any]], entry: Mapping[str, Any], where: str) -> None:
+    if not isinstance(entry, Mapping) or any(name not in entry for name in BUNDLED_FIELDS):
+        log.warning("bundled %s lacks one of %s; skipping it", where, BUNDLED_FIELDS)
+        return
+    tokens = entry["tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        log.warning("bundled %s has tokens %r; skipping it", where, tokens)
+        return
+    index[bundled_key(entry)] = (entry["kernel_version"], entry["config"])
+
+
+def bundled_key(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A bundled entry's key: (normalized GPU name, V, D, dtype, token bucket, mode)."""
+    gpu = normalize_gpu_name(str(entry["gpu"]))
+    return (gpu, entry["V"], entry["D"], entry["dtype"], n_bucket(entry["tokens"]), entry["mode"])
