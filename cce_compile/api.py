@@ -8,10 +8,12 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .ops.problem import SUPPORTED_DTYPES
+from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of
+from .plan.launch import Memory, gradients_in_forward
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
+_MEMORY = ("workspace", "low")
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -45,7 +47,7 @@ def _autocast_operands(e: Tensor, c: Tensor, bias: Tensor | None) -> tuple[Tenso
 
 def _check_inputs(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    reduction: str, label_smoothing: float, z_loss: float, softcap: float | None,
+    reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str,
 ) -> None:
     for name, value in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(value, Tensor):
@@ -80,6 +82,8 @@ def _check_inputs(
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
     if softcap is not None and not softcap > 0.0:
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if memory not in _MEMORY:
+        raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
 
 
 def _check_target_range(targets: Tensor, v: int, ignore_index: int) -> None:
@@ -115,6 +119,7 @@ def linear_cross_entropy(
     shift: bool = False,
     return_lse: bool = False,
     filter_eps: float | str | None = None,
+    memory: Memory = "workspace",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """cross_entropy(e @ c.T + bias, targets) without materializing the logits.
 
@@ -124,9 +129,16 @@ def linear_cross_entropy(
     non-ignored token, reduced like the loss. A batch with no valid token has loss 0.
     Returns the loss (float32 whatever the input dtype), or (loss, lse) with return_lse
     (lse per token, float32, differentiable).
+
+    memory="workspace" (the default): where autograd will want the gradients of a mean or sum
+    loss, the forward computes them too, in token chunks whose logits live in a workspace
+    (three GEMMs of work in all, the call peaking under ~2x the gradients' memory), and the
+    backward only scales them. memory="low" keeps only each token's log-sum-exp for a backward
+    that recomputes the logits (four GEMMs, ~1.1x). reduction="none", return_lse, filtered
+    mode, fp16 and soft-capping with label smoothing always take the second.
     """
     e, c, bias = _autocast_operands(e, c, bias)
-    _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap)
+    _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory)
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
         if targets.dim() < 1:
@@ -136,6 +148,15 @@ def linear_cross_entropy(
     lead_shape = targets.shape
     flat_targets = targets.reshape(-1).to(torch.int64)
     _check_target_range(flat_targets, v, ignore_index)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (e, c, bias))
+    options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
+    if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction != "none", memory):
+        with torch.autocast(e.device.type, enabled=False):
+            loss, *_ = ops.linear_cross_entropy_fused(
+                e.reshape(-1, d), c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
+                float(softcap or 0.0), float(z_loss), reduction, e.requires_grad, c.requires_grad,
+            )
+        return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with torch.autocast(e.device.type, enabled=False):
         loss, lse, *_ = ops.linear_cross_entropy_forward(
@@ -176,12 +197,13 @@ class LinearCrossEntropyLoss(nn.Module):
         shift: bool = False,
         return_lse: bool = False,
         filter_eps: float | str | None = None,
+        memory: Memory = "workspace",
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps,
+            z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps, memory=memory,
         )
 
     def forward(self, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None = None):

@@ -118,3 +118,20 @@ def backward_outputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
     monkeypatch.setattr(library, "linear_cross_entropy_backward", spy)
     return outputs
+
+
+@pytest.fixture
+def fused_outputs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(grad_e's, grad_c's element count) per call the API makes to the fused op."""
+    from cce_compile import ops
+
+    outputs: list[tuple[int, int]] = []
+    fused_op = ops.linear_cross_entropy_fused
+
+    def spy(*args):
+        loss, grad_e, grad_c, grad_bias = fused_op(*args)
+        outputs.append((grad_e.numel(), grad_c.numel()))
+        return loss, grad_e, grad_c, grad_bias
+
+    monkeypatch.setattr(ops, "linear_cross_entropy_fused", spy)
+    return outputs

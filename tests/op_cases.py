@@ -77,6 +77,26 @@ def check_against_reference(e: Tensor, c: Tensor, targets: Tensor, options: dict
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
         err = relative_error(leaf.grad, ref.grad)
         assert err <= tol, f"d{name}: relative error {err:.2e} > {tol:.0e} with {options}"
+    if options.get("reduction", "mean") != "none":
+        check_scalar_loss(e, c, targets, options, bias, weight, tol)
+
+
+def check_scalar_loss(e: Tensor, c: Tensor, targets: Tensor, options: dict, bias: Tensor | None,
+                      weight: Tensor | None, tol: float) -> None:
+    """A mean or sum loss alone (no lse asked), under an upstream gradient other than 1: the
+    fused forward's path where it applies (exact mode, memory="workspace"), against float64."""
+    leaves = [t.detach().clone().requires_grad_() for t in (e, c) + ((bias,) if bias is not None else ())]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    losses = []
+    for (ee, cc, *bb), fn in ((leaves, cce_compile.linear_cross_entropy), (ref_leaves, reference_loss)):
+        losses.append(fn(ee, cc, targets, bias=bb[0] if bb else None, weight=weight, **options))
+    loss, ref_loss = losses
+    assert relative_error(loss, ref_loss) <= tol, (relative_error(loss, ref_loss), options)
+    (loss * 0.75).backward()
+    (ref_loss * 0.75).backward()
+    for name, leaf, ref in zip(("e", "c", "bias"), leaves, ref_leaves):
+        err = relative_error(leaf.grad, ref.grad)
+        assert err <= tol, f"d{name} of the scalar loss: relative error {err:.2e} > {tol:.0e} with {options}"
 
 
 def grads_with_frozen(e: Tensor, c: Tensor, targets: Tensor, options: dict, e_trains: bool, c_trains: bool,
@@ -87,6 +107,11 @@ def grads_with_frozen(e: Tensor, c: Tensor, targets: Tensor, options: dict, e_tr
     bb = None if bias is None else bias.detach().clone().requires_grad_()
     cce_compile.linear_cross_entropy(ee, cc, targets, bias=bb, **options).sum().backward()
     return ee.grad, cc.grad, None if bb is None else bb.grad
+
+
+FROZEN_MODES = {"fused": {}, "recompute": {"memory": "low"}, "filtered": {"filter_eps": 2.0**-12}}
+"""The three paths a frozen operand must skip its gradient on: the fused forward (a scalar
+loss's default), the recompute backward, filtered mode."""
 
 
 def check_frozen_operands(e: Tensor, c: Tensor, targets: Tensor, options: dict, bias: Tensor | None = None) -> None:

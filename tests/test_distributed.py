@@ -92,15 +92,18 @@ def compare(loss: Tensor, grads: dict[str, Tensor], references: Results, dtype: 
 
 @contextlib.contextmanager
 def recording_op_inputs() -> Iterator[list[tuple[Tensor, Tensor]]]:
-    """The (e, c) that each eager call of the op receives, after the API's autocast casts."""
+    """The (e, c) that each eager call of the op (either forward) receives, after the API's
+    autocast casts."""
     seen: list[tuple[Tensor, Tensor]] = []
-    real = cce_ops.linear_cross_entropy_forward
 
-    def spy(e: Tensor, c: Tensor, *args, **kwargs):
-        seen.append((e, c))
-        return real(e, c, *args, **kwargs)
+    def spy(real):
+        def recorded(e: Tensor, c: Tensor, *args, **kwargs):
+            seen.append((e, c))
+            return real(e, c, *args, **kwargs)
+        return recorded
 
-    with mock.patch.object(cce_ops, "linear_cross_entropy_forward", spy):
+    with (mock.patch.object(cce_ops, "linear_cross_entropy_forward", spy(cce_ops.linear_cross_entropy_forward)),
+          mock.patch.object(cce_ops, "linear_cross_entropy_fused", spy(cce_ops.linear_cross_entropy_fused))):
         yield seen
 
 

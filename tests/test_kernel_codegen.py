@@ -28,7 +28,8 @@ from triton.compiler import ASTSource
 from cce_compile.config.kernel_config import TileConfig
 from cce_compile.kernels.backward import grad_logits_kernel, grad_logits_tma_kernel, matmul_kernel, sparse_matmul_kernel
 from cce_compile.kernels.forward import lse_forward_kernel, lse_forward_tma_kernel
-from cce_compile.kernels.warp_specialized import grad_logits_ws_kernel, lse_forward_ws_kernel
+from cce_compile.kernels.fused_forward import fused_forward_kernel, fused_forward_tma_kernel
+from cce_compile.kernels.warp_specialized import fused_forward_ws_kernel, grad_logits_ws_kernel, lse_forward_ws_kernel
 from cce_compile.ops.problem import stages_beside_output
 from cce_compile.plan.policy import Policy
 
@@ -141,6 +142,11 @@ LOGITS = {
     "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE}),
     # exact mode's recompute where K loops are short (Qwen2.5's D = 896)
     "grad_logits_kernel, exact": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": FALSE}),
+    "fused_forward_kernel": (fused_forward_kernel, {
+        **{name: value for name, value in LOGITS_TILE.items() if name != "vocab_order_ptr"},
+        "shift_ptr": "*fp32", "workspace_ptr": "*bf16", "stats_ptr": "*fp32", "target_logit_ptr": "*fp32",
+        "redo_ptr": "*i32", "row_start": "i32", "rows": "i32", "V": "i32", "stat_stride": "i32", "stride_w": "i32",
+        "NEED_WEIGHTED_SUM": FALSE, "REDO": FALSE}),
 }
 
 H200_SHARED_MEMORY = 232448
@@ -163,8 +169,17 @@ LSE_FORWARD_TMA = {
     "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32", "NEED_WEIGHTED_SUM": FALSE,
     "STORE_TILE_MAX": FALSE,
 }
+FUSED_FORWARD_TMA = {
+    **{name: LSE_FORWARD_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
+                                                "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
+                                                "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE", "V",
+                                                "row_start", "target_logit_ptr", "NEED_WEIGHTED_SUM")},
+    "workspace_desc": "tensordesc<bf16[128, 256]>", "shift_ptr": "*fp32", "stats_ptr": "*fp32", "rows": "i32",
+    "stat_stride": "i32",
+}
 PERSISTENT = {
     "grad_logits_tma_kernel": (grad_logits_tma_kernel, GRAD_LOGITS_TMA, TMA_STAGES),
+    "fused_forward_tma_kernel": (fused_forward_tma_kernel, FUSED_FORWARD_TMA, TMA_STAGES),
     "lse_forward_tma_kernel": (lse_forward_tma_kernel, LSE_FORWARD_TMA, 4),
     "lse_forward_tma_kernel, filtered": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE}, 4),
 }
@@ -235,7 +250,7 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
     }
 
 
-@pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel"])
+@pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel", "fused_forward_ws_kernel"])
 def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
     wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM (the
@@ -271,5 +286,11 @@ if __name__ == "__main__":
         ["row_start", "rows", "col_start", "cols", "D"],
         {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False},
         {"e_desc": tile.block_m, "c_desc": tile.block_n, "grad_logits_desc": tile.block_m},
+    ))
+    found["fused_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
+        fused_forward_ws_kernel,
+        {"targets_ptr": "*i64", "shift_ptr": "*fp32", "stats_ptr": "*fp32", "target_logit_ptr": "*fp32"},
+        ["stat_stride", "row_start", "rows", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
+        {"e_desc": tile.block_m, "c_desc": tile.block_n, "workspace_desc": tile.block_m},
     ))
     print(json.dumps(found))

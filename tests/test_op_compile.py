@@ -47,19 +47,21 @@ def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
 class RMSNormHead(torch.nn.Module):
     """The end of a decoder: RMSNorm -> classifier + loss, as a training step sees it."""
 
-    def __init__(self, d: int, v: int) -> None:
+    def __init__(self, d: int, v: int, memory: str = "workspace") -> None:
         super().__init__()
         self.norm = torch.nn.RMSNorm(d)
         self.classifier = torch.nn.Linear(d, v, bias=False)
+        self.memory = memory
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cce_compile.linear_cross_entropy(self.norm(hidden), self.classifier.weight, targets,
-                                                shift=True, z_loss=1e-4, label_smoothing=0.05)
+                                                shift=True, z_loss=1e-4, label_smoothing=0.05, memory=self.memory)
 
 
-def test_fullgraph_training_step_matches_eager() -> None:
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_fullgraph_training_step_matches_eager(memory: str) -> None:
     torch.manual_seed(0)
-    model = RMSNormHead(32, 211)
+    model = RMSNormHead(32, 211, memory)
     hidden = torch.randn(2, 40, 32, requires_grad=True)
     targets = torch.randint(0, 211, (2, 40))
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
@@ -78,11 +80,12 @@ def test_fullgraph_training_step_matches_eager() -> None:
     assert counter.frame_count == 1
 
 
-def test_frozen_head_compiles_without_its_gradient(backward_outputs: list) -> None:
-    """A LoRA-style step (the classifier frozen) under fullgraph: the traced backward asks the
-    op for dE alone, and the step's gradients are eager's."""
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_frozen_head_compiles_without_its_gradient(memory: str, backward_outputs: list, fused_outputs: list) -> None:
+    """A LoRA-style step (the classifier frozen) under fullgraph: the traced op (the fused
+    forward, or the backward) is asked for dE alone, and the step's gradients are eager's."""
     torch.manual_seed(0)
-    model = RMSNormHead(32, 211)
+    model = RMSNormHead(32, 211, memory)
     model.classifier.weight.requires_grad_(False)
     hidden = torch.randn(2, 40, 32, requires_grad=True)
     targets = torch.randint(0, 211, (2, 40))
@@ -90,7 +93,8 @@ def test_frozen_head_compiles_without_its_gradient(backward_outputs: list) -> No
     with torch._functorch.config.patch(enable_autograd_cache=False):
         torch.compile(model, fullgraph=True)(hidden, targets).backward()
     compiled_grads = [model.norm.weight.grad.clone(), hidden.grad.clone()]
-    assert backward_outputs and all(grad_c == 0 for _, grad_c in backward_outputs)
+    outputs = fused_outputs if memory == "workspace" else backward_outputs
+    assert outputs and all(grad_c == 0 for _, grad_c in outputs)
     model.norm.weight.grad = hidden.grad = None
     model(hidden, targets).backward()
     assert model.classifier.weight.grad is None
@@ -107,9 +111,10 @@ def test_no_graph_breaks() -> None:
     assert explanation.graph_count == 1
 
 
-def test_dynamic_n_does_not_recompile_within_a_bucket() -> None:
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_dynamic_n_does_not_recompile_within_a_bucket(memory: str) -> None:
     torch._dynamo.reset()
-    model = RMSNormHead(16, 64)
+    model = RMSNormHead(16, 64, memory)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for n in (70, 90, 100, 127):  # one power-of-two bucket (65..128) of N = 1 x n
@@ -160,7 +165,7 @@ def test_filtered_mode_compiles_with_its_tile_statistics() -> None:
         torch.testing.assert_close(compiled_leaf.grad, eager_leaf.grad)
 
 
-def inductor_code_of_a_step(v: int) -> str:
+def inductor_code_of_a_step(v: int, memory: str) -> str:
     """Inductor's code for one compiled forward + backward of the op on the CPU path."""
     from torch._inductor.utils import run_and_get_code
 
@@ -168,7 +173,7 @@ def inductor_code_of_a_step(v: int) -> str:
     e, c, targets = make_inputs("zipf", (64,), v, 32, torch.float32, seed=v)
     e.requires_grad_()
     c.requires_grad_()
-    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t), fullgraph=True)
+    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, memory=memory), fullgraph=True)
 
     def step() -> None:
         compiled(e, c, targets).backward()
@@ -178,13 +183,16 @@ def inductor_code_of_a_step(v: int) -> str:
     return "\n".join(code)
 
 
-def test_compiled_graph_does_not_grow_with_the_slab_count() -> None:
-    """Inductor sees each direction as one opaque op: 4 slabs of the CPU path's vocabulary or
-    64, the generated code is the same size and calls each op once."""
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_compiled_graph_does_not_grow_with_the_slab_count(memory: str) -> None:
+    """Inductor sees the op as opaque ops (the fused forward, or the forward and the backward):
+    4 slabs of the CPU path's vocabulary or 64, the generated code is the same size and calls
+    each op once."""
     slab_v = config_for(torch.empty(64, 32), torch.empty(65536, 32), False, active_policy()).slab_v
     assert 65536 // slab_v >= 32, "the large head must take many slabs for the test to show anything"
-    small, large = inductor_code_of_a_step(4 * slab_v), inductor_code_of_a_step(65536)
+    small, large = inductor_code_of_a_step(4 * slab_v, memory), inductor_code_of_a_step(65536, memory)
+    calls = {"workspace": {"fused": 1, "forward": 0, "backward": 0}, "low": {"fused": 0, "forward": 1, "backward": 1}}
     for code in (small, large):
-        assert code.count("cce.linear_cross_entropy_forward.default(") == 1
-        assert code.count("cce.linear_cross_entropy_backward.default(") == 1
+        for op, count in calls[memory].items():
+            assert code.count(f"cce.linear_cross_entropy_{op}.default(") == count, op
     assert abs(len(large.splitlines()) - len(small.splitlines())) <= 4

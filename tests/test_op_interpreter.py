@@ -15,7 +15,7 @@ from cce_compile.ops.problem import config_for
 from cce_compile.plan.backward import plan_backward
 from cce_compile.plan.policy import active_policy
 
-from .op_cases import check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error
+from .op_cases import FROZEN_MODES, check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error
 from .test_op_options import make_case
 
 pytestmark = pytest.mark.interpreter
@@ -58,16 +58,17 @@ def test_several_token_chunks_and_slabs() -> None:
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
-@pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
-def test_frozen_head_or_hidden_states_skip_that_gradient(filter_eps, backward_outputs: list) -> None:
+@pytest.mark.parametrize("mode", FROZEN_MODES)
+def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_outputs: list, fused_outputs: list) -> None:
     """The kernels' path over several token chunks and slabs: a frozen operand's GEMMs are
     skipped (the op returns its gradient empty) and the other gradients are unchanged bit for bit."""
     e, c, targets = make_inputs("zipf", (260,), 300, 16, torch.bfloat16, seed=4)
     targets[::9] = -100
     tile = TileConfig(32, 32, 16, 4, 4, 1)
     with cce_compile.override_config(KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)):
-        check_frozen_operands(e, c, targets, {"filter_eps": filter_eps}, bias=torch.randn(300).bfloat16())
-    assert backward_outputs == [(260 * 16, 300 * 16), (260 * 16, 0), (0, 300 * 16)]
+        check_frozen_operands(e, c, targets, FROZEN_MODES[mode], bias=torch.randn(300).bfloat16())
+    outputs = fused_outputs if mode == "fused" else backward_outputs
+    assert outputs == [(260 * 16, 300 * 16), (260 * 16, 0), (0, 300 * 16)]
 
 
 def test_tile_lse_merge_streams_like_torch_logsumexp() -> None:

@@ -12,7 +12,7 @@ import torch
 
 import cce_compile
 
-from .op_cases import check_against_reference, check_frozen_operands, make_inputs, relative_error
+from .op_cases import FROZEN_MODES, check_against_reference, check_frozen_operands, make_inputs, relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -222,12 +222,13 @@ def test_filtered_mode_tilt_covers_a_bias(monkeypatch: pytest.MonkeyPatch) -> No
     assert relative_error(without_k, exact) < 0.7 * relative_error(untilted, exact)
 
 
-@pytest.mark.parametrize("filter_eps", [None, 2.0**-12], ids=["exact", "filtered"])
-def test_frozen_head_or_hidden_states_skip_that_gradient(filter_eps, backward_outputs: list) -> None:
+@pytest.mark.parametrize("mode", FROZEN_MODES)
+def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_outputs: list, fused_outputs: list) -> None:
     """LoRA freezes the classifier: its gradient is never computed (the op returns it empty),
     and the other gradients are unchanged bit for bit."""
     e, c, targets = make_inputs("zipf", (3, 41), 389, 24, torch.bfloat16, seed=5)
     targets[:, ::7] = -100
     bias = torch.randn(389).bfloat16()
-    check_frozen_operands(e, c, targets, {"filter_eps": filter_eps, "label_smoothing": 0.1}, bias=bias)
-    assert backward_outputs == [(3 * 41 * 24, 389 * 24), (3 * 41 * 24, 0), (0, 389 * 24)]
+    check_frozen_operands(e, c, targets, {**FROZEN_MODES[mode], "label_smoothing": 0.1}, bias=bias)
+    outputs = fused_outputs if mode == "fused" else backward_outputs
+    assert outputs == [(3 * 41 * 24, 389 * 24), (3 * 41 * 24, 0), (0, 389 * 24)]

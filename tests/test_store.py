@@ -77,7 +77,8 @@ def test_best_is_the_fastest_and_every_measurement_is_kept(engine: Engine) -> No
 def test_configs_are_stored_in_canonical_form(engine: Engine) -> None:
     store.record_measurement(engine, measurement(config={"forward": {"block_m": 128}}))
     config = lookup(engine).entry.config  # type: ignore[union-attr]
-    assert set(config) == {"forward", "grad_logits", "grad_classifier", "grad_hidden", "slab_v", "vocab_splits"}
+    assert set(config) == {"forward", "grad_logits", "grad_classifier", "grad_hidden", "slab_v", "vocab_splits",
+                           "workspace_rows"}
     assert config["forward"]["block_m"] == 128
     assert config["forward"]["num_warps"] == 4
 

@@ -80,7 +80,7 @@ def test_loss_and_gradients_match_hf(family: str) -> None:
 
 
 @parametrize_families
-def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, backward_outputs: list) -> None:
+def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fused_outputs: list) -> None:
     """A LoRA-style step (lm_head frozen): the patched model's loss and the trained layers'
     gradients are HF's, and the op is never asked for the head's gradient."""
     reference, patched = twins(family)
@@ -94,7 +94,7 @@ def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, back
     assert patched.lm_head.weight.grad is None
     assert_close(patched.get_parameter("model.layers.1.mlp.down_proj.weight").grad,
                  reference.get_parameter("model.layers.1.mlp.down_proj.weight").grad)
-    assert backward_outputs and all(grad_c == 0 < grad_e for grad_e, grad_c in backward_outputs)
+    assert fused_outputs and all(grad_c == 0 < grad_e for grad_e, grad_c in fused_outputs)
 
 
 @parametrize_families

@@ -212,21 +212,29 @@ def test_candidates_fit_the_gpu_and_launch_differently() -> None:
     assert bf16.fits(TileConfig(128, 256, 64, 8, 8, 4))
     assert not bf16.fits(TileConfig(256, 256, 64, 8, 8, 4))  # 262144 bytes of stages
     assert not bf16.fits(TileConfig(256, 256, 32, 8, 4, 2))  # 512 accumulator registers a thread
-    llama = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="exact")
+    llama = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="filtered")
     space = KernelSpace("grad_logits", {"slab_v": (2048, 4096, 8192, 16384)}, llama, bf16)
     start = KernelConfig(slab_v=4096)
-    # slab_v 8192 plans the same slabs as 4096 within the scratch budget: not tried again.
-    assert [config.slab_v for config in space.along(start, "slab_v")] == [2048, 16384]
+    # slab_v 16384 plans the same slabs as 8192 within the scratch budget: not tried again.
+    assert [config.slab_v for config in space.along(start, "slab_v")] == [2048, 8192]
+    # Exact mode's calls take the fused forward, which no slab shapes; its token chunk is searched.
+    # Exact mode's calls take the fused forward, which no slab shapes; its token chunk is searched,
+    # within the memory plan's budget (3200 rows here).
+    fused = KernelSpace("grad_logits", {"slab_v": (2048, 8192), "workspace_rows": (1024, 2048, 16384)},
+                        replace(llama, mode="exact"), bf16)
+    assert fused.workspace_budget == 3200
+    assert list(fused.along(start, "slab_v")) == []
+    assert [config.workspace_rows for config in fused.along(start, "workspace_rows")] == [1024, 2048]
     tiny = KernelSpace("forward", {"block_k": (32, 64, 128)}, TINY, bf16)
     assert [config.forward.block_k for config in tiny.along(KernelConfig(), "block_k")] == []  # D = 32
 
 
 def test_persistent_kernels_drop_the_axes_they_ignore() -> None:
     """The 16-bit forward runs persistent in both modes (no vocab splits), and exact mode's
-    persistent recompute clamps its stages to what fits beside its staged output tile:
-    candidates that differ only there launch the same kernel and are not timed twice. An
-    fp32 forward still splits the vocabulary, and filtered mode's recompute (the pointer
-    kernel) keeps its stages."""
+    fused forward (on tensor descriptors off a Hopper) clamps its stages to what fits beside
+    its staged output tile: candidates that differ only there launch the same kernel and are
+    not timed twice. An fp32 forward still splits the vocabulary, and filtered mode's
+    recompute (the pointer kernel) keeps its stages."""
     bf16 = Limits(shared_memory_bytes=232_448, element_bytes=2)
     start = KernelConfig(forward=TileConfig(128, 256, 64, 8, 8, 4), grad_logits=TileConfig(128, 256, 64, 8, 8, 4),
                          vocab_splits=16)
@@ -243,17 +251,17 @@ def test_persistent_kernels_drop_the_axes_they_ignore() -> None:
     assert [config.grad_logits.num_stages for config in tried] == [2]  # 3, 4 and 5 all launch 3
     tried = KernelSpace("grad_logits", stages, filtered, bf16).along(start, "num_stages")
     assert [config.grad_logits.num_stages for config in tried] == [2, 3]  # 5 stages do not fit
-    short_k = Problem(n=16384, v=151_936, d=896, dtype="bfloat16", mode="exact")  # 14 K steps: pointer kernel
+    short_k = Problem(n=16384, v=151_936, d=896, dtype="bfloat16", mode="exact")  # the fused kernel too
     tried = KernelSpace("grad_logits", stages, short_k, bf16).along(start, "num_stages")
-    assert [config.grad_logits.num_stages for config in tried] == [2, 3]  # 5 stages do not fit
+    assert [config.grad_logits.num_stages for config in tried] == [2]
 
 
 def test_tiles_the_gluon_kernels_ignore_are_not_searched_on_hopper() -> None:
-    """On a Hopper GPU exact mode's plain forward and recompute run the Gluon kernels, whose
-    tile is their own, where K is short (Qwen2.5's D = 896; the recompute's up to D = 4096):
-    the config's logits tiles launch nothing different there, so the search tries none of
-    them, but still the slabs; at D = 8192, or on another GPU, or in filtered mode the tiles
-    are searched."""
+    """On a Hopper GPU exact mode's plain forward and fused forward run the Gluon kernels, whose
+    tile is their own, where K is short (Qwen2.5's D = 896; the fused forward's up to
+    D = 4096): the config's logits tiles launch nothing different there, so the search tries
+    none of them, but still the fused forward's token chunk; at D = 8192, or on another GPU,
+    or in filtered mode the tiles are searched."""
     hopper = Limits(shared_memory_bytes=232_448, element_bytes=2, hopper=True)
     other = Limits(shared_memory_bytes=232_448, element_bytes=2)
     start = KernelConfig(forward=TileConfig(128, 256, 64, 8, 8, 4), grad_logits=TileConfig(128, 256, 64, 8, 8, 4))
@@ -261,7 +269,7 @@ def test_tiles_the_gluon_kernels_ignore_are_not_searched_on_hopper() -> None:
     llama = Problem(n=8192, v=128_256, d=4096, dtype="bfloat16", mode="exact")
     wide = Problem(n=4096, v=128_256, d=8192, dtype="bfloat16", mode="exact")
     qwen_filtered = replace(qwen, mode="filtered")
-    axes = {"group_m": (4, 8, 16, 32), "block_n": (64, 128, 256), "slab_v": (1024, 2048, 4096, 8192)}
+    axes = {"group_m": (4, 8, 16, 32), "block_n": (64, 128, 256), "workspace_rows": (256, 512)}
 
     def tried(kernel: str, problem: Problem, limits: Limits, axis: str) -> int:
         return len(list(KernelSpace(kernel, axes, problem, limits).along(start, axis)))
@@ -275,7 +283,7 @@ def test_tiles_the_gluon_kernels_ignore_are_not_searched_on_hopper() -> None:
     for axis in ("group_m", "block_n"):
         assert tried("forward", llama, hopper, axis) > 0
         assert tried("grad_logits", llama, hopper, axis) == 0
-    assert tried("grad_logits", qwen, hopper, "slab_v") > 0
+    assert tried("grad_logits", qwen, hopper, "workspace_rows") > 0
 
 
 def test_filtered_mode_tunes_its_sparse_gemm_tiles_in_eager_cuda() -> None:

@@ -21,6 +21,7 @@ _STAGE_RANGE = (1, 8)
 _GROUP_RANGE = (1, 64)
 _SLAB_RANGE = (128, 65536)
 _SPLIT_RANGE = (1, 1024)
+_WORKSPACE_ROWS_RANGE = (0, 1 << 20)
 
 
 class ConfigError(ValueError):
@@ -92,12 +93,14 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Everything the op needs to launch, chosen before launch (at trace time under compile).
+    """Everything the op needs to launch, chosen before launch.
 
     `slab_v` is the vocabulary width of one backward slab: the backward materializes
     d logits for `slab_v` columns of a token chunk at a time, so it bounds the scratch
     memory. `vocab_splits` is how many programs share one row block's vocabulary in the
-    forward (more splits fill the GPU when N is small).
+    forward (more splits fill the GPU when N is small). `workspace_rows` is the fused
+    forward's token chunk (its workspace holds that many rows of V; 0: as many as the
+    memory plan allows).
     """
 
     forward: TileConfig = field(default_factory=lambda: TileConfig(64, 64, 32, 8, 4, 2))
@@ -106,6 +109,7 @@ class KernelConfig:
     grad_hidden: TileConfig = field(default_factory=lambda: TileConfig(64, 64, 32, 8, 4, 2))
     slab_v: int = 4096
     vocab_splits: int = 16
+    workspace_rows: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +122,9 @@ class KernelConfig:
             tile.validate(name)
         _check_int("slab_v", self.slab_v, *_SLAB_RANGE, pow2=True)
         _check_int("vocab_splits", self.vocab_splits, *_SPLIT_RANGE, pow2=True)
+        _check_int("workspace_rows", self.workspace_rows, *_WORKSPACE_ROWS_RANGE, pow2=False)
+        if self.workspace_rows % 128:
+            raise ConfigError(f"workspace_rows must be a multiple of 128 (0: the plan's), got {self.workspace_rows}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +134,7 @@ class KernelConfig:
         """Build and validate a config from untrusted JSON-like data; raises ConfigError."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"config must be an object, got {type(data).__name__}")
-        allowed = set(KERNELS) | {"slab_v", "vocab_splits"}
+        allowed = set(KERNELS) | {"slab_v", "vocab_splits", "workspace_rows"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise ConfigError(f"config has unknown keys {unknown}; allowed: {sorted(allowed)}")
@@ -135,7 +142,7 @@ class KernelConfig:
         kwargs: dict[str, Any] = {}
         for name in KERNELS:
             kwargs[name] = TileConfig.from_dict(data[name], name) if name in data else getattr(default, name)
-        for name in ("slab_v", "vocab_splits"):
+        for name in ("slab_v", "vocab_splits", "workspace_rows"):
             kwargs[name] = data.get(name, getattr(default, name))
         return cls(**kwargs)
 

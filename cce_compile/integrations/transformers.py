@@ -28,7 +28,8 @@ from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
-from ..api import shift_targets, linear_cross_entropy
+from ..api import linear_cross_entropy, shift_targets
+from ..plan.launch import Memory
 
 # family (the transformers.models subpackage) -> its causal-LM class
 FAMILIES = {
@@ -59,6 +60,7 @@ class LossOptions:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     filter_eps: float | str | None = None
+    memory: Memory = "workspace"
     return_logits: bool = False
 
 
@@ -118,6 +120,7 @@ def causal_lm_loss(
         z_loss=options.z_loss,
         softcap=softcap,
         filter_eps=options.filter_eps,
+        memory=options.memory,
     )
     if num_items_in_batch is None:
         return loss

@@ -171,18 +171,33 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
 
 
 @gluon.jit
+def store_half_tiles(values, out_half, out_desc, row0, col0):
+    """A tile stored through the copy engine a half tile at a time via `out_half` (a whole
+    tile's staging would leave the ring two stages in the shared memory two programs share)."""
+    BLOCK_M: gl.constexpr = values.type.shape[0]
+    HALF_N: gl.constexpr = values.type.shape[1] // 2
+    left, right = gl.split(gl.permute(gl.reshape(values.to(out_half.dtype), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
+    tma.store_wait(0)  # the last tile's right half has left the staging buffer
+    out_half.store(left)
+    fence_async_shared()
+    tma_store(out_desc, [row0, col0], out_half)
+    tma.store_wait(0)
+    out_half.store(right)
+    fence_async_shared()
+    tma_store(out_desc, [row0, col0 + HALF_N], out_half)
+
+
+@gluon.jit
 def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The recompute's: d loss / d logits = coef_softmax * softmax - coef_target at the target
     (kernels/backward.grad_from_logits without its options), stored in the input dtype at
-    (row - row_start, col - col_start) of the d-logits buffer by the copy engine, a half tile at
-    a time through `out_half` (a whole tile's staging would leave the ring two stages in the
-    shared memory two programs share). Rows and columns past the slab are computed and stored
+    (row - row_start, col - col_start) of the d-logits buffer by the copy engine (store_half_tiles).
+    Rows and columns past the slab are computed and stored
     within the buffer, where the GEMMs do not read them."""
     (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
      row_start, rows, col_start, SCALED) = args
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    HALF_N: gl.constexpr = BLOCK_N // 2
     row_mask = local_rows < rows
     token = row_start + local_rows
     lse = gl.load(lse_ptr + token, mask=row_mask, other=0.0)
@@ -197,15 +212,7 @@ def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
         grad -= gl.where(vocab[None, :] == targets[:, None], coef_target[:, None], 0.0)
     if SCALED:  # fp16: kernels/backward.grad_from_logits says why
         grad = grad / gl.load(scale_ptr)
-    left, right = gl.split(gl.permute(gl.reshape(grad.to(out_half.dtype), [BLOCK_M, 2, HALF_N]), [0, 2, 1]))
-    tma.store_wait(0)  # the last tile's right half has left the staging buffer
-    out_half.store(left)
-    fence_async_shared()
-    tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_half)
-    tma.store_wait(0)
-    out_half.store(right)
-    fence_async_shared()
-    tma_store(grad_logits_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N + HALF_N], out_half)
+    store_half_tiles(grad, out_half, grad_logits_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
 
 
 @gluon.jit
@@ -225,3 +232,45 @@ def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, col_start, cols, D, GROUP_M)),
     ], [1], [24])
     tma.store_wait(0)  # the consumer's last d-logits store has left shared memory
+
+
+@gluon.jit
+def scaled_exp_epilogue(acc, pid_m, pid_n, local_rows, args):
+    """The fused forward's (kernels/fused_forward.py, plain loss): q = exp(logit - shift) into
+    the workspace, each row's sum of q, largest logit and target logit into the statistics."""
+    (workspace_desc, out_half, targets_ptr, shift_ptr, stats_ptr, target_logit_ptr, stat_stride, row_start, rows,
+     V) = args
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    row_mask = local_rows < rows
+    # Past V the copy engine's zero fill gives logits of 0.
+    logits = gl.where((cols < V)[None, :], acc, float("-inf"))
+    targets = gl.load(targets_ptr + row_start + local_rows, mask=row_mask, other=-1)
+    hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
+    if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
+        is_target = cols[None, :] == targets[:, None]
+        gl.store(target_logit_ptr + local_rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
+    shift = gl.load(shift_ptr + local_rows, mask=row_mask, other=0.0)
+    q = exp_shifted(logits, shift)
+    at = stats_ptr + pid_n.to(gl.int64) * rows + local_rows
+    gl.store(at, gl.sum(q, axis=1), mask=row_mask)
+    gl.store(at + stat_stride, gl.max(logits, axis=1), mask=row_mask)
+    store_half_tiles(q, out_half, workspace_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
+
+
+@gluon.jit
+def fused_forward_ws_kernel(e_desc, c_desc, workspace_desc, targets_ptr, shift_ptr, stats_ptr, target_logit_ptr,
+                            stat_stride, row_start, rows, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The fused forward of one token chunk (rows of e from row_start, all of V) into the
+    workspace that workspace_desc views (half-tile blocks), for the plain loss. Launched as
+    lse_forward_ws_kernel is (num_warps=4, maxnreg=128, two programs per SM)."""
+    e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
+    out_half = gl.allocate_shared_memory(workspace_desc.dtype, workspace_desc.block_type.shape, workspace_desc.layout)
+    gl.warp_specialize([
+        (consume_tiles, (scaled_exp_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, V, D, GROUP_M,
+                         (workspace_desc, out_half, targets_ptr, shift_ptr, stats_ptr, target_logit_ptr, stat_stride,
+                          row_start, rows, V))),
+        (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, 0, V, D, GROUP_M)),
+    ], [1], [24])
+    tma.store_wait(0)  # the consumer's last workspace store has left shared memory

@@ -9,6 +9,9 @@ size does not grow with the backward's slab count, and compiled and eager calls 
 The forward picks its config and policy when it runs; the autograd passes both to the
 backward as strings, so the backward launches with the forward's (filtered mode's kept tiles
 are laid out by its tiles), on whatever thread autograd runs it.
+
+The fused op computes a scalar loss and its gradients in one call (ops/forward_fused.py); its
+backward only scales them by the loss's upstream gradient.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config.kernel_config import KernelConfig
+from ..kernels.fused_forward import scale_unless_one_kernel
 from ..plan.launch import plan_launch, runs_triton
 from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import run_backward
 from .forward import run_forward
+from .forward_fused import run_fused
 from .problem import cdiv, config_for, options_of, problem_of
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -134,3 +140,78 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("cce::linear_cross_entropy_fused", mutates_args=())
+def linear_cross_entropy_fused(
+    e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, ignore_index: int,
+    label_smoothing: float, softcap: float, z_loss: float, reduction: str, need_grad_e: bool, need_grad_c: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (loss, grad_e, grad_c, grad_bias): the loss reduced ("mean" or "sum"; 0-d fp32),
+    z-loss included, and its gradients (empty where not needed, grad_bias without a bias)."""
+    policy = active_policy()
+    config = config_for(e, c, False, policy)
+    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, 0.0), config, policy)
+    return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
+                     reduction, need_grad_e, need_grad_c)
+
+
+@linear_cross_entropy_fused.register_fake
+def _fused_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss, reduction, need_grad_e,
+                need_grad_c):
+    return (
+        e.new_empty((), dtype=torch.float32),
+        e.new_empty(e.shape if need_grad_e else (0,)),
+        c.new_empty(c.shape if need_grad_c else (0,)),
+        c.new_empty(c.shape[:1] if bias is not None else (0,)),
+    )
+
+
+def _fused_setup_context(ctx, inputs, output) -> None:
+    _, grad_e, grad_c, grad_bias = output
+    ctx.mark_non_differentiable(grad_e, grad_c, grad_bias)
+    # Held as attributes, detached: saving outputs of this node for its own backward would make
+    # a reference cycle through their grad_fn that frees them only at a garbage collection.
+    ctx.gradients = (grad_e.detach(), grad_c.detach(), grad_bias.detach())
+
+
+def _keep_graph() -> bool:
+    """Whether this backward keeps the graph (retain_graph=True): then the gradients held for
+    a later backward must not be scaled in place."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else keep_graph()
+
+
+def scaled(gradient: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
+    """`gradient` times the loss's upstream gradient; in place where nothing else will read
+    the unscaled one, skipping the pass altogether on the GPU when it is 1."""
+    if not in_place:
+        return gradient * grad_loss.to(gradient.dtype)
+    if gradient.is_cuda and gradient.numel():
+        block = 8192
+        scale_unless_one_kernel[(cdiv(gradient.numel(), block),)](
+            gradient, gradient.numel(), grad_loss.to(torch.float32).reshape(1), BLOCK=block)
+        return gradient
+    return gradient.mul_(grad_loss.to(gradient.dtype))
+
+
+def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
+    traced = ctx.gradients is not None and any(map(is_fake, ctx.gradients))  # torch.compile's AOTAutograd
+    if torch.is_grad_enabled() and not traced:
+        raise RuntimeError(
+            "linear_cross_entropy computes its gradients in the forward (memory='workspace'), so it has no "
+            "double backward (create_graph=True); pass memory='low' for a backward that recomputes them")
+    if ctx.gradients is None:
+        raise RuntimeError("linear_cross_entropy: this graph was already backpropagated; pass retain_graph=True "
+                           "to the first backward to run another")
+    gradients = ctx.gradients
+    in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
+    if in_place:
+        ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy
+    grad_e, grad_c, grad_bias = (scaled(g, grad_loss, in_place) if g.numel() else g for g in gradients)
+    need_grad_e, need_grad_c, need_grad_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+    return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
+            grad_bias if need_grad_bias else None, None, None, None, None, None, None, None, None)
+
+
+linear_cross_entropy_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)

@@ -25,6 +25,15 @@ grad_logits_kernel, or the plain-PyTorch path."""
 GradientGemms = Literal["cublas", "triton", "cpu"]
 """The dense backward's dE and dC GEMMs: torch.mm (cuBLAS), matmul_kernel, or the CPU path."""
 
+FusedKernel = Literal["gluon", "tma", "pointer", "cpu"]
+"""The fused forward (gradients in the forward): fused_forward_ws_kernel (Gluon),
+fused_forward_tma_kernel, fused_forward_kernel, or the plain-PyTorch path."""
+
+Memory = Literal["workspace", "low"]
+"""What a call may hold: a workspace of token chunk x V for a forward that computes the
+gradients too (three GEMMs of work in all, at most ~2x the gradients), or "low": the forward
+keeps only the log-sum-exps and the backward recomputes the logits (four GEMMs, ~1.1x)."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -71,6 +80,7 @@ class LaunchPlan:
     fixed slabs."""
 
     forward: ForwardKernel
+    fused: FusedKernel
     recompute: RecomputeKernel
     gradient_gemms: GradientGemms
     filtered: bool
@@ -78,6 +88,7 @@ class LaunchPlan:
     cuda_graphs: bool  # the dense slab loop replays as a CUDA graph once a call recurs
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
     forward_chunk_rows: int
+    workspace_rows: int  # the fused forward's token chunk
     gluon_tile: TileConfig
     gluon_programs_per_sm: int
     dense_fraction: float
@@ -101,6 +112,39 @@ def forward_kernel(problem: Problem, options: Options, policy: Policy) -> Forwar
             and problem.descriptors_fit and gluon_steps <= policy.forward_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "split"
+
+
+def gradients_in_forward(options: Options, dtype: str, scalar_loss: bool, memory: Memory) -> bool:
+    """Whether a call that needs gradients takes the fused forward: a scalar loss (its
+    upstream gradient is one number, so the forward can finish the gradients and the
+    backward scale them), exact mode, and a workspace the dtype can hold. fp16's range cannot
+    hold the workspace's exponentials (exp(logit - mean logit) passes 65504 at a gap of 11),
+    and soft-capping's derivative does not factor out of label smoothing's term."""
+    return (memory == "workspace" and scalar_loss and not options.filtered and dtype != "float16"
+            and not (options.has_softcap and options.has_smoothing))
+
+
+def fused_kernel(problem: Problem, options: Options, policy: Policy) -> FusedKernel:
+    if not runs_triton(problem, policy):
+        return "cpu"
+    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
+    if (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
+            and gluon_steps <= policy.fused_gluon_max_k_steps):
+        return "gluon"
+    return "tma" if problem.descriptors_fit else "pointer"
+
+
+def workspace_rows(n: int, v: int, d: int, element_bytes: int, config: KernelConfig, policy: Policy) -> int:
+    """The fused forward's token chunk: config.workspace_rows where tuned, else as many rows
+    (in 128s) as fit policy.workspace_fraction of the gradients beside their per-row buffers
+    (a chunk's fp32 dE, its scaled e rows and the statistics), and no more than N needs."""
+    all_rows = -(-max(n, 1) // 128) * 128
+    if config.workspace_rows:
+        return min(config.workspace_rows, all_rows)
+    grad_bytes = (n * d + v * d + v) * element_bytes
+    per_row = v * element_bytes + d * (4 + element_bytes) + 3 * 4 * -(-v // 128)
+    rows = int(policy.workspace_fraction * grad_bytes) // per_row // 128 * 128
+    return max(128, min(rows, all_rows))
 
 
 def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
@@ -128,6 +172,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
     triton = runs_triton(problem, policy)
     return LaunchPlan(
         forward=forward_kernel(problem, options, policy),
+        fused=fused_kernel(problem, options, policy),
         recompute=recompute_kernel(problem, options, config, policy),
         gradient_gemms=gradient_gemms(problem, policy),
         filtered=options.filtered,
@@ -136,6 +181,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
                      and not problem.capturing),
         direct_launch=problem.on_cuda,
         forward_chunk_rows=policy.forward_chunk_rows,
+        workspace_rows=workspace_rows(problem.n, problem.v, problem.d, problem.element_bytes, config, policy),
         gluon_tile=policy.gluon_tile,
         gluon_programs_per_sm=policy.gluon_programs_per_sm,
         dense_fraction=policy.dense_fraction,

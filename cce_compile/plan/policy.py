@@ -81,6 +81,13 @@ class Policy:
     max_dc_roundings: int = 16
     """Token chunks at most where the budget allows: dC sums over chunks in its own dtype, 4.2e-3 error at 16."""
 
+    workspace_fraction: float = 0.75
+    """The fused forward's workspace (token chunk x V), as a share of the gradients it computes: with them and the
+    per-row buffers a call peaks under 2x the gradients, with a margin for the allocator."""
+
+    fused_gluon_max_k_steps: int = 64
+    """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 4096), as the recompute."""
+
     backward_plan: BackwardPlan | None = None
     """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
 

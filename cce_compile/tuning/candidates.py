@@ -39,10 +39,13 @@ SHAPE_AXES: dict[str, tuple[int, ...]] = {
 shape: on the H200 stages and grouping moved the logits kernels most around the
 128x256x64 tiles, and BK=128 and 128x128 tiles were slower."""
 FORWARD_AXES: dict[str, tuple[int, ...]] = {"vocab_splits": (1, 2, 4, 8, 16, 32, 64)}
-BACKWARD_AXES: dict[str, tuple[int, ...]] = {"slab_v": (1024, 2048, 4096, 8192, 16384, 32768)}
+BACKWARD_AXES: dict[str, tuple[int, ...]] = {
+    "slab_v": (1024, 2048, 4096, 8192, 16384, 32768), "workspace_rows": (512, 1024, 2048, 4096, 8192),
+}
 CONFIG_AXES = {"forward": FORWARD_AXES, "grad_logits": BACKWARD_AXES}
 """Config-wide values searched with the kernel they shape: vocab_splits splits the
-forward's vocabulary sweep, slab_v sizes every grad_logits launch."""
+forward's vocabulary sweep, slab_v sizes the recompute's launches and workspace_rows the fused
+forward's (whose tile is grad_logits')."""
 TILE_FIELDS = tuple(f.name for f in fields(TileConfig))
 
 
@@ -121,7 +124,10 @@ class KernelSpace:
     policy: Policy = field(default_factory=default_policy)
 
     def with_value(self, config: KernelConfig, axis: str, value: int) -> KernelConfig | None:
-        """`config` with one value changed, or None if that config is invalid or does not fit."""
+        """`config` with one value changed, or None if that config is invalid or does not fit
+        (the GPU, or the memory plan: the fused forward's chunk never grows past its budget)."""
+        if axis == "workspace_rows" and value > self.workspace_budget:
+            return None
         try:
             if axis in TILE_FIELDS:
                 tile = replace(getattr(config, self.kernel), **{axis: value})
@@ -159,6 +165,13 @@ class KernelSpace:
                 return (tile,)
             vocab_tiles = -(-p.v // tile.block_n)
             return (tile, -(-vocab_tiles // min(config.vocab_splits, vocab_tiles)))
+        if self.kernel == "grad_logits" and self.fused:
+            if plan.fused == "gluon":
+                return (None, plan.workspace_rows)
+            if plan.fused == "tma":  # its output tile is staged in shared memory, as the recompute's
+                tile = replace(tile, num_stages=stages_beside_output(tile, p.element_bytes,
+                                                                      self.limits.shared_memory_bytes))
+            return (tile, plan.workspace_rows)
         if self.kernel == "grad_logits":
             steps = plan.backward
             if plan.recompute == "gluon" and not plan.filtered:  # the d-logits buffer keeps the config's rows
@@ -168,6 +181,18 @@ class KernelSpace:
                                                                       self.limits.shared_memory_bytes))
             return (tile, steps)
         return (tile,)
+
+    @property
+    def workspace_budget(self) -> int:
+        """The fused forward's token chunk where the memory plan alone sizes it."""
+        p = self.problem
+        return launch.workspace_rows(p.n, p.v, p.d, p.element_bytes, KernelConfig(), self.policy)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the timed calls (a mean loss with gradients) take the fused forward."""
+        options = launch.Options(filtered=self.problem.mode == "filtered")
+        return launch.gradients_in_forward(options, self.problem.dtype, True, "workspace")
 
     def size(self, start: KernelConfig) -> int:
         """How many distinct launches the whole space holds (for the plan): every axis

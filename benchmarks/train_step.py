@@ -1,0 +1,148 @@
+"""One training step of a Hugging Face Llama-shaped model, HF's loss against patch(), eager,
+torch.compile and torch.compile(mode="reduce-overhead"): median step, peak memory, first-step
+(compiling) time and loss agreement.
+
+    PYTHONPATH=$PWD python benchmarks/train_step.py --out benchmarks/results/train-step-h200.json
+
+The model: 2 decoder layers, hidden 2048, vocab 128256, untied head, batch 4 x 2048 tokens,
+bf16 weights, AdamW. Each run is its own process with empty Inductor and Triton caches, so its
+first step pays the compile a user's first run pays, and no run reuses another's kernels.
+Without CUDA it runs a small model on CPU (a smoke run: `--small`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNS = {
+    "hf eager": (False, None),
+    "patched eager": (True, None),
+    "hf compiled": (False, "default"),
+    "patched compiled": (True, "default"),
+    "hf reduce-overhead": (False, "reduce-overhead"),
+    "patched reduce-overhead": (True, "reduce-overhead"),
+}
+"""Run name -> (patched, torch.compile mode or None for eager)."""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="JSON results (a .md table beside it)")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--steps", type=int, default=12, help="steps per run; the median skips the first two")
+    parser.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--child", choices=list(RUNS), help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def model_shape(small: bool) -> dict[str, int]:
+    if small:
+        return {"layers": 1, "hidden": 128, "vocab": 4096, "batch": 2, "seq": 64}
+    return {"layers": 2, "hidden": 2048, "vocab": 128256, "batch": 4, "seq": 2048}
+
+
+def run_child(name: str, steps: int, small: bool) -> dict:
+    """One run, in this process: build, compile (if asked), train `steps` steps."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cce_compile.integrations.transformers import patch
+
+    patched, mode = RUNS[name]
+    shape = model_shape(small)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = LlamaConfig(
+        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=shape["hidden"] // 64,
+        num_key_value_heads=shape["hidden"] // 64, head_dim=64, intermediate_size=shape["hidden"] * 11 // 4,
+        vocab_size=shape["vocab"], max_position_embeddings=shape["seq"], use_cache=False, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train().to(device, torch.bfloat16)
+    if patched:
+        patch(model)
+    forward = model if mode is None else torch.compile(model, mode=mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=generator).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, seconds = [], []
+    for _ in range(steps):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = forward(input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # synchronizes
+        seconds.append(time.perf_counter() - start)
+    return {
+        "losses": losses,
+        "step_ms": 1e3 * statistics.median(seconds[2:] or seconds),
+        "first_step_s": seconds[0],
+        "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def spawn(name: str, args: argparse.Namespace) -> dict:
+    """`name` in a fresh process with empty compile caches; a failure is recorded, not raised."""
+    with tempfile.TemporaryDirectory() as caches:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                            os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)] + (["--small"] * args.small)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summary(results: dict[str, dict]) -> list[str]:
+    """A markdown table: each run, and patched against HF's loss in the same mode."""
+    lines = ["| run | median step ms | peak MiB | first step s | loss vs HF's (max rel. diff) |", "|---|---|---|---|---|"]
+    for name, run in results.items():
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error'].splitlines()[-1][:120]} | | | |")
+            continue
+        twin = results.get(name.replace("patched", "hf"), {})
+        agreement = ""
+        if name.startswith("patched") and "losses" in twin:
+            agreement = f"{max(abs(a - b) / abs(b) for a, b in zip(run['losses'], twin['losses'])):.1e}"
+        peak = f"{run['peak_mib']:.0f}" if run["peak_mib"] is not None else "-"
+        lines.append(f"| {name} | {run['step_ms']:.1f} | {peak} | {run['first_step_s']:.1f} | {agreement} |")
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(run_child(args.child, args.steps, args.small)))
+        return
+    results: dict[str, dict] = {}
+    for name in args.runs:
+        results[name] = spawn(name, args)
+        print(summary({name: results[name]})[-1], flush=True)
+    table = summary(results)
+    print("\n".join(table))
+    if args.out:
+        shape = model_shape(args.small)
+        args.out.write_text(json.dumps({"shape": shape, "steps": args.steps, "runs": results}, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

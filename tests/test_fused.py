@@ -1,0 +1,143 @@
+"""The fused forward (memory="workspace"): gradients computed in the forward for a scalar
+loss, scaled by the backward; what autograd users do with it, and when it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import cce_compile
+from cce_compile.config.kernel_config import KernelConfig, TileConfig
+from cce_compile.plan.launch import Options, gradients_in_forward, workspace_rows
+from cce_compile.plan.policy import Policy
+
+from .op_cases import make_inputs, relative_error
+from .reference import reference_loss
+
+PATHS = [  # the interpreter mark runs the Triton kernels (tests/conftest.py)
+    pytest.param(False, id="cpu"), pytest.param(True, id="interpreter", marks=pytest.mark.interpreter)]
+SMALL_CHUNKS = KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2, workspace_rows=128)
+"""Tiles the interpreter runs quickly, and token chunks of 128 rows: several per call."""
+
+
+def leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_several_chunks_match_float64(path: bool) -> None:
+    e, c, targets = make_inputs("zipf", (300,), 500, 32, torch.float32, seed=3)
+    targets[::7] = -100
+    bias = torch.randn(500) * 0.1
+    weight = torch.rand(500) + 0.5
+    ours, ref = leaves(e, c, bias), leaves(e.double(), c.double(), bias.double())
+    options = {"label_smoothing": 0.1, "z_loss": 1e-3}
+    with cce_compile.override_config(SMALL_CHUNKS):
+        loss = cce_compile.linear_cross_entropy(*ours[:2], targets, bias=ours[2], weight=weight, **options)
+    expected = reference_loss(*ref[:2], targets, bias=ref[2], weight=weight, **options)
+    assert loss.grad_fn.name().startswith("GeneratedBackwardFor_cce_linear_cross_entropy_fused")
+    (loss * 1.5).backward()
+    (expected * 1.5).backward()
+    assert relative_error(loss, expected) < 1e-6
+    for got, want in zip(ours, ref):
+        assert relative_error(got.grad, want.grad) < 1e-5
+
+
+@pytest.mark.interpreter
+def test_rows_far_above_their_shift_are_done_again() -> None:
+    """Rows whose logits spread by hundreds (lse hundreds above the mean logit, where
+    exp(logit - mean) overflows) take their largest logit as the shift and stay exact."""
+    e, c, targets = make_inputs("signed", (150,), 300, 32, torch.float32, seed=5)
+    e[:20] *= 80.0
+    ours, ref = leaves(e, c), leaves(e.double(), c.double())
+    with cce_compile.override_config(SMALL_CHUNKS):
+        loss = cce_compile.linear_cross_entropy(*ours, targets)
+    expected = reference_loss(*ref, targets)
+    loss.backward()
+    expected.backward()
+    assert torch.isfinite(loss) and relative_error(loss, expected) < 1e-6
+    for got, want in zip(ours, ref):
+        assert relative_error(got.grad, want.grad) < 1e-5
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_retain_graph_accumulation_and_checkpointing(path: bool) -> None:
+    """A second backward through a retained graph, gradient accumulation over two calls, and
+    activation checkpointing (the forward run again under grad) all give the recompute's
+    gradients."""
+    e, c, targets = make_inputs("zipf", (200,), 400, 32, torch.float32, seed=7)
+
+    def run(memory: str, how: str) -> list[torch.Tensor]:
+        ee, cc = leaves(e, c)
+
+        def loss_of(hidden: torch.Tensor) -> torch.Tensor:
+            return cce_compile.linear_cross_entropy(hidden, cc, targets, memory=memory)
+
+        with cce_compile.override_config(SMALL_CHUNKS):
+            if how == "retained":
+                loss = loss_of(ee)
+                loss.backward(retain_graph=True)
+                (2.0 * loss).backward()
+            elif how == "accumulated":
+                loss_of(ee).backward()
+                loss_of(ee * 0.5).backward()
+            else:
+                checkpoint(loss_of, ee, use_reentrant=how == "reentrant").backward()
+        return grads([ee, cc])
+
+    for how in ("retained", "accumulated", "reentrant", "non-reentrant"):
+        for got, want in zip(run("workspace", how), run("low", how)):
+            assert relative_error(got, want) < 1e-5, how
+
+
+def test_double_backward_is_a_clear_error() -> None:
+    e, c, targets = make_inputs("zipf", (40,), 100, 16, torch.float32, seed=1)
+    ee, cc = leaves(e, c)
+    loss = cce_compile.linear_cross_entropy(ee, cc, targets)
+    with pytest.raises(RuntimeError, match="double backward.*memory='low'"):
+        torch.autograd.grad(loss, ee, create_graph=True)
+
+
+def test_a_forward_without_grad_runs_the_plain_forward(fused_outputs: list) -> None:
+    """Evaluation (no_grad), a loss nobody differentiates, reduction="none" and return_lse
+    never take the fused forward; a training call does."""
+    e, c, targets = make_inputs("zipf", (40,), 100, 16, torch.float32, seed=2)
+    ee, cc = leaves(e, c)
+    with torch.no_grad():
+        cce_compile.linear_cross_entropy(ee, cc, targets)
+    cce_compile.linear_cross_entropy(e, c, targets)
+    cce_compile.linear_cross_entropy(ee, cc, targets, reduction="none")
+    cce_compile.linear_cross_entropy(ee, cc, targets, return_lse=True)
+    assert fused_outputs == []
+    cce_compile.linear_cross_entropy(ee, cc, targets)
+    assert fused_outputs == [(40 * 16, 100 * 16)]
+
+
+def test_which_calls_take_the_fused_forward() -> None:
+    plain = Options()
+    assert gradients_in_forward(plain, "bfloat16", True, "workspace")
+    assert gradients_in_forward(plain, "float32", True, "workspace")
+    assert not gradients_in_forward(plain, "bfloat16", True, "low")
+    assert not gradients_in_forward(plain, "bfloat16", False, "workspace")  # reduction="none"
+    assert not gradients_in_forward(plain, "float16", True, "workspace")
+    assert not gradients_in_forward(Options(filtered=True), "bfloat16", True, "workspace")
+    assert not gradients_in_forward(Options(has_softcap=True, has_smoothing=True), "bfloat16", True, "workspace")
+    assert gradients_in_forward(Options(has_softcap=True, has_bias=True, has_weight=True), "bfloat16", True, "workspace")
+
+
+@pytest.mark.parametrize(("n", "d", "v"), [(8192, 2304, 256000), (8192, 4096, 128256), (16384, 896, 151936),
+                                           (4096, 8192, 128256), (300, 64, 50000)])
+def test_the_workspace_stays_within_its_share_of_the_gradients(n: int, d: int, v: int) -> None:
+    """The workspace and its per-row buffers fit the policy's share of the gradients, so
+    with the gradients themselves the call stays under 2x them; tuned rows override."""
+    policy = Policy()
+    rows = workspace_rows(n, v, d, 2, KernelConfig(), policy)
+    grad_bytes = (n * d + v * d) * 2
+    assert rows % 128 == 0 and 128 <= rows <= -(-n // 128) * 128
+    assert rows * (v * 2 + d * 6) <= policy.workspace_fraction * grad_bytes or rows == 128
+    assert workspace_rows(n, v, d, 2, KernelConfig(workspace_rows=256), policy) == min(256, -(-n // 128) * 128)
