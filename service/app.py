@@ -10,14 +10,18 @@ from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 
 from service.body_limit import BodySizeLimitMiddleware
+from service.database_errors import database_error
 from service.metrics import RequestMetricsMiddleware, ServiceMetrics
+from service.parent_watch import exit_with_parent
 from service.routes import configs, gpus, health, measurements, transfer
 from service.settings import ServiceSettings
 from tuning_db import store
 from tuning_db.engine import make_engine, resolve_db_url
 from tuning_db.migrate import upgrade
+from tuning_db.records import clip
 
 _STORE_ERROR_STATUS = {
     store.NotFoundError: status.HTTP_404_NOT_FOUND,
@@ -26,12 +30,19 @@ _STORE_ERROR_STATUS = {
 }
 
 
+MAX_DETAIL_CHARS = 1000
+"""An error's text in an answer is cut here (it may quote megabytes of input)."""
+MAX_REPORTED_ERRORS = 20
+"""A 422 names this many bad fields at most (a body of 10,000 unknown keys has as many)."""
+
+
 def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     settings = settings or ServiceSettings()
     db_url = resolve_db_url(settings.db_url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        exit_with_parent()
         # A single machine's SQLite file is upgraded in place; a shared PostgreSQL is
         # upgraded once, by `cce db upgrade`, not by every replica that starts.
         if app.state.engine.dialect.name == "sqlite":
@@ -54,7 +65,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         app.include_router(module.router)
 
     async def store_error(_request: Request, error: Exception) -> JSONResponse:
-        body = {"detail": str(error)}
+        body = {"detail": clip(str(error), limit=MAX_DETAIL_CHARS)}
         if isinstance(error, store.ImportFormatError):
             body["line"] = error.line_number
         return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)])
@@ -62,6 +73,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     for error_type in _STORE_ERROR_STATUS:
         app.add_exception_handler(error_type, store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(DBAPIError, database_error)
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)
@@ -69,8 +81,15 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
 
 
 async def _validation_error(_request: Request, error: Exception) -> JSONResponse:
-    """A 422 naming each bad field, without echoing the input back (it may be huge, or NaN,
-    which JSON cannot carry)."""
+    """A 422 naming the bad fields, without echoing the input back (it may be huge, or NaN,
+    which JSON cannot carry): names and messages are clipped, as they may quote it."""
     assert isinstance(error, RequestValidationError)
-    details = [{"loc": item["loc"], "msg": item["msg"], "type": item["type"]} for item in error.errors()]
+    details = [
+        {
+            "loc": [clip(part) if isinstance(part, str) else part for part in item["loc"]],
+            "msg": clip(item["msg"]),
+            "type": item["type"],
+        }
+        for item in error.errors()[:MAX_REPORTED_ERRORS]
+    ]
     return JSONResponse({"detail": details}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)

@@ -16,6 +16,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tuning_db.records import MATCH_LEVELS, MatchLevel
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""The methods counted under their own name; every other is counted as 'other'."""
+
+
 class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -46,7 +50,8 @@ class ServiceMetrics:
 
 
 class RequestMetricsMiddleware:
-    """Counts and times every HTTP request under its route template (bounded label values)."""
+    """Counts and times every HTTP request under its method, route template and status,
+    each from a bounded set (the route is a template or 'unmatched', never the raw path)."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
         self.app = app
@@ -70,5 +75,8 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             route_path = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(scope["method"], route_path, str(status_code)).inc()
-            self.metrics.latency.labels(scope["method"], route_path).observe(time.perf_counter() - started)
+            # The method comes from the client: any token is a valid HTTP method, so an
+            # unknown one must not become a new label value (a series per invented method).
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.metrics.requests.labels(method, route_path, str(status_code)).inc()
+            self.metrics.latency.labels(method, route_path).observe(time.perf_counter() - started)

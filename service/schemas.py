@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuning_db.records import BestEntry, ConfigFilters, ImportMode, MatchLevel
+from tuning_db.records import MAX_ROW_ID, BestEntry, ConfigFilters, ImportMode, MatchLevel
 
 
 class Forbidding(BaseModel):
@@ -28,7 +28,7 @@ class BestConfigResponse(Forbidding):
 
 class ConfigListQuery(ConfigFilters):
     limit: int = Field(100, ge=1, le=1000)
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=MAX_ROW_ID)
 
 
 class ConfigPage(Forbidding):

@@ -136,7 +136,7 @@ def test_lookup_prefers_the_better_level_then_the_nearer_bucket(engine: Engine) 
 
 
 def test_retired_entries_are_skipped_then_replaced_by_the_next_measurement(engine: Engine) -> None:
-    bogus = store.record_measurement(engine, measurement(0.001))
+    bogus = store.record_measurement(engine, measurement(0.002))
     retired = store.retire(engine, bogus.entry_id)
     assert retired.retired
     assert lookup(engine).match_level == "none"

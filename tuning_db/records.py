@@ -33,15 +33,43 @@ ImportMode = Literal["keep_better", "skip", "overwrite"]
 
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+\-]{1,128}$")]
+
+
+def _named(key: str) -> str:
+    """Refuse a name that normalizes to nothing ('___', '   '): it would be a key of no GPU."""
+    if not key:
+        raise ValueError("the GPU name must contain a letter or digit")
+    return key
+
+
 GpuName = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9 _.()\-]{1,128}$"), AfterValidator(normalize_gpu_name)
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9 _.()\-]{1,128}$"),
+    AfterValidator(normalize_gpu_name),
+    AfterValidator(_named),
 ]
 ComputeCapability = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,2}\.[0-9]{1,2}$")]
 SmCount = Annotated[int, Field(ge=1, le=4096)]
 VocabSize = Annotated[int, Field(ge=1, le=2**31 - 1)]
 HiddenSize = Annotated[int, Field(ge=1, le=2**20)]
 Tokens = Annotated[int, Field(ge=1, le=2**40)]
-Milliseconds = Annotated[float, Field(gt=0, lt=1e7, allow_inf_nan=False)]
+MIN_MILLISECONDS = 1e-3
+MAX_MILLISECONDS = 1e6
+Milliseconds = Annotated[float, Field(ge=MIN_MILLISECONDS, le=MAX_MILLISECONDS, allow_inf_nan=False)]
+"""A kernel time: 1 us (no launch is faster; 5e-324 would make speedup overflow) to 1000 s."""
+MAX_ROW_ID = 2**31 - 1
+"""Row ids are 32-bit INTEGER columns on PostgreSQL: a larger one names no row."""
+RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
+
+
+CLIPPED_CHARS = 200
+"""How much of one piece of input an error message may quote."""
+
+
+def clip(text: str, limit: int = CLIPPED_CHARS) -> str:
+    """`text` cut to `limit` characters, saying how long it was: errors name bad input
+    without handing megabytes of it back."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class StrictModel(BaseModel):
@@ -133,11 +161,21 @@ class LookupQuery(BaseModel):
         return self
 
 
+class StoredGpu(BaseModel):
+    """A GPU as stored. Answers are not re-validated against the input rules: a row written
+    before a rule existed must still be served (and can be retired), never fail the endpoint."""
+
+    name: str
+    compute_capability: str
+    sm_count: int
+    memory_bytes: int
+
+
 class BestEntry(BaseModel):
-    """A best config with the measurement it came from."""
+    """A best config with the measurement it came from (as stored, see StoredGpu)."""
 
     entry_id: int
-    gpu: GpuSpec
+    gpu: StoredGpu
     kernel: str
     kernel_version: str
     triton_version: str

@@ -1,6 +1,7 @@
 """The operations on the tuning database (the service's and the CLI's only way in).
 
-Writes go through `write_session` (one transaction each). A measurement is appended, then
+Writes go through `write_session` (one transaction each; an import one per batch of lines).
+A measurement is appended, then
 the key's best entry is changed by a single INSERT ... ON CONFLICT DO UPDATE ... WHERE the
 new time is faster (or the entry is retired): the database compares the times under its
 own row lock, so concurrent writers can never lose the faster one.
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import to_json
 from sqlalchemy import ColumnElement, Engine, Row, and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -38,6 +40,7 @@ from tuning_db.records import (
     MatchLevel,
     MeasurementIn,
     RecordResult,
+    clip,
 )
 
 
@@ -76,6 +79,11 @@ _MEASUREMENT_COLUMNS = {
 }
 """MeasurementIn's fields and the measurements columns behind them (the GPU is a join)."""
 _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
+IMPORT_BATCH_LINES = 200
+"""Lines per import transaction: a large file must not hold SQLite's write lock for longer
+than other writers wait for it (busy timeout), so it commits every batch."""
+UID_QUERY_CHUNK = 500
+"""Uids per IN (...) when an import looks for the measurements it already holds."""
 
 
 def _now() -> datetime:
@@ -105,39 +113,58 @@ def _gpu_id(session: Session, spec: GpuSpec) -> int:
     insert = _dialect_insert(session)
     session.execute(insert(Gpu).values(spec.model_dump()).on_conflict_do_nothing(index_elements=["name"]))
     gpu = session.scalars(select(Gpu).where(Gpu.name == spec.name)).one()
+    _check_gpu(gpu, spec)
+    return gpu.id
+
+
+def _check_gpu(gpu: Gpu, spec: GpuSpec) -> None:
+    """Raise ConflictError if the registered GPU of this name has other properties."""
     if (gpu.compute_capability, gpu.sm_count) != (spec.compute_capability, spec.sm_count):
         raise ConflictError(
             f"GPU {spec.name!r} is registered with compute capability {gpu.compute_capability} and "
             f"{gpu.sm_count} SMs, not {spec.compute_capability} and {spec.sm_count}"
         )
-    return gpu.id
 
 
 def _add_measurement(
     session: Session, measurement: MeasurementIn, uid: str, created_at: datetime
 ) -> tuple[Measurement, bool]:
     """Append a measurement unless one with this uid exists; returns the stored row and
-    whether it was added (a re-imported file adds nothing twice)."""
+    whether it was added (a re-imported file adds nothing twice). A stored uid with other
+    content is a ConflictError: a uid names one measurement."""
     fields = measurement.model_dump(include=set(_MEASUREMENT_COLUMNS))
     values = {_MEASUREMENT_COLUMNS[name]: value for name, value in fields.items()}
-    values |= {
-        "uid": uid,
-        "gpu_id": _gpu_id(session, measurement.gpu),
-        "n_bucket": n_bucket(measurement.tokens),
-        "created_at": created_at,
-    }
+    gpu_id = _gpu_id(session, measurement.gpu)
+    values |= {"uid": uid, "gpu_id": gpu_id, "n_bucket": n_bucket(measurement.tokens), "created_at": created_at}
     insert = _dialect_insert(session)
     added = session.scalars(
         insert(Measurement).values(values).on_conflict_do_nothing(index_elements=["uid"]).returning(Measurement)
     ).one_or_none()
     if added is not None:
         return added, True
-    return session.scalars(select(Measurement).where(Measurement.uid == uid)).one(), False
+    stored = session.scalars(select(Measurement).where(Measurement.uid == uid)).one()
+    _check_same_content(stored, measurement, same_gpu=stored.gpu_id == gpu_id)
+    return stored, False
+
+
+def _check_same_content(stored: Measurement, measurement: MeasurementIn, same_gpu: bool) -> None:
+    """Raise ConflictError unless the stored measurement of this uid is `measurement`."""
+    differing = [] if same_gpu else ["gpu"]
+    differing += [
+        name for name, column in _MEASUREMENT_COLUMNS.items() if getattr(stored, column) != getattr(measurement, name)
+    ]
+    if differing:
+        raise ConflictError(
+            f"measurement uid {stored.uid} is stored with other {', '.join(differing)}: a uid names one "
+            "measurement (give an edited line a new uid)"
+        )
 
 
 def _upsert_best(session: Session, measurement: Measurement, mode: ImportMode) -> bool:
     """Point the key's best entry at `measurement` if `mode` says so, in one statement;
-    returns whether it did. keep_better: only when faster than the live entry."""
+    returns whether it did. keep_better: only when faster than the live entry. An entry that
+    already points at `measurement` is left alone (a re-import replaces nothing, and does
+    not revive a retired entry)."""
     insert = _dialect_insert(session)
     statement = insert(BestConfig).values(
         **{column: getattr(measurement, column) for column in BEST_KEY_COLUMNS},
@@ -149,11 +176,12 @@ def _upsert_best(session: Session, measurement: Measurement, mode: ImportMode) -
     if mode == "skip":
         statement = statement.on_conflict_do_nothing(index_elements=list(BEST_KEY_COLUMNS))
     else:
+        other_measurement = BestConfig.measurement_id != statement.excluded.measurement_id
         faster_or_retired = or_(statement.excluded.median_ms < BestConfig.median_ms, BestConfig.retired)
         statement = statement.on_conflict_do_update(
             index_elements=list(BEST_KEY_COLUMNS),
             set_={column: statement.excluded[column] for column in _BEST_VALUE_COLUMNS},
-            where=None if mode == "overwrite" else faster_or_retired,
+            where=other_measurement if mode == "overwrite" else and_(other_measurement, faster_or_retired),
         )
     return session.execute(statement.returning(BestConfig.id)).scalar_one_or_none() is not None
 
@@ -180,15 +208,15 @@ a lookup is on the hot path of every node's first launch)."""
 
 
 def _measurement_fields(row: Row[Any]) -> dict[str, Any]:
-    """An _ENTRIES row's measurement as MeasurementIn's fields."""
+    """An _ENTRIES row's measurement as MeasurementIn's fields, as stored (not re-validated)."""
     values = row._mapping
     return {
-        "gpu": GpuSpec(
-            name=row.gpu_name,
-            compute_capability=row.compute_capability,
-            sm_count=row.sm_count,
-            memory_bytes=row.memory_bytes,
-        ),
+        "gpu": {
+            "name": row.gpu_name,
+            "compute_capability": row.compute_capability,
+            "sm_count": row.sm_count,
+            "memory_bytes": row.memory_bytes,
+        },
         **{name: values[column] for name, column in _MEASUREMENT_COLUMNS.items()},
     }
 
@@ -342,20 +370,30 @@ def export_jsonl(engine: Engine) -> list[str]:
         header = ExportHeader(
             entries=len(live), measurements=session.scalar(select(func.count()).select_from(Measurement)) or 0
         )
+        # ExportLine's fields in its order, serialized as stored: a row that today's rules
+        # refuse is exported as it is (the importer names its line), never breaks the export.
         lines = [
-            ExportLine(
-                **_measurement_fields(row), measurement_uid=row.measurement_uid, created_at=_as_utc(row.measured_at)
-            ).model_dump_json()
+            to_json(
+                {**_measurement_fields(row), "measurement_uid": row.measurement_uid, "created_at": _as_utc(row.measured_at)},
+                inf_nan_mode="null",
+            ).decode()
             for row in live
         ]
         return [header.model_dump_json(), *lines]
 
 
 def _validation_message(error: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, item['loc'])) or 'line'}: {item['msg']}" for item in error.errors())
+    """Each error's place and message, clipped: the input may be megabytes long."""
+    return "; ".join(
+        f"{clip('.'.join(map(str, item['loc'])) or 'line')}: {clip(item['msg'])}" for item in error.errors()
+    )
 
 
-def _parse_export(lines: Iterable[str]) -> list[tuple[int, ExportLine]]:
+ImportLine = tuple[int, ExportLine]
+"""A validated export line and its line number in the file."""
+
+
+def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
     """Validate a whole export file before anything is written."""
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     if not numbered:
@@ -365,7 +403,7 @@ def _parse_export(lines: Iterable[str]) -> list[tuple[int, ExportLine]]:
         header = ExportHeader.model_validate_json(header_line)
     except ValidationError as error:
         raise ImportFormatError(header_number, f"bad header: {_validation_message(error)}") from None
-    entries: list[tuple[int, ExportLine]] = []
+    entries: list[ImportLine] = []
     for number, line in numbered[1:]:
         try:
             entries.append((number, ExportLine.model_validate_json(line)))
@@ -376,29 +414,108 @@ def _parse_export(lines: Iterable[str]) -> list[tuple[int, ExportLine]]:
     return entries
 
 
+def _check_file_consistency(entries: list[ImportLine]) -> None:
+    """Within the file: one set of properties per GPU name, one measurement per uid."""
+    gpus: dict[str, tuple[int, GpuSpec]] = {}
+    uids: dict[str, tuple[int, dict[str, Any]]] = {}
+    for number, line in entries:
+        first_number, gpu = gpus.setdefault(line.gpu.name, (number, line.gpu))
+        if (gpu.compute_capability, gpu.sm_count) != (line.gpu.compute_capability, line.gpu.sm_count):
+            raise ImportFormatError(number, f"GPU {gpu.name!r} has other properties on line {first_number}")
+        content = line.model_dump(exclude={"created_at"})
+        first_number, first_content = uids.setdefault(line.measurement_uid, (number, content))
+        if content != first_content:
+            raise ImportFormatError(
+                number, f"measurement uid {line.measurement_uid} is on line {first_number} with other content"
+            )
+
+
+def _check_against_store(session: Session, entries: list[ImportLine]) -> None:
+    """Refuse the file before writing if a GPU or a uid it names is stored differently."""
+    names = {line.gpu.name for _, line in entries}
+    stored_gpus = {gpu.name: gpu for gpu in session.scalars(select(Gpu).where(Gpu.name.in_(names)))}
+    uids = [line.measurement_uid for _, line in entries]
+    stored: dict[str, tuple[Measurement, str]] = {}
+    for start in range(0, len(uids), UID_QUERY_CHUNK):
+        chunk = uids[start : start + UID_QUERY_CHUNK]
+        rows = session.execute(
+            select(Measurement, Gpu.name).join(Gpu, Measurement.gpu_id == Gpu.id).where(Measurement.uid.in_(chunk))
+        )
+        stored |= {measurement.uid: (measurement, gpu_name) for measurement, gpu_name in rows}
+    for number, line in entries:
+        try:
+            if line.gpu.name in stored_gpus:
+                _check_gpu(stored_gpus[line.gpu.name], line.gpu)
+            if line.measurement_uid in stored:
+                measurement, gpu_name = stored[line.measurement_uid]
+                _check_same_content(measurement, line, same_gpu=gpu_name == line.gpu.name)
+        except ConflictError as error:
+            raise ImportFormatError(number, str(error)) from None
+
+
+def _key_of(line: ExportLine) -> tuple[Any, ...]:
+    """The best entry a line competes for (BEST_KEY_COLUMNS, with the GPU by name)."""
+    return (
+        line.gpu.name, line.kernel, line.kernel_version, line.triton_version,
+        line.V, line.D, line.dtype, n_bucket(line.tokens), line.mode,
+    )  # fmt: skip
+
+
+def _batches(entries: list[ImportLine]) -> Iterator[list[ImportLine]]:
+    """The lines in batches of about IMPORT_BATCH_LINES, each key's lines together and in
+    file order: no batch sees another's effects, so a dry run's rolled-back batches report
+    what the import does."""
+    by_key: dict[tuple[Any, ...], list[ImportLine]] = {}
+    for number, line in entries:
+        by_key.setdefault(_key_of(line), []).append((number, line))
+    batch: list[ImportLine] = []
+    for group in by_key.values():
+        if batch and len(batch) + len(group) > IMPORT_BATCH_LINES:
+            yield batch
+            batch = []
+        batch.extend(group)
+    if batch:
+        yield batch
+
+
+def _import_line(session: Session, number: int, line: ExportLine, mode: ImportMode, counts: Counter[str]) -> None:
+    try:
+        measurement, added = _add_measurement(session, line, line.measurement_uid, line.created_at)
+    except ConflictError as error:
+        raise ImportFormatError(number, str(error)) from None
+    counts["measurements_added"] += added
+    existed = session.scalar(select(BestConfig.id).where(*_same_key(measurement))) is not None
+    applied = _upsert_best(session, measurement, mode)
+    counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
+
+
 def import_jsonl(
     engine: Engine, lines: Iterable[str], mode: ImportMode = "keep_better", dry_run: bool = False
 ) -> ImportReport:
-    """Import an export file in one transaction: all of it or nothing.
+    """Import an export file.
 
-    Every line's measurement joins the history once (by its uid); `mode` decides the key's
-    best entry: keep_better keeps the faster, skip keeps any existing entry, overwrite
-    takes the file's. `dry_run` does all of it and rolls back, to report what would change.
+    The whole file is validated, and checked against the store (GPUs, uids), before anything
+    is written; then it is written in batches, one transaction each, so that other writers
+    are not locked out for the whole file. Should a batch still fail (a concurrent writer
+    registered a GPU or uid differently in between), the batches before it stay: importing
+    the file again is safe, it adds nothing twice.
+
+    Every line's measurement joins the history once (by its uid, which names one content);
+    `mode` decides the key's best entry: keep_better keeps the faster, skip keeps any
+    existing entry, overwrite takes the file's. `dry_run` does all of it and rolls back
+    each batch, to report what would change.
     """
     entries = _parse_export(lines)
+    _check_file_consistency(entries)
+    with read_session(engine, snapshot=True) as session:
+        _check_against_store(session, entries)
     counts: Counter[str] = Counter()
-    with write_session(engine) as session:
-        for number, line in entries:
-            try:
-                measurement, added = _add_measurement(session, line, line.measurement_uid, line.created_at)
-            except ConflictError as error:
-                raise ImportFormatError(number, str(error)) from None
-            counts["measurements_added"] += added
-            existed = session.scalar(select(BestConfig.id).where(*_same_key(measurement))) is not None
-            applied = _upsert_best(session, measurement, mode)
-            counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
-        if dry_run:
-            session.rollback()
+    for batch in _batches(entries):
+        with write_session(engine) as session:
+            for number, line in batch:
+                _import_line(session, number, line, mode, counts)
+            if dry_run:
+                session.rollback()
     return ImportReport(
         lines=len(entries),
         measurements_added=counts["measurements_added"],

@@ -1,0 +1,40 @@
+"""Database failures as HTTP answers: what a client can wait out (a lock, a database that
+is down or not yet upgraded) is 503 with Retry-After, never a bare 500."""
+
+from __future__ import annotations
+
+from fastapi import Request, status
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+UNDEFINED_TABLE_SQLSTATE = "42P01"
+LOCK_RETRY_AFTER_S = 1
+"""A lock is held for one transaction (an import commits in batches): retry soon."""
+SCHEMA_RETRY_AFTER_S = 30
+"""A schema waits for an operator to run `cce db upgrade`."""
+
+
+def _missing_schema(error: DBAPIError) -> bool:
+    """PostgreSQL's undefined_table, SQLite's 'no such table'."""
+    return getattr(error.orig, "sqlstate", None) == UNDEFINED_TABLE_SQLSTATE or "no such table" in str(error.orig)
+
+
+async def database_error(_request: Request, error: Exception) -> JSONResponse:
+    """503 for a missing schema or an unavailable or locked database; 500 without the
+    driver's text (it may quote the statement) for anything else."""
+    assert isinstance(error, DBAPIError)
+    if _missing_schema(error):
+        detail = "the database schema is not set up: run `cce db upgrade`"
+        retry_after = SCHEMA_RETRY_AFTER_S
+    elif isinstance(error, OperationalError):
+        # SQLite's "database is locked" after the busy timeout, PostgreSQL's lock and
+        # statement time-outs, serialization failures and lost connections.
+        detail = f"the database is busy or unavailable ({type(error.orig).__name__}): retry later"
+        retry_after = LOCK_RETRY_AFTER_S
+    else:
+        return JSONResponse({"detail": "database error"}, status_code=status.HTTP_500_INTERNAL_SERVER_ERROR)
+    return JSONResponse(
+        {"detail": detail},
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": str(retry_after)},
+    )
