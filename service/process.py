@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Served:
+    """A running `cce serve`: its master process (the leader of its own process group,
+    so that a test can kill it with its workers) and its base URL."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+
+
 @contextmanager
 def serving(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -> Iterator[str]:
     """Run `python -m cce_compile.cli.main serve --port <free> *serve_args` on loopback
@@ -35,13 +45,23 @@ def serving(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -
 
     The child's environment is this one plus `env`, less CCE_TUNING_DB_URL unless `env`
     sets it, so the database is the one the arguments name. Its output goes to `log`."""
+    with serving_process(log, *serve_args, env=env) as served:
+        yield served.base_url
+
+
+@contextmanager
+def serving_process(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -> Iterator[Served]:
+    """`serving`, yielding the process too (for tests that signal or kill it). When the block
+    ends, a master still running gets SIGINT; its process group is killed if it lingers."""
     port = free_port()
     environment = {key: value for key, value in os.environ.items() if key != DB_URL_ENV}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     environment.update(env or {})
     command = [sys.executable, "-m", "cce_compile.cli.main", "serve", "--port", str(port), *serve_args]
     with log.open("ab") as output:
-        process = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=environment, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -51,14 +71,23 @@ def serving(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cce serve not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()}")
             time.sleep(0.2)
-        yield base_url
+        yield Served(process, base_url)
     finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            pass
+    try:  # whatever is left of its group: workers of a master that was killed
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _ready(base_url: str) -> bool:

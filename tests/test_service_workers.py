@@ -1,0 +1,98 @@
+"""A real `cce serve --workers 2` that crashes: a kill -9 of its master ends its workers,
+and a kill -9 of the whole server in the middle of a burst of racing writes loses no write
+it acknowledged (SQLite and PostgreSQL; SQLite's file passes its integrity check)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.process import serving, serving_process
+from tests.db_fixtures import bearer, measurement_data
+from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
+
+WRITERS = 4
+WRITES_PER_WRITER = 60
+KILL_AFTER_ACKNOWLEDGED = 60
+WORKER_EXIT_TIMEOUT_S = 15
+
+
+def _children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead worker may wait a moment to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from /proc (Linux)")
+def test_workers_exit_when_the_master_is_killed(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    with serving_process(tmp_path / "serve.log", "--db-url", db_url, "--workers", "2", env=TOKENS_ENV) as served:
+        workers = _children(served.process.pid)
+        assert len(workers) >= 2
+        served.process.send_signal(signal.SIGKILL)
+        served.process.wait()
+        deadline = time.monotonic() + WORKER_EXIT_TIMEOUT_S
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, workers)), (tmp_path / "serve.log").read_text()[-2000:]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{served.base_url}/healthz", timeout=2)
+
+
+def _write_burst(base_url: str, writer: int, acknowledged: list[str], lock: threading.Lock) -> None:
+    """Post measurements of distinct keys (V) until the server dies; record every uid it
+    acknowledged with a 201."""
+    with httpx.Client(base_url=base_url, headers=bearer(WRITE_TOKEN), timeout=10) as client:
+        for index in range(WRITES_PER_WRITER):
+            body = measurement_data(V=1000 + writer * WRITES_PER_WRITER + index, host=f"writer{writer}-{index}")
+            try:
+                response = client.post("/v1/measurements", json=body)
+            except httpx.TransportError:
+                return
+            assert response.status_code in (201, 503), response.text
+            if response.status_code == 201:
+                with lock:
+                    acknowledged.append(response.json()["measurement_uid"])
+
+
+def test_a_server_killed_mid_burst_keeps_every_acknowledged_write(tmp_path: Path, db_url: str) -> None:
+    log = tmp_path / "serve.log"
+    acknowledged: list[str] = []
+    lock = threading.Lock()
+    with serving_process(log, "--db-url", db_url, "--workers", "2", "--log-level", "warning", env=TOKENS_ENV) as served:
+        writers = [
+            threading.Thread(target=_write_burst, args=(served.base_url, writer, acknowledged, lock))
+            for writer in range(WRITERS)
+        ]
+        for thread in writers:
+            thread.start()
+        while len(acknowledged) < KILL_AFTER_ACKNOWLEDGED and any(thread.is_alive() for thread in writers):
+            time.sleep(0.01)
+        os.killpg(served.process.pid, signal.SIGKILL)  # master and workers at once: a crash
+        for thread in writers:
+            thread.join(timeout=60)
+    assert KILL_AFTER_ACKNOWLEDGED <= len(acknowledged) < WRITERS * WRITES_PER_WRITER
+
+    if db_url.startswith("sqlite"):
+        with sqlite3.connect(db_url.removeprefix("sqlite:///")) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    with serving(log, "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+        export = httpx.get(f"{base_url}/v1/export", headers=bearer(READ_TOKEN), timeout=30)
+    assert export.status_code == 200
+    stored = {line.split('"measurement_uid":"')[1][:32] for line in export.text.splitlines()[1:]}
+    assert set(acknowledged) <= stored
