@@ -37,6 +37,7 @@ scalars = (
     | st.floats()
     | names
 )
+query_values = names | st.sampled_from(BOUNDARY_INTS).map(str)
 json_values = st.recursive(
     scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3), max_leaves=6
 )
@@ -93,16 +94,18 @@ def calls(draw: st.DrawFn, export_line: str) -> Call:
     if kind == "lookup":
         params = lookup_params()
         key = draw(st.sampled_from([*params, "compute_capability", "sm_count", "extra"]))
-        params[key] = draw(names | st.sampled_from(BOUNDARY_INTS).map(str))
+        params[key] = draw(query_values)
         return Call("GET", "/v1/configs/best", READ_TOKEN, params=params)
     if kind == "list":
-        params = draw(st.dictionaries(st.sampled_from(["limit", "offset", "gpu", "V", "include_retired"]), names | st.sampled_from(BOUNDARY_INTS).map(str), max_size=3))
+        keys = st.sampled_from(["limit", "offset", "gpu", "V", "include_retired"])
+        params = draw(st.dictionaries(keys, query_values, max_size=3))
         return Call("GET", "/v1/configs", READ_TOKEN, params=params)
     if kind == "retire":
         entry = draw(st.sampled_from(BOUNDARY_INTS).map(str) | st.integers(-(2**70), 2**70).map(str) | names)
         return Call("POST", f"/v1/configs/{quote(entry, safe='')}/retire", ADMIN_TOKEN)
     if kind == "import":
-        line = _set(json.loads(export_line), draw(st.sampled_from(BODY_PATHS + [("measurement_uid",), ("created_at",)])), draw(json_values), delete=False)
+        path = draw(st.sampled_from([*BODY_PATHS, ("measurement_uid",), ("created_at",)]))
+        line = _set(json.loads(export_line), path, draw(json_values), delete=False)
         header = {"format": "cce-tuning-db", "schema_version": 1, "entries": 1, "measurements": 1}
         body = f"{json.dumps(header)}\n{json.dumps(line)}\n"
         mode = draw(st.sampled_from(["keep_better", "skip", "overwrite"]) | names)

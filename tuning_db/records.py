@@ -1,7 +1,8 @@
 """What goes into and comes out of the tuning database, as validated data.
 
-The service's request bodies, the import lines and the store's answers are these models,
-so a value is checked the same way whether it arrives over HTTP or in an export file.
+The service's request bodies and the import lines are these models, so a value is checked
+the same way whether it arrives over HTTP or in an export file. The store's answers are
+models too, but of plain types: what is stored is served as it is, never re-validated.
 Every incoming config goes through `KernelConfig.from_dict` and is kept in its canonical
 `to_dict()` form. Names are restricted to a small alphabet: they are keys, never text.
 """

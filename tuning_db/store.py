@@ -374,7 +374,11 @@ def export_jsonl(engine: Engine) -> list[str]:
         # refuse is exported as it is (the importer names its line), never breaks the export.
         lines = [
             to_json(
-                {**_measurement_fields(row), "measurement_uid": row.measurement_uid, "created_at": _as_utc(row.measured_at)},
+                {
+                    **_measurement_fields(row),
+                    "measurement_uid": row.measurement_uid,
+                    "created_at": _as_utc(row.measured_at),
+                },
                 inf_nan_mode="null",
             ).decode()
             for row in live
