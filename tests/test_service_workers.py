@@ -4,6 +4,7 @@ it acknowledged (SQLite and PostgreSQL; SQLite's file passes its integrity check
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -16,12 +17,15 @@ import pytest
 
 from service.process import serving, serving_process
 from tests.db_fixtures import bearer, measurement_data
-from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
+from tests.test_service_process import ADMIN_TOKEN, READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
+from tuning_db.records import ExportHeader
+from tuning_db.store import IMPORT_BATCH_LINES
 
 WRITERS = 4
 WRITES_PER_WRITER = 60
 KILL_AFTER_ACKNOWLEDGED = 60
 WORKER_EXIT_TIMEOUT_S = 15
+IMPORT_BATCHES = 5
 
 
 def _children(pid: int) -> list[int]:
@@ -96,3 +100,42 @@ def test_a_server_killed_mid_burst_keeps_every_acknowledged_write(tmp_path: Path
     assert export.status_code == 200
     stored = {line.split('"measurement_uid":"')[1][:32] for line in export.text.splitlines()[1:]}
     assert set(acknowledged) <= stored
+
+
+def test_writers_are_not_locked_out_for_a_whole_import(tmp_path: Path) -> None:
+    """The import commits in batches, so a racing writer waits a batch, not the whole file
+    (which once held SQLite's lock past other writers' busy timeout: 500 'database is
+    locked'). Measured as the longest wait between the writer's acknowledgements."""
+    lines = [
+        json.dumps(measurement_data(V=vocab, measurement_uid=f"{vocab:032x}", created_at="2026-01-01T00:00:00Z"))
+        for vocab in range(1, IMPORT_BATCHES * IMPORT_BATCH_LINES + 1)
+    ]
+    header = ExportHeader(entries=len(lines), measurements=len(lines)).model_dump_json()
+    db_url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    args = ("--db-url", db_url, "--workers", "2", "--log-level", "warning")
+    with serving(tmp_path / "serve.log", *args, env=TOKENS_ENV) as base_url:
+        importing = threading.Event()
+        acknowledged_at: list[float] = []
+        statuses: list[int] = []
+
+        def write_while_importing() -> None:
+            with httpx.Client(base_url=base_url, headers=bearer(WRITE_TOKEN), timeout=60) as client:
+                while importing.is_set():
+                    body = measurement_data(V=10**6 + len(statuses), host=f"racer-{len(statuses)}")
+                    statuses.append(client.post("/v1/measurements", json=body).status_code)
+                    acknowledged_at.append(time.monotonic())
+
+        importing.set()
+        racer = threading.Thread(target=write_while_importing)
+        racer.start()
+        started = time.monotonic()
+        imported = httpx.post(
+            f"{base_url}/v1/import", content="\n".join([header, *lines]), headers=bearer(ADMIN_TOKEN), timeout=300
+        )
+        duration = time.monotonic() - started
+        importing.clear()
+        racer.join(timeout=120)
+    assert imported.status_code == 200 and imported.json()["measurements_added"] == len(lines), imported.text
+    assert set(statuses) == {201}
+    waits = [later - earlier for earlier, later in zip([started, *acknowledged_at], acknowledged_at)]
+    assert max(waits) < duration / 2, (max(waits), duration)

@@ -9,6 +9,7 @@ own row lock, so concurrent writers can never lose the faster one.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -82,6 +83,10 @@ _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
 IMPORT_BATCH_LINES = 200
 """Lines per import transaction: a large file must not hold SQLite's write lock for longer
 than other writers wait for it (busy timeout), so it commits every batch."""
+SQLITE_BATCH_PAUSE_S = 0.15
+"""The import's pause between batches on SQLite. Its lock is not fair: a waiting writer
+polls (every 100 ms once it has waited a while), so an importer that begins its next batch
+right after a commit would keep the lock for the whole file. The pause lets one poll in."""
 UID_QUERY_CHUNK = 500
 """Uids per IN (...) when an import looks for the measurements it already holds."""
 
@@ -514,7 +519,9 @@ def import_jsonl(
     with read_session(engine, snapshot=True) as session:
         _check_against_store(session, entries)
     counts: Counter[str] = Counter()
-    for batch in _batches(entries):
+    for index, batch in enumerate(_batches(entries)):
+        if index and engine.dialect.name == "sqlite":
+            time.sleep(SQLITE_BATCH_PAUSE_S)
         with write_session(engine) as session:
             for number, line in batch:
                 _import_line(session, number, line, mode, counts)
