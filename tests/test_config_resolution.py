@@ -4,8 +4,10 @@ gloo ranks that must launch the same config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -222,6 +224,62 @@ def test_a_hanging_service_costs_one_timeout_per_process() -> None:
     assert len(fake.requests) == 1, "a timeout is not retried, and the breaker stops the second lookup"
 
 
+@contextmanager
+def dribbling_service(answer_bytes: int, header_lines: int) -> Iterator[tuple[str, list[float]]]:
+    """A raw socket server that sends a status line, then `header_lines` header lines one
+    per 0.3 s, then an `answer_bytes` JSON-ish body; records when each request arrived."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            arrivals.append(time.monotonic())
+            with connection, contextlib.suppress(OSError):
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                for number in range(header_lines):
+                    if stop.wait(0.3):
+                        return
+                    connection.sendall(f"X-Slow-{number}: 1\r\n".encode())
+                connection.sendall(f"Content-Length: {answer_bytes}\r\n\r\n".encode())
+                chunk = b" " * 65536
+                for _ in range(answer_bytes // len(chunk)):
+                    connection.sendall(chunk)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", arrivals
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_dribbling_service_costs_one_deadline_not_one_timeout_per_read() -> None:
+    """Each header line comes well within the per-read timeout; 30 of them would take 9 s."""
+    with dribbling_service(answer_bytes=0, header_lines=30) as (url, arrivals):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        start = time.monotonic()
+        assert client.fetch_from_service(settings, H100, KEY) is None
+        elapsed = time.monotonic() - start
+    assert 0.9 * client.SERVICE_TIMEOUT_S <= elapsed < client.SERVICE_TIMEOUT_S + 1.0
+    assert len(arrivals) == 1
+
+
+def test_an_oversized_answer_is_not_read_whole() -> None:
+    with dribbling_service(answer_bytes=64 << 20, header_lines=0) as (url, _arrivals):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        assert client.fetch_from_service(settings, H100, KEY) is None
+    assert client._service_down is not None and str(client.MAX_ANSWER_BYTES) in client._service_down
+
+
 # (3) a lying service ------------------------------------------------------------------
 
 
@@ -243,6 +301,9 @@ def _answer(config: Any, match_level: Any = "exact") -> bytes:
         pytest.param(200, _answer({"slab_v": 8192}, "perfect"), 2, id="unknown-match-level"),
         pytest.param(200, b"<html>not json", 2, id="not-json"),
         pytest.param(200, b"[1, 2]", 2, id="not-an-object"),
+        pytest.param(200, b"[" * 200_000, 2, id="nested-past-the-parser-depth"),
+        pytest.param(200, _answer({"forward": {"num_warps": 4.0}}), 2, id="num_warps-a-float"),
+        pytest.param(200, _answer({"slab_v": 8192.0}), 2, id="slab_v-a-float"),
         pytest.param(500, b"{}", 2, id="server-error-retried-once-then-given-up"),
         pytest.param(401, b'{"detail": "no"}', 1, id="unauthorized-given-up"),
     ],
@@ -306,6 +367,13 @@ def test_a_fresh_cache_file_answers(monkeypatch: pytest.MonkeyPatch) -> None:
             '{"stored_at": NOW, "match_level": "exact", "config": {"forward": {"block_m": 48}}}', id="bad-config"
         ),
         pytest.param('{"stored_at": NOW, "match_level": "exact", "config": "slab_v=8192"}', id="config-not-an-object"),
+        pytest.param("[" * 200_000, id="nested-past-the-parser-depth"),
+        pytest.param(
+            '{"stored_at": NOW, "match_level": "exact", "config": {"grad_logits": {"num_warps": 4.0}}}',
+            id="num_warps-a-float",
+        ),
+        pytest.param('{"stored_at": NOW, "match_level": "exact", "config": {}, "pad": "' + "x" * (2 << 20) + '"}',
+                     id="larger-than-any-config"),
     ],
 )
 def test_a_corrupt_cache_file_is_a_miss(content: str) -> None:
