@@ -84,7 +84,7 @@ def test_serve_says_where_its_data_is_and_how_to_get_a_token(tmp_path: Path) -> 
 
 
 def test_the_readme_token_example_works_as_written(tmp_path: Path) -> None:
-    spec = re.search(r'CCE_SERVICE_TOKENS="([^"]+)"', README.read_text()).group(1)
+    spec = re.search(r'^CCE_SERVICE_TOKENS="([^"$]+)" cce serve$', README.read_text(), re.MULTILINE).group(1)
     tokens = parse_token_spec(spec)
     reader = next(token for token, scopes in tokens.items() if scopes == frozenset({"read", "write"}))
     with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}",
