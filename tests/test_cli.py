@@ -90,3 +90,18 @@ def test_the_readme_token_example_works_as_written(tmp_path: Path) -> None:
     with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}",
                  env={"CCE_SERVICE_TOKENS": spec}) as base_url:
         assert httpx.get(f"{base_url}/v1/gpus", headers=bearer(reader)).status_code == 200
+
+
+def test_docs_load_every_asset_from_the_service_itself(tmp_path: Path) -> None:
+    """An offline cluster's browser can fetch nothing from a CDN: every script, style sheet and
+    icon /docs names must come from the service."""
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}") as base_url:
+        page = httpx.get(f"{base_url}/docs")
+        assert page.status_code == 200
+        assets = re.findall(r"""(?:src|href)=["']([^"']+)["']|url: ?["']([^"']+)["']""", page.text)
+        urls = [next(filter(None, found)) for found in assets]
+        assert len(urls) >= 4, page.text  # the script, its style sheet, the icon, the schema
+        for url in urls:
+            assert url.startswith("/"), f"/docs loads {url} from elsewhere"
+            assert httpx.get(base_url + url).status_code == 200, url
+        assert "SwaggerUIBundle" in httpx.get(base_url + "/docs/assets/swagger-ui-bundle.js").text
