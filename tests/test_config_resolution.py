@@ -32,6 +32,7 @@ from cce_compile.cli.main import app as cce
 from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
+from cce_compile.ops.problem import launch_with_config, problem_key
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
 from cce_compile.resolve import ladder as resolve
@@ -338,6 +339,55 @@ def test_the_shipped_bundled_configs_are_valid_and_tuned_for_these_kernels() -> 
         for entry in json.loads(path.read_text())["entries"]:
             KernelConfig.from_dict(entry["config"])
             assert entry["kernel_version"] == platform.kernel_version(), f"{path.name}: stale entry {entry}"
+
+
+def _refusing_launch(refused: set[str], launched: list[KernelConfig]) -> Any:
+    """A launch that fails as Triton failed on num_warps 4.0, for the configs whose slab_v is in
+    `refused`, and records every config it is given."""
+
+    def launch(config: KernelConfig) -> str:
+        launched.append(config)
+        if str(config.slab_v) in refused:
+            raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
+        return f"ran with slab_v={config.slab_v}"
+
+    return launch
+
+
+def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: Path) -> None:
+    e, c, _targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, False, policy)
+    sources.write_cache(_settings(), H100, key, sources.Found({"slab_v": 256}, "exact"))
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched: list[KernelConfig] = []
+    launch = _refusing_launch({"256"}, launched)
+
+    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
+    assert resolved()[key].source == "bundled"
+    assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
+    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
+    assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
+
+
+def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> None:
+    e, c, _targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, False, policy)
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched: list[KernelConfig] = []
+    everything = {"512", str(heuristic_config(key).slab_v)}
+    with pytest.raises(TypeError, match="unsupported operand"):
+        launch_with_config(e, c, False, policy, _refusing_launch(everything, launched))
+    assert [config.slab_v for config in launched] == [512, heuristic_config(key).slab_v]
+
+
+def test_an_override_that_fails_to_launch_is_raised_at_once() -> None:
+    e, c, _targets = _small_inputs()
+    launched: list[KernelConfig] = []
+    with override_config(KernelConfig(slab_v=2048)), pytest.raises(TypeError):
+        launch_with_config(e, c, False, Policy(), _refusing_launch({"2048"}, launched))
+    assert len(launched) == 1
 
 
 # (4) the disk cache -------------------------------------------------------------------

@@ -157,6 +157,15 @@ def write_cache(settings: Settings, platform: Platform, key: ProblemKey, found: 
             os.unlink(temporary)
 
 
+def remove_cache(settings: Settings, platform: Platform, key: ProblemKey) -> None:
+    """Forget the cached answer for `key` (its config failed to launch)."""
+    path = cache_path(settings, platform, key)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not remove config cache %s: %s", path, error)
+
+
 # --- bundled defaults -------------------------------------------------------------------
 
 
