@@ -50,6 +50,22 @@ def test_token_prints_fresh_tokens_the_service_accepts() -> None:
     assert_one_line_failure(cce("token", "--scopes", "reed"), "--scopes", "unknown scope 'reed'")
 
 
+def test_a_misused_option_is_one_line_with_status_2() -> None:
+    for args in (["serve", "--port", "0"], ["token", "--bogus"], ["lookup", "--vocab", "1", "--hidden", "1",
+                                                                  "--tokens", "1", "--dtype", "fp64"]):
+        done = cce(*args)
+        assert_one_line_failure(done, "(see --help)")
+        assert done.returncode == 2
+
+
+def test_an_unforeseen_failure_is_one_line_and_its_traceback_on_request(tmp_path: Path) -> None:
+    """An SQLite file in a folder that does not exist: no command checks for it, the wrapper still reports it."""
+    missing_db = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'tuning.db'}"
+    assert_one_line_failure(cce("export", "--db-url", missing_db), "OperationalError")
+    shown = cce("export", "--db-url", missing_db, env={"CCE_TRACEBACK": "1"})
+    assert shown.returncode != 0 and "Traceback" in shown.stderr
+
+
 def test_a_bad_token_spec_stops_serve_in_one_line() -> None:
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS": "short:read"})
     assert_one_line_failure(done, "CCE_SERVICE_TOKENS", "8+", "cce token")

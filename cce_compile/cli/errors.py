@@ -33,9 +33,18 @@ class Cli(typer.Typer):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().__call__(*args, **kwargs)
+            status = super().__call__(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            raise SystemExit(130) from None
+        except typer.TyperException as error:  # a misused option or argument (click's errors)
+            if type(error).__name__ == "NoArgsIsHelpError":  # `cce` alone: the help is already printed
+                raise SystemExit(getattr(error, "exit_code", 2)) from None
+            message = error.format_message() if hasattr(error, "format_message") else str(error)
+            print(f"cce: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+            raise SystemExit(getattr(error, "exit_code", 2)) from None
         except Exception as error:  # the last line of defence: no command prints a traceback
             if os.environ.get(TRACEBACK_ENV, "").strip() in ("1", "true", "yes"):
                 raise
             print(f"cce: error: {one_line(error)}", file=sys.stderr)
             raise SystemExit(1) from None
+        raise SystemExit(status if isinstance(status, int) else 0)
