@@ -274,6 +274,19 @@ def test_a_dribbling_service_costs_one_deadline_not_one_timeout_per_read() -> No
     assert len(arrivals) == 1
 
 
+def test_a_lookup_from_inside_a_running_event_loop_is_served() -> None:
+    """A notebook runs the op inside its event loop: the lookup's own loop must not collide."""
+    import asyncio
+
+    with fake_service(200, _answer({"slab_v": 8192})) as (url, _fake):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+
+        async def op_call() -> sources.Found | None:
+            return client.fetch_from_service(settings, H100, KEY)
+
+        assert asyncio.run(op_call()) == sources.Found({"slab_v": 8192}, "exact")
+
+
 def test_an_oversized_answer_is_not_read_whole() -> None:
     with dribbling_service(answer_bytes=64 << 20, header_lines=0) as (url, _arrivals):
         settings = sources.Settings(url, None, False, Path("unused"), 0.0)
