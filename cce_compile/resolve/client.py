@@ -1,4 +1,4 @@
-"""The tuning service as a config source: one GET per key, short timeouts, a breaker.
+"""The tuning service as a config source: one GET per key under one short deadline, a breaker.
 
 httpx loads only when the service is asked, so `import cce_compile` stays free of the web stack.
 """
