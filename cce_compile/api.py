@@ -35,8 +35,8 @@ def _autocast_operands(e: Tensor, c: Tensor, bias: Tensor | None) -> tuple[Tenso
     """Under torch.autocast the op runs in autocast's dtype, as the F.linear it replaces would:
     fp32 master weights under autocast(bf16) get bf16 tensor-core speed, not an IEEE fp32
     loss head. The casts are differentiable, so gradients reach fp32 leaves in fp32."""
-    if not isinstance(e, Tensor) or not torch.is_autocast_enabled(e.device.type):
-        return e, c, bias  # not a tensor: _check_inputs says what is wrong
+    if not isinstance(e, Tensor) or e.device.type == "meta" or not torch.is_autocast_enabled(e.device.type):
+        return e, c, bias  # not a tensor, or on meta (which autocast rejects): _check_inputs says what is wrong
     dtype = torch.get_autocast_dtype(e.device.type)
 
     def cast(t):
@@ -52,6 +52,9 @@ def _check_inputs(
     for name, value in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if e.device.type == "meta":
+        raise ValueError("e is on the meta device, which holds no values to compute a loss from; "
+                         "move the model to cpu or cuda (or trace shapes with torch.compile, whose fake tensors work)")
     if c.dim() != 2:
         raise ValueError(f"c must be 2-D (V, D), got shape {tuple(c.shape)}")
     if e.dim() < 1:
@@ -63,7 +66,7 @@ def _check_inputs(
     if c.dtype != e.dtype:
         raise TypeError(f"c must have e's dtype {e.dtype}, got {c.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+        raise TypeError(f"targets must be an integer tensor (any integer dtype, e.g. int64 or int32), got {targets.dtype}")
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
     for name, value in (("c", c), ("targets", targets), ("bias", bias), ("weight", weight)):
@@ -74,6 +77,12 @@ def _check_inputs(
         raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if weight is not None and (weight.shape != (v,) or not weight.dtype.is_floating_point):
         raise ValueError(f"weight must be a float tensor of shape ({v},), got {tuple(weight.shape)} {weight.dtype}")
+    _check_options(reduction, label_smoothing, z_loss, softcap, memory)
+
+
+def _check_options(reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str) -> None:
+    """The options that do not depend on the tensors (LinearCrossEntropyLoss checks them at
+    construction)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -200,11 +209,22 @@ class LinearCrossEntropyLoss(nn.Module):
         memory: Memory = "workspace",
     ) -> None:
         super().__init__()
+        _check_options(reduction, label_smoothing, z_loss, softcap, memory)
+        _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
+        if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
+                                   or not weight.dtype.is_floating_point):
+            raise ValueError(f"weight must be None or a 1-D float tensor (V,), got {weight!r:.80}")
         self.register_buffer("weight", weight)
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps, memory=memory,
         )
+
+    def extra_repr(self) -> str:
+        shown = [f"{name}={value!r}" for name, value in self.options.items()]
+        if self.weight is not None:
+            shown.append(f"weight=({self.weight.shape[0]},) {dtype_name(self.weight.dtype)}")
+        return ", ".join(shown)
 
     def forward(self, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None = None):
         return linear_cross_entropy(e, c, targets, bias=bias, weight=self.weight, **self.options)

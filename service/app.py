@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
 
 from service.body_limit import BodySizeLimitMiddleware
@@ -55,7 +57,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         version="1",
         summary="Best kernel launch configs per GPU and problem shape, shared by a cluster.",
         lifespan=lifespan,
+        docs_url=None,  # served by _serve_docs_locally
+        redoc_url=None,
     )
+    _serve_docs_locally(app)
     app.state.settings = settings
     app.state.token_scopes = settings.token_scopes()
     app.state.engine = make_engine(db_url)
@@ -78,6 +83,25 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)
     return app
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _serve_docs_locally(app: FastAPI) -> None:
+    """/docs with Swagger UI's files from the swagger-ui-bundle package, not FastAPI's CDN
+    default: a cluster without internet access would see a blank page."""
+    import swagger_ui_bundle
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
 
 
 async def _validation_error(_request: Request, error: Exception) -> JSONResponse:

@@ -87,7 +87,7 @@ def _require_postgres() -> None:
         with engine.connect():
             pass
     except OperationalError as error:
-        message = f"PostgreSQL at {POSTGRES_URL} is unreachable: {error}"
+        message = f"PostgreSQL at {POSTGRES_URL} (CCE_TEST_POSTGRES_URL) is unreachable: {error}"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

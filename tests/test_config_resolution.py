@@ -4,8 +4,10 @@ gloo ranks that must launch the same config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +32,7 @@ from cce_compile.cli.main import app as cce
 from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
+from cce_compile.ops.problem import launch_with_config, problem_key
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
 from cce_compile.resolve import ladder as resolve
@@ -222,6 +225,75 @@ def test_a_hanging_service_costs_one_timeout_per_process() -> None:
     assert len(fake.requests) == 1, "a timeout is not retried, and the breaker stops the second lookup"
 
 
+@contextmanager
+def dribbling_service(answer_bytes: int, header_lines: int) -> Iterator[tuple[str, list[float]]]:
+    """A raw socket server that sends a status line, then `header_lines` header lines one
+    per 0.3 s, then an `answer_bytes` JSON-ish body; records when each request arrived."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            arrivals.append(time.monotonic())
+            with connection, contextlib.suppress(OSError):
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                for number in range(header_lines):
+                    if stop.wait(0.3):
+                        return
+                    connection.sendall(f"X-Slow-{number}: 1\r\n".encode())
+                connection.sendall(f"Content-Length: {answer_bytes}\r\n\r\n".encode())
+                chunk = b" " * 65536
+                for _ in range(answer_bytes // len(chunk)):
+                    connection.sendall(chunk)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", arrivals
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_dribbling_service_costs_one_deadline_not_one_timeout_per_read() -> None:
+    """Each header line comes well within the per-read timeout; 30 of them would take 9 s."""
+    with dribbling_service(answer_bytes=0, header_lines=30) as (url, arrivals):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        start = time.monotonic()
+        assert client.fetch_from_service(settings, H100, KEY) is None
+        elapsed = time.monotonic() - start
+    assert 0.9 * client.SERVICE_TIMEOUT_S <= elapsed < client.SERVICE_TIMEOUT_S + 1.0
+    assert len(arrivals) == 1
+
+
+def test_a_lookup_from_inside_a_running_event_loop_is_served() -> None:
+    """A notebook runs the op inside its event loop: the lookup's own loop must not collide."""
+    import asyncio
+
+    with fake_service(200, _answer({"slab_v": 8192})) as (url, _fake):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+
+        async def op_call() -> sources.Found | None:
+            return client.fetch_from_service(settings, H100, KEY)
+
+        assert asyncio.run(op_call()) == sources.Found({"slab_v": 8192}, "exact")
+
+
+def test_an_oversized_answer_is_not_read_whole() -> None:
+    with dribbling_service(answer_bytes=64 << 20, header_lines=0) as (url, _arrivals):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        assert client.fetch_from_service(settings, H100, KEY) is None
+    assert client._service_down is not None and str(client.MAX_ANSWER_BYTES) in client._service_down
+
+
 # (3) a lying service ------------------------------------------------------------------
 
 
@@ -243,6 +315,9 @@ def _answer(config: Any, match_level: Any = "exact") -> bytes:
         pytest.param(200, _answer({"slab_v": 8192}, "perfect"), 2, id="unknown-match-level"),
         pytest.param(200, b"<html>not json", 2, id="not-json"),
         pytest.param(200, b"[1, 2]", 2, id="not-an-object"),
+        pytest.param(200, b"[" * 200_000, 2, id="nested-past-the-parser-depth"),
+        pytest.param(200, _answer({"forward": {"num_warps": 4.0}}), 2, id="num_warps-a-float"),
+        pytest.param(200, _answer({"slab_v": 8192.0}), 2, id="slab_v-a-float"),
         pytest.param(500, b"{}", 2, id="server-error-retried-once-then-given-up"),
         pytest.param(401, b'{"detail": "no"}', 1, id="unauthorized-given-up"),
     ],
@@ -279,6 +354,55 @@ def test_the_shipped_bundled_configs_are_valid_and_tuned_for_these_kernels() -> 
             assert entry["kernel_version"] == platform.kernel_version(), f"{path.name}: stale entry {entry}"
 
 
+def _refusing_launch(refused: set[str], launched: list[KernelConfig]) -> Any:
+    """A launch that fails as Triton failed on num_warps 4.0, for the configs whose slab_v is in
+    `refused`, and records every config it is given."""
+
+    def launch(config: KernelConfig) -> str:
+        launched.append(config)
+        if str(config.slab_v) in refused:
+            raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
+        return f"ran with slab_v={config.slab_v}"
+
+    return launch
+
+
+def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: Path) -> None:
+    e, c, _targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, False, policy)
+    sources.write_cache(_settings(), H100, key, sources.Found({"slab_v": 256}, "exact"))
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched: list[KernelConfig] = []
+    launch = _refusing_launch({"256"}, launched)
+
+    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
+    assert resolved()[key].source == "bundled"
+    assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
+    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
+    assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
+
+
+def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> None:
+    e, c, _targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, False, policy)
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched: list[KernelConfig] = []
+    everything = {"512", str(heuristic_config(key).slab_v)}
+    with pytest.raises(TypeError, match="unsupported operand"):
+        launch_with_config(e, c, False, policy, _refusing_launch(everything, launched))
+    assert [config.slab_v for config in launched] == [512, heuristic_config(key).slab_v]
+
+
+def test_an_override_that_fails_to_launch_is_raised_at_once() -> None:
+    e, c, _targets = _small_inputs()
+    launched: list[KernelConfig] = []
+    with override_config(KernelConfig(slab_v=2048)), pytest.raises(TypeError):
+        launch_with_config(e, c, False, Policy(), _refusing_launch({"2048"}, launched))
+    assert len(launched) == 1
+
+
 # (4) the disk cache -------------------------------------------------------------------
 
 
@@ -306,6 +430,13 @@ def test_a_fresh_cache_file_answers(monkeypatch: pytest.MonkeyPatch) -> None:
             '{"stored_at": NOW, "match_level": "exact", "config": {"forward": {"block_m": 48}}}', id="bad-config"
         ),
         pytest.param('{"stored_at": NOW, "match_level": "exact", "config": "slab_v=8192"}', id="config-not-an-object"),
+        pytest.param("[" * 200_000, id="nested-past-the-parser-depth"),
+        pytest.param(
+            '{"stored_at": NOW, "match_level": "exact", "config": {"grad_logits": {"num_warps": 4.0}}}',
+            id="num_warps-a-float",
+        ),
+        pytest.param('{"stored_at": NOW, "match_level": "exact", "config": {}, "pad": "' + "x" * (2 << 20) + '"}',
+                     id="larger-than-any-config"),
     ],
 )
 def test_a_corrupt_cache_file_is_a_miss(content: str) -> None:

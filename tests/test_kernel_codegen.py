@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,28 @@ PERSISTENT = {
 }
 
 
+SIZE_PRODUCTS = {
+    "offsets of lse_forward_kernel, filtered": (
+        lse_forward_kernel, {**LOGITS["lse_forward_kernel"][1], "FILTER": TRUE, "NEED_WEIGHTED_SUM": TRUE},
+        [("N", "stride_tile_max"), ("stat_stride", "c2_i32"), ("stat_stride", "c3_i32")]),
+    "offsets of lse_forward_tma_kernel, filtered": (
+        lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered"][1], [("N", "num_n")]),
+}
+"""Kernels whose offsets multiply sizes (N x vocab tiles, 2 and 3 x splits x N), and those
+products' operands as the TTIR names them: in 32 bits they wrap at sizes an H200 holds
+(N = 2^20, V = 2^18 gives N x ceil(V / 64) = 2^32)."""
+
+
+def size_products_in_i32(ttir: str, products: list[tuple[str, str]]) -> list[str]:
+    """The TTIR lines that multiply one of `products`' operand pairs in 32 bits."""
+    found = []
+    for a, b in products:
+        names = rf"%{a}(_\d+)?, %{b}(_\d+)?|%{b}(_\d+)?, %{a}(_\d+)?"
+        pattern = re.compile(rf"arith\.muli ({names}) : i32\b")
+        found += [line.strip() for line in ttir.splitlines() if pattern.search(line)]
+    return found
+
+
 H200_SHARED_MEMORY_PER_SM = 233472
 """An SM's shared memory on an H100/H200 (cudaDevAttrMaxSharedMemoryPerMultiprocessor), of
 which the driver reserves 1 KiB per resident program."""
@@ -250,6 +273,11 @@ def test_persistent_kernels_copy_with_the_tensor_engine_and_fit(name: str, compi
     }
 
 
+@pytest.mark.parametrize("name", SIZE_PRODUCTS)
+def test_size_products_in_offsets_are_64_bit(name: str, compiled: dict[str, Any]) -> None:
+    assert compiled[name] == {"32-bit size products": []}
+
+
 @pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel", "fused_forward_ws_kernel"])
 def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
@@ -273,6 +301,9 @@ if __name__ == "__main__":
             "fits": tma.metadata.shared <= H200_SHARED_MEMORY, "bare exps": bare_exps(tma.asm["ptx"]),
             "wgmma pipelined": wgmma_pipelined(tma.asm["ptx"]),
         }
+    for name, (kernel, args, sizes) in SIZE_PRODUCTS.items():
+        ttir = compile_for_hopper(kernel, args, num_stages=4).asm["ttir"]
+        found[name] = {"32-bit size products": size_products_in_i32(ttir, sizes)}
     tile = Policy().gluon_tile
     found["lse_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
         lse_forward_ws_kernel, {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32"},

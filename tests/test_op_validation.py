@@ -23,6 +23,8 @@ def good():
         (lambda e, c, t: (e.double(), c.double(), t), TypeError, r"e must be float32, float16 or bfloat16"),
         (lambda e, c, t: (e, c.to("meta"), t), ValueError, r"c is on meta but e is on cpu"),
         (lambda e, c, t: ([1.0], c, t), TypeError, r"e must be a torch.Tensor"),
+        (lambda e, c, t: (e.to("meta"), c.to("meta"), t.to("meta")), ValueError, r"e is on the meta device"),
+        (lambda e, c, t: (e, c, t.bool()), TypeError, r"integer dtype, e.g. int64 or int32"),
     ],
 )
 def test_bad_tensors(change, error, pattern) -> None:
@@ -56,3 +58,36 @@ def test_error_leaves_no_state_behind() -> None:
         cce_compile.linear_cross_entropy(e, c, t, reduction="bad")
     expected = torch.nn.functional.cross_entropy(e @ c.T, t)
     torch.testing.assert_close(cce_compile.linear_cross_entropy(e, c, t), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_targets_of_any_integer_dtype_give_the_int64_answer(dtype: torch.dtype) -> None:
+    e, c, t = good()
+    expected = cce_compile.linear_cross_entropy(e, c, t)
+    torch.testing.assert_close(cce_compile.linear_cross_entropy(e, c, t.to(dtype)), expected)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"reduction": "avg"}, r"reduction must be one of"),
+        ({"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\]"),
+        ({"softcap": 0.0}, r"softcap must be None or > 0"),
+        ({"z_loss": -1.0}, r"z_loss must be >= 0"),
+        ({"memory": "huge"}, r"memory must be one of"),
+        ({"filter_eps": "fast"}, r"filter_eps must be None, 'auto' or a float"),
+        ({"weight": torch.ones(3, 3)}, r"weight must be None or a 1-D float tensor"),
+    ],
+)
+def test_the_module_checks_its_options_at_construction(options, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        cce_compile.LinearCrossEntropyLoss(**options)
+
+
+def test_the_module_repr_shows_its_options() -> None:
+    module = cce_compile.LinearCrossEntropyLoss(reduction="sum", label_smoothing=0.1, filter_eps="auto",
+                                                weight=torch.ones(20))
+    shown = repr(module)
+    for part in ("reduction='sum'", "label_smoothing=0.1", "filter_eps='auto'", "ignore_index=-100",
+                 "memory='workspace'", "weight=(20,) float32"):
+        assert part in shown, shown

@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from cce_compile.cli.errors import fail
+from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
 DbUrlOption = Annotated[
@@ -20,9 +22,11 @@ ServiceUrlOption = Annotated[
     Optional[str], typer.Option("--url", help="a running service's base URL, instead of --db-url")
 ]
 TokenOption = Annotated[
-    Optional[str], typer.Option("--token", envvar="CCE_SERVICE_TOKEN", help="bearer token for --url")
+    Optional[str],
+    typer.Option("--token", envvar=TOKEN_ENV, help="bearer token for --url (the one the op reads with)"),
 ]
 HTTP_TIMEOUT_S = 60.0
+ERROR_DETAIL_CHARS = 500
 
 db_app = typer.Typer(help="Tuning database maintenance.", no_args_is_help=True)
 
@@ -43,10 +47,12 @@ def _service_request(method: str, url: str, path: str, token: str | None, **kwar
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+    try:
+        response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        fail(f"{method} {url.rstrip('/')}{path}: {type(error).__name__}: {error}")
     if response.is_error:
-        typer.echo(f"{response.status_code}: {response.text}", err=True)
-        raise typer.Exit(1)
+        fail(f"{response.status_code}: {response.text[:ERROR_DETAIL_CHARS]}")
     return response.text
 
 
@@ -86,8 +92,7 @@ def import_command(
         with file.open(encoding="utf-8") as lines:
             report = import_jsonl(engine, lines, mode=mode, dry_run=dry_run)
     except ImportFormatError as error:
-        typer.echo(f"{file}: {error}; nothing was imported", err=True)
-        raise typer.Exit(1) from None
+        fail(f"{file}: {error}; nothing was imported")
     finally:
         engine.dispose()
     typer.echo(json.dumps(report.model_dump()))

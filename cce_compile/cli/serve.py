@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cce_compile.cli.db import DbUrlOption
+from cce_compile.cli.errors import fail
+
+if TYPE_CHECKING:
+    from service.settings import ServiceSettings
 
 
 def serve(
@@ -22,6 +26,7 @@ def serve(
 
     Tokens and other settings come from the environment: CCE_SERVICE_TOKENS,
     CCE_SERVICE_TOKENS_FILE, CCE_SERVICE_OPEN_READS, CCE_SERVICE_MAX_BODY_BYTES.
+    `cce token` makes a token.
     """
     import uvicorn
 
@@ -29,6 +34,9 @@ def serve(
 
     # Every worker builds its app from the environment, so the URL travels there.
     os.environ[DB_URL_ENV] = resolve_db_url(db_url)
+    settings = _checked_settings()
+    for line in startup_report(settings, os.environ[DB_URL_ENV]):
+        typer.echo(f"cce serve: {line}", err=True)
     with tempfile.TemporaryDirectory(prefix="cce-metrics-") as metrics_dir:
         if workers > 1:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -40,6 +48,41 @@ def serve(
             workers=workers,
             log_level=log_level,
         )
+
+
+def _checked_settings() -> ServiceSettings:
+    """The environment's settings, checked here so that a bad one stops `cce serve` with one
+    line before uvicorn starts workers that would each fail with a traceback."""
+    from pydantic import ValidationError
+
+    from service.settings import ServiceSettings
+    from tuning_db.engine import make_engine
+
+    try:
+        settings = ServiceSettings()
+        settings.token_scopes()
+    except ValidationError as error:
+        fail(f"bad CCE_SERVICE_* setting: {error.errors()[0]['loc']} {error.errors()[0]['msg']}")
+    except (ValueError, OSError) as error:
+        fail(f"CCE_SERVICE_TOKENS: {error} (`cce token` makes one)")
+    make_engine(settings.db_url).dispose()  # loads the database driver: a missing psycopg fails here
+    return settings
+
+
+def startup_report(settings: ServiceSettings, db_url: str) -> list[str]:
+    """What a new user needs to reach the service: where its data is, and who may read."""
+    from sqlalchemy.engine import make_url
+
+    tokens = settings.token_scopes()
+    lines = [f"database {make_url(db_url).render_as_string(hide_password=True)}"]
+    reads = "reads open to everyone (CCE_SERVICE_OPEN_READS=1)" if settings.open_reads else "reads need a read token"
+    lines.append(f"auth: {len(tokens)} token(s) configured; {reads}; writes need a write token")
+    if not tokens:
+        lines.append(
+            "no tokens: every /v1 call but open reads answers 401. Make one with `cce token --scopes read,write` "
+            "and start with CCE_SERVICE_TOKENS=<that entry>; clients send it from CCE_TUNING_TOKEN"
+        )
+    return lines
 
 
 def register(app: typer.Typer) -> None:

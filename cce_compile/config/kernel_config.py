@@ -46,9 +46,9 @@ def _validate_tile(values: Mapping[str, Any], where: str) -> None:
     for name in ("block_m", "block_n", "block_k"):
         _check_int(f"{where}.{name}", values[name], *_BLOCK_RANGE, pow2=True)
     _check_int(f"{where}.group_m", values["group_m"], *_GROUP_RANGE, pow2=True)
+    # An integer first: 4.0 == 4 would pass the membership test and fail in Triton's launch.
     warps = values["num_warps"]
-    # 4.0 == 4, but Triton's launch needs an int: a float must not pass the membership test.
-    if type(warps) is not int or warps not in _NUM_WARPS:
+    if isinstance(warps, bool) or not isinstance(warps, int) or warps not in _NUM_WARPS:
         raise ConfigError(f"{where}.num_warps must be one of {_NUM_WARPS}, got {warps!r}")
     _check_int(f"{where}.num_stages", values["num_stages"], *_STAGE_RANGE, pow2=False)
 

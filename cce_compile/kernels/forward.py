@@ -79,16 +79,17 @@ def lse_forward_kernel(
             live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
             at = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile
             tl.store(at, tile_row_max, mask=live)
-            tl.store(at + N * stride_tile_max, shift + tl.log(tile_sumexp), mask=live)
+            tl.store(at + tl.cast(N, tl.int64) * stride_tile_max, shift + tl.log(tile_sumexp), mask=live)
         row_sumexp = row_sumexp * tl.exp2((row_max - shift) * LOG2E) + tile_sumexp
         row_max = new_max
 
     out = partial_ptr + pid_s.to(tl.int64) * N + rows
+    stat_step = tl.cast(stat_stride, tl.int64)  # 3 x (splits x N) passes 2^31 first
     tl.store(out, row_max, mask=row_mask)
-    tl.store(out + stat_stride, row_sumexp, mask=row_mask)
-    tl.store(out + 2 * stat_stride, target_logit, mask=row_mask)
+    tl.store(out + stat_step, row_sumexp, mask=row_mask)
+    tl.store(out + 2 * stat_step, target_logit, mask=row_mask)
     if NEED_WEIGHTED_SUM:
-        tl.store(out + 3 * stat_stride, weighted_sum, mask=row_mask)
+        tl.store(out + 3 * stat_step, weighted_sum, mask=row_mask)
 
 
 @triton.jit
@@ -154,7 +155,7 @@ def lse_forward_tma_kernel(
         if STORE_TILE_MAX:
             at = tile_max_ptr + rows.to(tl.int64) * num_n + pid_n
             tl.store(at, tile_max, mask=row_mask)
-            tl.store(at + N * num_n, tile_lse, mask=row_mask)
+            tl.store(at + tl.cast(N, tl.int64) * num_n, tile_lse, mask=row_mask)
         else:
             tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
 

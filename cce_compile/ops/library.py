@@ -30,7 +30,7 @@ from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import run_backward
 from .forward import run_forward
 from .forward_fused import run_fused
-from .problem import cdiv, config_for, options_of, problem_of
+from .problem import cdiv, config_for, launch_with_config, options_of, problem_of
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -48,9 +48,13 @@ def linear_cross_entropy_forward(
     otherwise these are empty."""
     policy = active_policy()
     filtered = filter_eps > 0.0
-    config = config_for(e, c, filtered, policy)
-    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps), config, policy)
-    return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
+    options = options_of(bias, weight, softcap, label_smoothing, filter_eps)
+
+    def launch(config: KernelConfig) -> ForwardOutputs:
+        plan = plan_launch(problem_of(e, c), options, config, policy)
+        return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
+
+    return launch_with_config(e, c, filtered, policy, launch)
 
 
 @linear_cross_entropy_forward.register_fake
@@ -150,10 +154,14 @@ def linear_cross_entropy_fused(
     """-> (loss, grad_e, grad_c, grad_bias): the loss reduced ("mean" or "sum"; 0-d fp32),
     z-loss included, and its gradients (empty where not needed, grad_bias without a bias)."""
     policy = active_policy()
-    config = config_for(e, c, False, policy)
-    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, 0.0), config, policy)
-    return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
-                     reduction, need_grad_e, need_grad_c)
+    options = options_of(bias, weight, softcap, label_smoothing, 0.0)
+
+    def launch(config: KernelConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        plan = plan_launch(problem_of(e, c), options, config, policy)
+        return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
+                         reduction, need_grad_e, need_grad_c)
+
+    return launch_with_config(e, c, False, policy, launch)
 
 
 @linear_cross_entropy_fused.register_fake

@@ -3,7 +3,9 @@ the key its config is resolved for, and the device facts the runners size launch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -13,9 +15,10 @@ from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.keys import ProblemKey, n_bucket
 from ..plan.launch import Options, Problem
 from ..plan.policy import Policy
-from ..resolve.ladder import resolve_config
+from ..resolve.ladder import launch_failed, resolve_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+T = TypeVar("T")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,6 +82,23 @@ def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> Problem
 
 def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> KernelConfig:
     return resolve_config(problem_key(e, c, filtered, policy))
+
+
+def launch_with_config(e: Tensor, c: Tensor, filtered: bool, policy: Policy, launch: Callable[[KernelConfig], T]) -> T:
+    """`launch(config)` with the call's resolved config. A config from outside the process that
+    fails to launch (Triton refusing it) costs this call one failed launch per source: the
+    ladder drops that source for the key and the next rung's config launches instead. Running
+    out of memory says nothing about the config and is raised as it is."""
+    key = problem_key(e, c, filtered, policy)
+    while True:
+        config = resolve_config(key)
+        try:
+            return launch(config)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            if not launch_failed(key, error):
+                raise
 
 
 def kernel_flags(e: Tensor) -> dict[str, bool]:

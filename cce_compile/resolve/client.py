@@ -1,21 +1,25 @@
-"""The tuning service as a config source: one GET per key, short timeouts, a breaker.
+"""The tuning service as a config source: one GET per key under one short deadline, a breaker.
 
 httpx loads only when the service is asked, so `import cce_compile` stays free of the web stack.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from typing import Any
 
 from ..config.keys import KERNEL_NAME, ProblemKey
 from .platform import Platform
-from .sources import Found, Settings, match_level_of
+from .sources import Found, Settings, match_level_of, parse_json
 
 log = logging.getLogger("cce_compile.config")
 
 SERVICE_TIMEOUT_S = 1.5
+"""The whole lookup's deadline, connect to last byte, retry included."""
+MAX_ANSWER_BYTES = 1 << 20
+"""A config answer is about a kilobyte; anything near this is not one."""
 
 
 _breaker_lock = threading.Lock()
@@ -39,33 +43,72 @@ def _trip(url: str, reason: str) -> None:
 def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
     """The service's best config for `key`, or None (no entry, offline, or unusable).
 
-    One retry for a dropped connection or a 5xx; a timeout is not retried. Any failure
-    opens a process-wide breaker, so a dead service costs one timeout per process."""
+    One retry for a dropped connection or a 5xx; a timeout is not retried. The whole
+    lookup, retry included, has SERVICE_TIMEOUT_S (a server that dribbles its answer
+    cannot stretch it) and reads at most MAX_ANSWER_BYTES. Any failure opens a
+    process-wide breaker, so a dead service costs one deadline per process."""
     if settings.url is None or settings.offline or _service_down is not None:
         return None
+    import asyncio
+
+    # A thread of its own runs the event loop, so a caller already inside one (a notebook)
+    # is served too; the loop's wait_for is what makes the deadline total.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        outcome = executor.submit(asyncio.run, _fetch_within_deadline(settings, platform, key)).result()
+    if isinstance(outcome, str):
+        _trip(settings.url, outcome)
+        return None
+    return _parse_answer(settings.url, outcome)
+
+
+async def _fetch_within_deadline(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
+    """The answer's body, or why the service is unusable."""
+    import asyncio
+
+    try:
+        return await asyncio.wait_for(_fetch(settings, platform, key), SERVICE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"no complete answer within {SERVICE_TIMEOUT_S}s"
+
+
+async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
     import httpx
 
+    assert settings.url is not None
     url = settings.url.rstrip("/") + "/v1/configs/best"
-    params = _query(platform, key)
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     failure = "no attempt"
-    with httpx.Client(timeout=httpx.Timeout(SERVICE_TIMEOUT_S), headers=headers) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(SERVICE_TIMEOUT_S), headers=headers) as http:
         for _attempt in range(2):
             try:
-                response = client.get(url, params=params)
+                async with http.stream("GET", url, params=_query(platform, key)) as response:
+                    body = await _read_capped(response)
+                    status = response.status_code
             except httpx.TimeoutException as error:
-                failure = f"no answer within {SERVICE_TIMEOUT_S}s ({type(error).__name__})"
-                break
+                return f"no answer within {SERVICE_TIMEOUT_S}s ({type(error).__name__})"
             except (httpx.TransportError, httpx.InvalidURL) as error:
                 failure = f"{type(error).__name__}: {error}"
                 continue
-            if response.status_code == 200:
-                return _parse_answer(settings.url, response)
-            failure = f"HTTP {response.status_code}: {response.text[:200]}"
-            if response.status_code < 500:
+            if body is None:
+                return f"an answer over {MAX_ANSWER_BYTES} bytes"
+            if status == 200:
+                return body
+            failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
+            if status < 500:
                 break
-    _trip(settings.url, failure)
-    return None
+    return failure
+
+
+async def _read_capped(response: Any) -> bytes | None:
+    """The body, or None once it passes MAX_ANSWER_BYTES (the rest is never read)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _query(platform: Platform, key: ProblemKey) -> dict[str, Any]:
@@ -85,22 +128,17 @@ def _query(platform: Platform, key: ProblemKey) -> dict[str, Any]:
     return params
 
 
-def _parse_answer(url: str, response: Any) -> Found | None:
-    """A GET /v1/configs/best body as a Found; None for 'no entry' and for garbage."""
-    try:
-        body = response.json()
-    except ValueError:
-        log.warning("tuning service %s answered non-JSON: %r", url, response.text[:200])
+def _parse_answer(url: str, body: bytes) -> Found | None:
+    """A GET /v1/configs/best body as a Found; None for 'no entry' and for anything
+    unreadable (not JSON, nested past the parser's depth, not an object)."""
+    data = parse_json(body)
+    if not isinstance(data, dict):
+        log.warning("tuning service %s answered no JSON object: %r", url, body[:200])
         return None
-    if not isinstance(body, dict):
-        log.warning("tuning service %s answered %s, not an object", url, type(body).__name__)
+    if data.get("match_level") == "none":
         return None
-    if body.get("match_level") == "none":
-        return None
-    level = match_level_of(body.get("match_level"))
+    level = match_level_of(data.get("match_level"))
     if level is None:
-        log.warning("tuning service %s answered an unknown match level %r", url, body.get("match_level"))
+        log.warning("tuning service %s answered an unknown match level %r", url, data.get("match_level"))
         return None
-    return Found(body.get("config"), level)
-
-
+    return Found(data.get("config"), level)

@@ -4,7 +4,8 @@ torch.compile, on the first eager call for a key otherwise).
 The ladder, first answer wins: an active `override_config`, this process's memo, the local
 disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the package, the
 heuristic. Every config that comes from outside the process is re-validated (and checked
-against the GPU's shared memory) before it is used; a bad one is logged and skipped. Under
+against the GPU's shared memory) before it is used; a bad one is logged and skipped, and one
+that fails to launch anyway is dropped for the next rung (launch_failed). Under
 torch.distributed, rank 0 resolves and every rank launches its config, exchanged through
 the process group's store (CCE_CONFIG_BROADCAST=0 turns that off).
 """
@@ -71,6 +72,8 @@ class Resolution:
 
 
 _memo: dict[ProblemKey, Resolution] = {}
+_failed_sources: dict[ProblemKey, frozenset[str]] = {}
+"""Per key, the sources whose config failed to launch in this process: the ladder skips them."""
 _override_uses: dict[ProblemKey, int] = {}
 """Per key, how many times an override was exchanged between ranks (names its store entry)."""
 _memo_lock = threading.Lock()
@@ -97,13 +100,37 @@ def resolution_for(key: ProblemKey) -> Resolution:
         resolution = _memo.get(key)
         if resolution is not None:
             return resolution
+        skip = _failed_sources.get(key, frozenset())
         if _distributed():
-            resolution = _from_rank0(key, lambda: look_up(key, local_platform(key.device)), "ladder")
+            # Every rank fails the same config alike, so the ladder after a failure is exchanged
+            # under a name of its own.
+            purpose = "ladder" + "".join(f"-without-{source}" for source in sorted(skip))
+            resolution = _from_rank0(key, lambda: look_up(key, local_platform(key.device), skip=skip), purpose)
         else:
-            resolution = look_up(key, local_platform(key.device))
+            resolution = look_up(key, local_platform(key.device), skip=skip)
         _memo[key] = resolution
     log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
     return resolution
+
+
+def launch_failed(key: ProblemKey, error: Exception) -> bool:
+    """The config resolved for `key` failed to launch with `error`: skip its source for `key`
+    from now on in this process (a disk cache file is removed too), so the next resolution
+    takes the next rung. False when there is no rung left to take (an override, the heuristic)."""
+    if active_override() is not None:
+        return False
+    with _memo_lock:
+        failed = _memo.pop(key, None)
+        if failed is None or failed.source == "heuristic":
+            if failed is not None:
+                _memo[key] = failed
+            return False
+        _failed_sources[key] = _failed_sources.get(key, frozenset()) | {failed.source}
+    log.warning("the %s config for %s failed to launch (%s: %s); trying the next source",
+                failed.source, key, type(error).__name__, error)
+    if failed.source == "disk":
+        sources.remove_cache(sources.Settings.from_env(), local_platform(key.device), key)
+    return True
 
 
 def resolved() -> dict[ProblemKey, Resolution]:
@@ -116,25 +143,31 @@ def reset() -> None:
     """Forget every resolution and close the service breaker (tests; a new service)."""
     with _memo_lock:
         _memo.clear()
+        _failed_sources.clear()
         _override_uses.clear()
     client.reset_breaker()
 
 
 def look_up(
-    key: ProblemKey, platform: Platform, settings: sources.Settings | None = None
+    key: ProblemKey, platform: Platform, settings: sources.Settings | None = None, skip: frozenset[str] = frozenset()
 ) -> Resolution:
-    """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic."""
+    """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic, less
+    the sources in `skip`."""
     settings = settings or sources.Settings.from_env()
-    cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
-    if cached is not None:
-        return cached
-    served = _accept("service", client.fetch_from_service(settings, platform, key), platform, key)
-    if served is not None:
-        sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
-        return served
-    bundled = _accept("bundled", sources.bundled_config(platform, key), platform, key)
-    if bundled is not None:
-        return bundled
+    if "disk" not in skip:
+        cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
+        if cached is not None:
+            return cached
+    if "service" not in skip:
+        served = _accept("service", client.fetch_from_service(settings, platform, key), platform, key)
+        if served is not None:
+            if "disk" not in skip:
+                sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
+            return served
+    if "bundled" not in skip:
+        bundled = _accept("bundled", sources.bundled_config(platform, key), platform, key)
+        if bundled is not None:
+            return bundled
     return Resolution(heuristic_config(key), "heuristic", "none")
 
 

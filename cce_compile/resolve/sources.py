@@ -31,6 +31,8 @@ OFFLINE_ENV = "CCE_TUNING_OFFLINE"
 CACHE_DIR_ENV = "CCE_CONFIG_CACHE_DIR"
 CACHE_TTL_ENV = "CCE_CONFIG_CACHE_TTL_S"
 DEFAULT_TTL_S = 7 * 24 * 3600.0
+MAX_CACHE_FILE_BYTES = 1 << 20
+"""A cache file holds one config (about a kilobyte); a larger one is not ours."""
 
 BUNDLED_DIR = Path(__file__).parents[1] / "config" / "bundled"
 
@@ -83,6 +85,15 @@ def _ttl_from_env() -> float:
         return DEFAULT_TTL_S
 
 
+def parse_json(content: bytes) -> Any:
+    """`content` as JSON, or None where it is not: malformed, not UTF-8, or nested deeper
+    than the parser recurses (untrusted data must not raise RecursionError)."""
+    try:
+        return json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+
+
 def match_level_of(value: Any) -> str | None:
     """`value` if it is one of the database's match levels that carries a config."""
     return value if isinstance(value, str) and value in MATCH_LEVELS and value != "none" else None
@@ -106,12 +117,14 @@ def read_cache(settings: Settings, platform: Platform, key: ProblemKey) -> Found
     than the TTL."""
     path = cache_path(settings, platform, key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with path.open("rb") as file:
+            content = file.read(MAX_CACHE_FILE_BYTES + 1)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as error:
+    except OSError as error:
         log.warning("config cache %s unreadable (%s); ignoring it", path, error)
         return None
+    data = parse_json(content) if len(content) <= MAX_CACHE_FILE_BYTES else None
     stored_at = data.get("stored_at") if isinstance(data, dict) else None
     level = match_level_of(data.get("match_level")) if isinstance(data, dict) else None
     if isinstance(stored_at, bool) or not isinstance(stored_at, (int, float)) or level is None:
@@ -142,6 +155,15 @@ def write_cache(settings: Settings, platform: Platform, key: ProblemKey, found: 
         log.warning("could not write config cache %s: %s", path, error)
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+
+
+def remove_cache(settings: Settings, platform: Platform, key: ProblemKey) -> None:
+    """Forget the cached answer for `key` (its config failed to launch)."""
+    path = cache_path(settings, platform, key)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not remove config cache %s: %s", path, error)
 
 
 # --- bundled defaults -------------------------------------------------------------------

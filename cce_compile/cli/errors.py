@@ -1,0 +1,50 @@
+"""How the `cce` command fails: one line on stderr and a non-zero exit, never a traceback.
+
+Commands call `fail` for the failures they foresee; anything else that escapes a command is
+still reported in one line (CCE_TRACEBACK=1 shows the traceback, for a bug report)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+import typer
+
+TRACEBACK_ENV = "CCE_TRACEBACK"
+POSTGRES_DRIVER_HINT = "PostgreSQL URLs need psycopg: pip install 'cce-compile[postgres]'"
+
+
+def fail(message: str) -> NoReturn:
+    """Stop the command with `message` (one line) and exit status 1."""
+    typer.echo(f"cce: error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(1)
+
+
+def one_line(error: BaseException) -> str:
+    """`error` as one line of text, naming the fix where one is known."""
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in ("psycopg", "psycopg2"):
+        return POSTGRES_DRIVER_HINT
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+class Cli(typer.Typer):
+    """A Typer app whose failures are one line and exit status 1."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            status = super().__call__(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            raise SystemExit(130) from None
+        except typer.TyperException as error:  # a misused option or argument (click's errors)
+            if type(error).__name__ == "NoArgsIsHelpError":  # `cce` alone: the help is already printed
+                raise SystemExit(getattr(error, "exit_code", 2)) from None
+            message = error.format_message() if hasattr(error, "format_message") else str(error)
+            print(f"cce: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+            raise SystemExit(getattr(error, "exit_code", 2)) from None
+        except Exception as error:  # the last line of defence: no command prints a traceback
+            if os.environ.get(TRACEBACK_ENV, "").strip() in ("1", "true", "yes"):
+                raise
+            print(f"cce: error: {one_line(error)}", file=sys.stderr)
+            raise SystemExit(1) from None
+        raise SystemExit(status if isinstance(status, int) else 0)

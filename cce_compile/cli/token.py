@@ -1,0 +1,38 @@
+"""`cce token`: a fresh random token for CCE_SERVICE_TOKENS."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Optional
+
+import typer
+
+from cce_compile.cli.errors import fail
+
+TOKEN_BYTES = 24
+"""32 URL-safe characters: far past the service's 8-character minimum, and unguessable."""
+
+
+def token(
+    scopes: Annotated[
+        Optional[str],
+        typer.Option("--scopes", help="print a CCE_SERVICE_TOKENS entry 'TOKEN:SCOPES' (e.g. read,write) instead"),
+    ] = None,
+) -> None:
+    """Print a fresh random token (32 URL-safe characters)."""
+    fresh = secrets.token_urlsafe(TOKEN_BYTES)
+    if scopes is None:
+        typer.echo(fresh)
+        return
+    from service.auth import parse_token_spec
+
+    entry = f"{fresh}:{scopes}"
+    try:
+        parse_token_spec(entry)
+    except ValueError as error:
+        fail(f"--scopes: {error}")
+    typer.echo(entry)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(token)

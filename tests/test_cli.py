@@ -1,0 +1,123 @@
+"""The `cce` command as a user meets it, in real processes: every failure one line on stderr
+with a non-zero exit (no traceback), `cce token`, `cce --version`, what `cce serve` says at
+start, and the README's service example working as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from cce_compile import __version__
+from service.auth import parse_token_spec
+from service.process import REPO_ROOT, free_port, serving
+from tests.db_fixtures import bearer
+
+README = REPO_ROOT / "README.md"
+
+
+def cce(*args: str, env: dict[str, str] | None = None, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """`cce ARGS` in a child process (after `prelude`, Python run first), in a scratch cache."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    code = f"{prelude}\nimport sys\nfrom cce_compile.cli.main import app\nsys.argv = ['cce', *{list(args)!r}]\napp()"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
+                          cwd=REPO_ROOT, timeout=120)
+
+
+def assert_one_line_failure(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cce: error: "), done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_version() -> None:
+    done = cce("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"cce-compile {__version__}"
+
+
+def test_token_prints_fresh_tokens_the_service_accepts() -> None:
+    first, second = cce("token").stdout.strip(), cce("token").stdout.strip()
+    assert first != second and len(first) >= 8
+    entry = cce("token", "--scopes", "read,write").stdout.strip()
+    assert parse_token_spec(f"{first}:read;{entry}")[first] == frozenset({"read"})
+    assert_one_line_failure(cce("token", "--scopes", "reed"), "--scopes", "unknown scope 'reed'")
+
+
+def test_a_misused_option_is_one_line_with_status_2() -> None:
+    for args in (["serve", "--port", "0"], ["token", "--bogus"], ["lookup", "--vocab", "1", "--hidden", "1",
+                                                                  "--tokens", "1", "--dtype", "fp64"]):
+        done = cce(*args)
+        assert_one_line_failure(done, "(see --help)")
+        assert done.returncode == 2
+
+
+def test_an_unforeseen_failure_is_one_line_and_its_traceback_on_request(tmp_path: Path) -> None:
+    """An SQLite file in a folder that does not exist: no command checks for it, the wrapper still reports it."""
+    missing_db = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'tuning.db'}"
+    assert_one_line_failure(cce("export", "--db-url", missing_db), "OperationalError")
+    shown = cce("export", "--db-url", missing_db, env={"CCE_TRACEBACK": "1"})
+    assert shown.returncode != 0 and "Traceback" in shown.stderr
+
+
+def test_a_bad_token_spec_stops_serve_in_one_line() -> None:
+    done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS": "short:read"})
+    assert_one_line_failure(done, "CCE_SERVICE_TOKENS", "8+", "cce token")
+
+
+def test_a_bad_setting_stops_serve_in_one_line() -> None:
+    done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_MAX_BODY_BYTES": "lots"})
+    assert_one_line_failure(done, "max_body_bytes")
+
+
+def test_export_from_a_dead_service_is_one_line() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")
+
+
+def test_a_postgresql_url_without_psycopg_names_the_extra() -> None:
+    """psycopg is installed here, so the child hides it as an uninstalled package would be."""
+    url = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+    for args in (["db", "upgrade", "--db-url", url], ["serve", "--port", str(free_port()), "--db-url", url]):
+        done = cce(*args, prelude="import sys; sys.modules['psycopg'] = None")
+        assert_one_line_failure(done, "pip install 'cce-compile[postgres]'")
+
+
+def test_serve_says_where_its_data_is_and_how_to_get_a_token(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with serving(log, "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", env={"CCE_SERVICE_TOKENS": ""}) as base_url:
+        assert httpx.get(f"{base_url}/v1/gpus").status_code == 401
+    said = log.read_text()
+    assert f"cce serve: database sqlite:///{tmp_path / 'tuning.db'}" in said
+    assert "0 token(s) configured; reads need a read token" in said
+    assert "cce token --scopes read,write" in said and "CCE_TUNING_TOKEN" in said
+
+
+def test_the_readme_token_example_works_as_written(tmp_path: Path) -> None:
+    spec = re.search(r'^CCE_SERVICE_TOKENS="([^"$]+)" cce serve$', README.read_text(), re.MULTILINE).group(1)
+    tokens = parse_token_spec(spec)
+    reader = next(token for token, scopes in tokens.items() if scopes == frozenset({"read", "write"}))
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}",
+                 env={"CCE_SERVICE_TOKENS": spec}) as base_url:
+        assert httpx.get(f"{base_url}/v1/gpus", headers=bearer(reader)).status_code == 200
+
+
+def test_docs_load_every_asset_from_the_service_itself(tmp_path: Path) -> None:
+    """An offline cluster's browser can fetch nothing from a CDN: every script, style sheet and
+    icon /docs names must come from the service."""
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}") as base_url:
+        page = httpx.get(f"{base_url}/docs")
+        assert page.status_code == 200
+        assets = re.findall(r"""(?:src|href)=["']([^"']+)["']|url: ?["']([^"']+)["']""", page.text)
+        urls = [next(filter(None, found)) for found in assets]
+        assert len(urls) >= 4, page.text  # the script, its style sheet, the icon, the schema
+        for url in urls:
+            assert url.startswith("/"), f"/docs loads {url} from elsewhere"
+            assert httpx.get(base_url + url).status_code == 200, url
+        assert "SwaggerUIBundle" in httpx.get(base_url + "/docs/assets/swagger-ui-bundle.js").text
