@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -328,3 +329,21 @@ def test_cli_render_needs_no_gpu(tmp_path: Path) -> None:
     done = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)])
     assert done.exit_code == 0, done.output
     assert (tmp_path / "latest.md").exists() and (tmp_path / "latest.png").exists()
+
+
+def test_results_and_docs_stay_small() -> None:
+    """At most 40 files in benchmarks/results/ (older logs live in git) and a performance doc
+    a newcomer reads through (history goes to docs/notes/)."""
+    results_dir = REPO / "benchmarks/results"
+    assert len([path for path in results_dir.rglob("*") if path.is_file()]) <= 40
+    assert len((REPO / "docs/performance.md").read_text().splitlines()) <= 400
+
+
+def test_package_comments_carry_no_history() -> None:
+    """Version tags, dates and result-file names belong in docs/notes/ or the git log, not in
+    package code."""
+    history = re.compile(r"\bv[0-9]{2}[a-d]?\b|benchmarks/results/|\b20[0-9]{2}-[0-9]{2}\b")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for package in ("cce_compile", "service", "tuning_db") for path in sorted((REPO / package).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if history.search(line)]
+    assert not found, "\n".join(found)
