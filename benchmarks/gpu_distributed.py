@@ -52,9 +52,12 @@ def main() -> None:
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        from cce_compile.ops import dispatch
+        from dataclasses import replace
 
-        dispatch.INTERPRET = False
+        from cce_compile.plan.policy import active_policy, override_policy
+
+        # the whole process on the PyTorch path: the Triton interpreter would take minutes
+        override_policy(replace(active_policy(), triton_on_cpu=False)).__enter__()
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timedelta(minutes=5))
     results = {}

@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,8 +44,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cce_compile.config.plan import n_bucket  # noqa: E402
+from cce_compile.config.keys import n_bucket  # noqa: E402
 from cce_compile.ops import graphs  # noqa: E402
+from cce_compile.plan.policy import active_policy, override_policy  # noqa: E402
 from cce_compile.integrations.transformers import patch  # noqa: E402
 from tests.test_distributed import recording_op_inputs  # noqa: E402
 
@@ -93,12 +95,8 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
     bf16 weights, or fp32 weights under autocast(bf16). `cuda_graphs`: the op's own graphs of
     its backward's slab loop (eager calls), whose replays the result counts."""
     torch._dynamo.reset()
-    enabled, graphs.ENABLED = graphs.ENABLED, cuda_graphs
-    try:
-        run = _train_steps(args, patched=patched, mode=mode, autocast=autocast)
-    finally:
-        graphs.ENABLED = enabled
-    return run
+    with override_policy(replace(active_policy(), cuda_graphs=cuda_graphs)):
+        return _train_steps(args, patched=patched, mode=mode, autocast=autocast)
 
 
 def _train_steps(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool) -> dict:
@@ -296,9 +294,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.device.type == "cpu":
-        from cce_compile.ops import dispatch
-
-        dispatch.INTERPRET = False
+        # the whole process on the PyTorch path: the Triton interpreter would take minutes
+        override_policy(replace(active_policy(), triton_on_cpu=False)).__enter__()
     device_name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
     environment = {"torch": torch.__version__, "device": device_name,
                    "args": {k: v for k, v in vars(args).items() if k != "out"}}

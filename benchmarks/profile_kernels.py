@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cce_compile  # noqa: E402
 from cce_compile.bench.harness import parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
-from cce_compile.config import plan  # noqa: E402
-from cce_compile.ops.dispatch import config_for  # noqa: E402
-from cce_compile.ops import backward as op_backward  # noqa: E402
+from cce_compile.ops.problem import config_for  # noqa: E402
+from cce_compile.plan.backward import BackwardPlan  # noqa: E402
+from cce_compile.plan.policy import Policy, active_policy, override_policy  # noqa: E402
 
 
 def idle_gaps(prof, iters: int, top: int = 8) -> dict:
@@ -140,6 +140,19 @@ def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
     return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
 
 
+def policy_of(args: argparse.Namespace) -> Policy:
+    """The active policy with the command line's overrides."""
+    changes: dict = {}
+    if args.plan is not None:
+        n_chunks, slab_v, slots = (int(part) for part in args.plan.split(","))
+        changes["backward_plan"] = BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
+    if args.persistent_min_k_steps is not None:
+        changes["recompute_tma_min_k_steps"] = args.persistent_min_k_steps
+    if args.scratch_fraction is not None:
+        changes["scratch_fraction"] = changes["filtered_scratch_fraction"] = args.scratch_fraction
+    return dataclasses.replace(active_policy(), **changes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default=None, help="NxDxV [default: 8192x2304x256000 on CUDA, 256x64x1031 on CPU]")
@@ -149,13 +162,13 @@ def main() -> None:
                              "autograd, as the benchmark times it)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--scratch-fraction", type=float, default=None,
-                        help="override the backward's scratch budget, either mode's (config.plan.SCRATCH_FRACTION, "
-                             "FILTERED_SCRATCH_FRACTION), to see what fewer, larger steps would gain")
+                        help="override the backward's scratch budget, either mode's (Policy.scratch_fraction, "
+                             "filtered_scratch_fraction), to see what fewer, larger steps would gain")
     parser.add_argument("--plan", default=None, metavar="CHUNKS,SLAB_V,SLOTS",
-                        help="override the backward's plan (config.plan.BackwardPlan; slots: filtered mode's "
+                        help="override the backward's plan (Policy.backward_plan; slots: filtered mode's "
                              "scratch tiles, 0 for the slab's)")
     parser.add_argument("--persistent-min-k-steps", type=int, default=None,
-                        help="override ops.backward.PERSISTENT_MIN_K_STEPS: from how many K steps exact mode's "
+                        help="override Policy.recompute_tma_min_k_steps: from how many K steps exact mode's "
                              "recompute runs persistent")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
@@ -167,14 +180,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    if args.plan is not None:
-        n_chunks, slab_v, slots = (int(part) for part in args.plan.split(","))
-        forced = plan.BackwardPlan(n_chunks, slab_v, fp32_accumulator=True, slots=slots)
-        op_backward.plan_backward = lambda *_: forced
-    if args.persistent_min_k_steps is not None:
-        op_backward.PERSISTENT_MIN_K_STEPS = args.persistent_min_k_steps
-    if args.scratch_fraction is not None:
-        plan.SCRATCH_FRACTION = plan.FILTERED_SCRATCH_FRACTION = args.scratch_fraction
+    policy = policy_of(args)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = parse_shape(args.shape or ("8192x2304x256000" if cuda else "256x64x1031"))
@@ -195,12 +201,12 @@ def main() -> None:
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):
         filter_eps = FILTER_EPS if mode == "filtered" else None
-        op_backward.GEMM_BACKEND = "triton" if mode == "triton-gemms" else "cublas"
-        config = config_for(e, c, filter_eps or 0.0)
+        mode_policy = dataclasses.replace(policy, gemm_backend="triton" if mode == "triton-gemms" else "cublas")
+        config = config_for(e, c, filter_eps is not None, mode_policy)
         if args.slab_v is not None:
             config = dataclasses.replace(config, slab_v=args.slab_v)
         step = pass_step(mode, e, c, targets)
-        with cce_compile.override_config(config):
+        with cce_compile.override_config(config), override_policy(mode_policy):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
             if args.host_profile:

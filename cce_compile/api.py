@@ -21,7 +21,7 @@ def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> f
     the paper's eps / 32: what is skipped comes back as each tile's row sums and tilt
     (ops/filtering.SkippedTiles, Tilt), so the coarser filter keeps dE within 2.5-7e-3 of fp32
     on LM-like and heavy-tailed heads at 1.8-2.3 x a GEMM on the H200, where 2^-12 took 1.9-3.4 x
-    (docs/performance.md, v25)."""
+    (docs/notes/filtered-put-back.md)."""
     if filter_eps is None:
         return 0.0
     if filter_eps == "auto":

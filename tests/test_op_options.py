@@ -180,7 +180,7 @@ def test_filtered_mode_is_close_and_exact_is_default() -> None:
 
 def test_auto_filter_is_a_quarter_of_the_papers_eps_over_32() -> None:
     """filter_eps="auto" is the dtype's epsilon / 8 (2^-10 for bf16 and fp32): the put-back and
-    tilt keep that coarser filter accurate (docs/performance.md, v25)."""
+    tilt keep that coarser filter accurate (docs/notes/filtered-put-back.md)."""
     from cce_compile.api import _resolve_filter_eps
 
     assert _resolve_filter_eps("auto", torch.bfloat16) == 2.0**-10

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -28,6 +27,7 @@ from cce_compile.bench.inputs import (
 )
 from cce_compile.bench.metrics import relative_error
 from cce_compile.bench.peers import Impl, LossFn, try_load
+from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES, Shape, parse_shape  # noqa: F401 - the harness's shapes
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -38,46 +38,6 @@ DEFAULT_KINDS = ["lm_like", "uniform"]
 _REFERENCE_CHUNK_ELEMENTS = 2**28  # float32 logits of one token chunk: 1 GiB
 _REASON_CHARS = 400
 _LOG_WIDTH = 220
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    n: int
-    d: int
-    v: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.n} x {self.d} x {self.v} ({self.name})"
-
-
-SHAPES = {
-    shape.name: shape
-    for shape in (
-        Shape("gemma2-2b", 8192, 2304, 256000),
-        Shape("llama3-8b", 8192, 4096, 128256),
-        Shape("qwen2.5-0.5b", 16384, 896, 151936),
-        Shape("large-d", 4096, 8192, 128256),
-    )
-}
-QUICK_SHAPES = {
-    shape.name: shape
-    for shape in (Shape("quick-aligned", 1024, 512, 32768), Shape("quick-odd", 1000, 300, 50257))
-}
-"""Smoke-test shapes: seconds on a GPU, one of them with no dimension a multiple of 16."""
-
-
-def parse_shape(spec: str) -> Shape:
-    """A known shape's name, or NxDxV (N tokens, hidden size D, vocabulary V)."""
-    known = SHAPES | QUICK_SHAPES
-    if spec in known:
-        return known[spec]
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", spec.strip().lower())
-    if not match:
-        raise ValueError(f"shape {spec!r} is neither one of {list(known)} nor NxDxV")
-    n, d, v = (int(part) for part in match.groups())
-    return Shape(spec, n, d, v)
 
 
 def resolve_kinds(kinds: list[str] | None) -> list[str]:
@@ -113,16 +73,18 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         raise BenchmarkUnavailable(
             "cce bench times CUDA kernels and needs a CUDA GPU, but torch.cuda.is_available() is False "
-            "here. Run it on a GPU machine (benchmarks/run_h200.sh); saved results can be re-rendered "
-            "anywhere with `cce bench --render RESULTS.json`."
+            "here. Run it on a GPU machine; saved results can be re-rendered anywhere with "
+            "`cce bench --render`."
         )
 
 
 @dataclass
 class ImplResult:
     impl: str
+    """The results' impl column (peers.Impl.row_name)."""
     label: str
     status: str  # ok | failed | unavailable | skipped
+    compiled: bool = False
     note: str = ""
     reason: str | None = None
     rel_err_loss: float | None = None
@@ -233,10 +195,11 @@ def _measure_impl(impl: Impl, grad_sets: list[InputSet], plain_sets: list[InputS
                   settings: Settings) -> ImplResult:
     """Errors, then memory (the second call, after any compilation), then the two timings.
     Whatever was measured before a failure is kept."""
+    compiled = impl.compile_mode is not None
     loaded = try_load(impl)
     if isinstance(loaded, str):
-        return ImplResult(impl.key, impl.label, "unavailable", reason=loaded[:_REASON_CHARS])
-    result = ImplResult(impl.key, impl.label, "ok", note=loaded.note)
+        return ImplResult(impl.row_name, impl.label, "unavailable", compiled, reason=loaded[:_REASON_CHARS])
+    result = ImplResult(impl.row_name, impl.label, "ok", compiled, note=loaded.note)
     fn = loaded.fn
     grads = [t for e, c, _ in grad_sets for t in (e, c)]
     try:
@@ -287,7 +250,8 @@ def _run_shape_kind(shape: Shape, kind: str, impls: list[Impl], settings: Settin
                          f"{100 * stats['frac_above_eps']:.3f}% of softmax > 2^-12")
     for impl in impls:
         if time.monotonic() > deadline:
-            result = ImplResult(impl.key, impl.label, "skipped", reason="the time budget (--budget-s) was spent")
+            result = ImplResult(impl.row_name, impl.label, "skipped", impl.compile_mode is not None,
+                                reason="the time budget (--budget-s) was spent")
         else:
             result = _measure_impl(impl, grad_sets, sets, ref, run, settings)
         run.impls.append(result)
@@ -331,6 +295,7 @@ def _describe(shape_label: str, kind: str, result: ImplResult) -> str:
     if result.status != "ok":
         return f"{where}: {result.status} ({result.reason})"
     dc = "" if result.rel_err_dc is None else f" dC {result.rel_err_dc:.1e}"
+    note = f" ({result.note})" if result.note else ""
     return (f"{where}: fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.2f}x GEMM), "
             f"fwd {result.fwd_ms:.2f} ms, {result.peak_mib:.0f} MiB ({result.memory_x_grads:.2f}x grads), "
-            f"rel.err dE {result.rel_err_de:.1e}{dc}")
+            f"rel.err dE {result.rel_err_de:.1e}{dc}{note}")

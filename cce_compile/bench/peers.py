@@ -3,13 +3,12 @@
 Peers are optional packages: every entry loads lazily, and a missing or broken one is
 reported with its reason instead of stopping the run. Versions differ in what they offer
 (Apple's `impl="cce_exact"` exists only on its newer releases), so each loader says which
-form it used in the note that goes into the results.
+form it used in the note the benchmark logs.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Callable
 
@@ -19,9 +18,6 @@ from torch import Tensor
 
 
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-PEER_DISTRIBUTIONS = ("cce-compile", "cut-cross-entropy", "liger-kernel")
-"""Distributions whose versions go into the results' environment."""
 
 
 class ImplUnavailable(RuntimeError):
@@ -34,24 +30,39 @@ class Loaded:
     note: str = ""
 
 
+CompileMode = str
+COMPILE_MODES = ("eager", "default", "reduce-overhead")
+"""How an impl is called: as is, or inside torch.compile (fullgraph, static shapes) in that mode."""
+
+
 @dataclass(frozen=True)
 class Impl:
     """One contender. `on_uniform` marks those also timed on uniform inputs by default:
     the filtering kernels, whose speed depends on the softmax (uniform data flatters them),
-    and this project's exact mode beside them, whose speed should not."""
+    and this project's exact mode beside them, whose speed should not. `compilable` marks
+    those a torch.compile'd model would call inside its graph; `compile_mode` is None for an
+    eager call, else the torch.compile mode this variant runs under."""
 
     key: str
     label: str
     load: Callable[[], Loaded]
     on_uniform: bool
+    compilable: bool = False
+    compile_mode: CompileMode | None = None
+
+    @property
+    def row_name(self) -> str:
+        """The results' impl column: the key, with the mode after a colon where it is not the
+        default (the compiled column says compiled or not)."""
+        return self.key if self.compile_mode in (None, "default") else f"{self.key}:{self.compile_mode}"
 
 
-def _load_cce(filter_eps: float | None) -> Loaded:
+def _load_cce(filter_eps: float | str | None, memory: str = "workspace") -> Loaded:
     try:
         from cce_compile import linear_cross_entropy
     except ImportError as err:
         raise ImplUnavailable(f"cce_compile.linear_cross_entropy does not import: {err}") from err
-    return Loaded(lambda e, c, targets: linear_cross_entropy(e, c, targets, filter_eps=filter_eps))
+    return Loaded(lambda e, c, targets: linear_cross_entropy(e, c, targets, filter_eps=filter_eps, memory=memory))
 
 
 def _import_apple() -> ModuleType:
@@ -95,25 +106,45 @@ def _load_eager() -> Loaded:
     return Loaded(materialized_loss)
 
 
-def _load_compiled() -> Loaded:
-    """Static shapes: each benchmark shape gets its own graph, as a training run would."""
-    return Loaded(torch.compile(materialized_loss, dynamic=False))
+def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loaded]:
+    """`load`'s function inside torch.compile (fullgraph, static shapes: each benchmark shape
+    gets its own graph, as a training run would). Under reduce-overhead each call starts a new
+    CUDA-graph step, as a training loop's iteration does."""
+
+    def load_compiled() -> Loaded:
+        loaded = load()
+        options = {} if mode == "default" else {"mode": mode}
+        compiled = torch.compile(loaded.fn, fullgraph=True, dynamic=False, **options)
+        if mode != "reduce-overhead":
+            return Loaded(compiled, loaded.note)
+
+        def stepped(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(e, c, targets)
+
+        return Loaded(stepped, loaded.note)
+
+    return load_compiled
 
 
 IMPLS: dict[str, Impl] = {
     impl.key: impl
     for impl in (
-        Impl("cce_exact", "cce_compile exact", lambda: _load_cce(None), on_uniform=True),
-        Impl("cce_filtered", "cce_compile filtered (auto: 2^-10)", lambda: _load_cce("auto"), on_uniform=True),
-        Impl("torch_compile", "torch.compile", _load_compiled, on_uniform=False),
+        Impl("cce_exact", "cce_compile exact (workspace)", lambda: _load_cce(None, "workspace"), on_uniform=True,
+             compilable=True),
+        Impl("cce_exact_low", "cce_compile exact (low memory)", lambda: _load_cce(None, "low"), on_uniform=True,
+             compilable=True),
+        Impl("cce_filtered", "cce_compile filtered (auto: 2^-10)", lambda: _load_cce("auto"), on_uniform=True,
+             compilable=True),
+        Impl("torch", "torch (materialized logits)", _load_eager, on_uniform=False, compilable=True),
         Impl("apple_cce", "Apple cce (default, filtered)", _load_apple_default, on_uniform=True),
         Impl("apple_cce_exact", "Apple cce_exact", _load_apple_exact, on_uniform=False),
         Impl("liger", "Liger FLCE", _load_liger, on_uniform=False),
-        Impl("torch_eager", "torch eager", _load_eager, on_uniform=False),
     )
 }
 """In benchmark order: this project first, so a run cut short by its time budget still
-has the numbers that matter most."""
+has the numbers that matter most. "torch" is what HF models do (logits, then cross-entropy);
+compiled, it is torch.compile's own fusion of the materialized loss."""
 
 
 def resolve_impls(keys: list[str] | None) -> list[Impl]:
@@ -126,6 +157,28 @@ def resolve_impls(keys: list[str] | None) -> list[Impl]:
     return [impl for key, impl in IMPLS.items() if key in keys]
 
 
+def resolve_compile_modes(modes: list[str] | None) -> list[CompileMode]:
+    """The named call modes, checked; None or empty means all of COMPILE_MODES."""
+    unknown = sorted(set(modes or []) - set(COMPILE_MODES))
+    if unknown:
+        raise ValueError(f"unknown compile modes {unknown}; choose from {list(COMPILE_MODES)}")
+    return [mode for mode in COMPILE_MODES if not modes or mode in modes]
+
+
+def with_compile_modes(impls: list[Impl], modes: list[CompileMode]) -> list[Impl]:
+    """Each impl in every mode that applies to it (compiled modes for the compilable ones),
+    an impl's modes together."""
+    variants = []
+    for impl in impls:
+        for mode in modes:
+            if mode == "eager":
+                variants.append(impl)
+            elif impl.compilable:
+                label = f"{impl.label}, torch.compile" + ("" if mode == "default" else f" {mode}")
+                variants.append(replace(impl, label=label, load=_compiled(impl.load, mode), compile_mode=mode))
+    return variants
+
+
 def try_load(impl: Impl) -> Loaded | str:
     """The loaded implementation, or why it does not load here (a peer's import can fail
     in many ways: missing, or built against another torch or triton)."""
@@ -133,14 +186,3 @@ def try_load(impl: Impl) -> Loaded | str:
         return impl.load()
     except Exception as err:  # noqa: BLE001 - any load-time failure means "not here"
         return f"{type(err).__name__}: {err}"
-
-
-def distribution_versions() -> dict[str, str | None]:
-    """Installed versions of this project and its peers (None where absent)."""
-    versions: dict[str, str | None] = {}
-    for name in PEER_DISTRIBUTIONS:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions

@@ -127,7 +127,7 @@ def grad_logits_tma_kernel(
     and storing each bf16/fp16 tile with an asynchronous bulk copy, which overlaps the next
     tile's loads. It wins where the K loop is long (on the H200, in the op: 1.05 against
     grad_logits_kernel's 1.19 x GEMM at D = 8192), so the op picks it by K steps
-    (ops/backward.PERSISTENT_MIN_K_STEPS).
+    (Policy.recompute_tma_min_k_steps).
 
     The descriptors view all of e and c and the whole d-logits buffer (built once per
     backward, not per slab: Python's per-launch cost counts where slabs are many); the

@@ -104,12 +104,12 @@ def lse_forward_tma_kernel(
     """lse_forward_kernel as a persistent kernel on tensor descriptors: num_programs programs
     walk the (row block, vocab tile) tiles in one flattened loop, so the copy engine loads the
     next tile's operands while this tile's softmax runs (on the H200, in the op: 0.95-1.17 x a
-    GEMM against lse_forward_kernel's 1.14-1.17 x, docs/performance.md v11).
+    GEMM against lse_forward_kernel's 1.14-1.17 x, docs/notes/persistent-forward.md).
 
     A launch walks rows [row_start, row_start + rows_in_launch) of e's N: the op launches it per
     row chunk, since one grid over a large N lets its programs drift apart over their ~1000 tiles
     each, and the operands in flight at once outgrow L2 (ncu on the H200, Llama-3's head: 15.6 GB
-    of DRAM reads at N = 8192, 139.5 GB at 32768; docs/performance.md v29).
+    of DRAM reads at N = 8192, 139.5 GB at 32768; docs/notes/persistent-forward.md).
 
     Per tile it writes tile_lse[tile column, row], the rows' log-sum-exp over the tile's
     columns (the op merges them), the target's logit to target_logit[row] where the target

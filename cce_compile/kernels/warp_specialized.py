@@ -9,11 +9,11 @@ D = 896 (14 K steps a tile) the forward took 1.21 x a cuBLAS GEMM on the H200 an
 recompute 1.54 x. Here each program's producer warp streams K steps through a ring of
 shared-memory stages with the copy engine and its consumer warpgroup runs a 128 x 128 tile's
 MMAs from it, then the epilogue; two programs share each SM, so one's MMAs run while the
-other's epilogue does (benchmarks/results/probe-forward-ws-h200*.json: the forward 1.14 x at
+other's epilogue does (docs/notes/gluon-warp-specialized.md: the forward 1.14 x at
 D = 896; at D >= 2304, where the epilogue is a small share, the 128 x 256 kernel stays faster:
 1.10 against 1.20-1.30 x). The recompute, whose epilogue is a larger share of its tile, gains
-further: 1.54 -> 1.20 x at D = 896 (*-v18-*), and it beats the persistent kernel up to
-D = 4096 (ab-h200-v19-recompute-ws.log). Two consumer warpgroups in one program (CUTLASS's
+further: 1.54 -> 1.20 x at D = 896, and it beats the persistent kernel up to
+D = 4096. Two consumer warpgroups in one program (CUTLASS's
 ping-pong) faulted on the H200 (Triton 3.6).
 
 Both serve exact mode's plain loss only (no bias, soft-cap, class weights or label smoothing).

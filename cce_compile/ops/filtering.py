@@ -102,7 +102,7 @@ def backward_tile_stats(
     backward tiles, int8); tile_lse is each row's log-sum-exp per forward tile less its lse, in
     fp16 (what SkippedTiles puts back is exp of it: off by under 1% where a tile holds 1e-7 of
     a row's mass or more). A quarter of the statistics' bytes: on Qwen2.5's 16384 x 151936
-    head, 39 MB instead of 156 (v24)."""
+    head, 39 MB instead of 156 (docs/notes/filtered-tile-statistics.md)."""
     kept = kept_tile_mask(tile_stats[0], lse, targets, order, filter_eps, forward_block_n, block_m, block_n)
     tile_lse = torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device)
     return kept, torch.sub(tile_stats[1], lse[:, None], out=tile_lse)  # in fp32, stored in fp16: one pass
@@ -112,9 +112,9 @@ def flat_rows(reaches_eps: Tensor, counted: Tensor) -> Tensor:
     """(N,) bool: the rows whose softmax reaches filter_eps nowhere (`reaches_eps` False) and
     whose loss counts. Such a row is flat (an untrained head's): all its mass lies in tiles the
     filter would skip, where putting back each tile's mean misses the softmax's spread inside
-    it (dE 1.7e-2 from exact on N(0, 1) logits at V = 256000, bench at 53708d3), so filtered
+    it (dE 1.7e-2 from exact on N(0, 1) logits at V = 256000), so filtered
     mode computes all of its tiles. A trained head's rows reach eps at their target and a few
-    likely tokens: none is flat (v23)."""
+    likely tokens: none is flat (docs/notes/filtered-host-sync-flat-rows.md)."""
     return counted & ~reaches_eps
 
 
@@ -122,7 +122,7 @@ def tile_widths(length: int, width: int, device: torch.device) -> Tensor:
     """(ceil(length / width),) fp32: how many of `length` positions each `width`-wide tile
     holds (the last may hold fewer). Computed on the device: setting the last element from
     Python is a pageable host-to-device copy, which waits for the stream (in the filtered
-    backward, for the whole forward kernel: ~1 ms of GPU idle on Qwen2.5, v23)."""
+    backward, for the whole forward kernel: ~1 ms of GPU idle on Qwen2.5)."""
     first_positions = torch.arange(cdiv(length, width), device=device, dtype=torch.float32) * width
     return (length - first_positions).clamp_max(width)
 
@@ -133,7 +133,7 @@ class SkippedTiles:
 
     Skipped d-logits are small one by one but not in sum: a trained head's rows share a mean
     direction, which the softmax cancels and a gradient does not, so dropping the tail's mass
-    (10-20% of a row's) biases dE by that mass times the mean (docs/performance.md, v22). So
+    (10-20% of a row's) biases dE by that mass times the mean (docs/notes/filtered-put-back.md). So
     each skipped tile keeps its rows' sums, spread evenly over its columns: dE[i] gains
     sum_T d[i, T] * (c summed over T), dC[j] gains sum_i d[i, T(j)] * e[i], dbias[j]
     sum_i d[i, T(j)]. A row's sum over a tile is coef_softmax * exp(tile_lse - lse) -

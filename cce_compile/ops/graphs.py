@@ -2,7 +2,7 @@
 
 On Qwen2.5's shape (16384 x 896 x 151936) the loop enqueues ~900 dependent kernels a call (304
 steps of a recompute and two GEMMs) at 24-40 ms of host time against ~24 ms of GPU work, so an
-eager call waits on Python (docs/performance.md, v26). A training loop calls the op step after
+eager call waits on Python (docs/notes/cuda-graph-slab-loop.md). A training loop calls the op step after
 step on tensors the caching allocator puts at the same addresses: the second call on the same
 tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
 launches into a graph, and every later one replays it in one launch. Any other call runs the
@@ -38,7 +38,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     graphs replay on the caller's stream. torch gives each stream that runs cuBLAS its own
     workspace (32 MiB on Hopper), so this stream's is made here, at a loop's first call, once
     per process and device: the capture itself then allocates nothing (on the H200 a capture
-    that made it added 32 MiB to its call's peak, benchmarks/results/probe-graphs-h200.json)."""
+    that made it added 32 MiB to its call's peak)."""
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         one = torch.ones((1, 1), dtype=torch.bfloat16, device=device)
