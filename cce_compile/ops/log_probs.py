@@ -45,8 +45,8 @@ def linear_log_probs_forward(
         torch.empty((0, 0), dtype=torch.float32, device=e.device),
     )
     log_probs, entropies = log_prob_terms(lse, target_logit, mean_logit, tokens, c.shape[0], ignore_index)
-    if entropies is None or mean_logit is None:
-        entropies = mean_logit = lse.new_empty((0,))
+    if entropies is None or mean_logit is None:  # two empties: a custom op's outputs may not alias
+        entropies, mean_logit = lse.new_empty((0,)), lse.new_empty((0,))
     return log_probs, entropies, lse, mean_logit
 
 
