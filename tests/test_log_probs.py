@@ -328,3 +328,26 @@ def test_grpo_recipe_against_float64(dtype: torch.dtype) -> None:
     assert bool((clipped > 0.2).any()) and bool((clipped[tokens != -100] < 0.2).any()), "both sides of the clip"
     for leaf, ref_leaf in zip(leaves, ref_leaves):
         assert relative_error(leaf.grad, ref_leaf.grad) <= tol
+
+
+def test_bench_contenders_agree_on_cpu() -> None:
+    """The bench's log-probs rows: cce's and the materialized one give the cross-entropy the
+    harness checks them against, with the same gradients; verl's, absent here, is reported
+    unavailable with its reason rather than failing the run."""
+    from cce_compile.bench import log_probs as bench_log_probs
+    from cce_compile.bench.peers import IMPLS, try_load
+
+    e, c, tokens = make_inputs("zipf", (64,), 97, 24, torch.float32, seed=9)
+    results = []
+    for fn in (try_load(IMPLS["cce_log_probs"]).fn, bench_log_probs.materialized_log_probs):
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        loss = fn(*leaves, tokens)
+        loss.backward()
+        results.append((loss, *(leaf.grad for leaf in leaves)))
+    expected = torch.nn.functional.cross_entropy(e @ c.T, tokens)
+    torch.testing.assert_close(results[0][0], expected)
+    for got, want in zip(results[0], results[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    verl = try_load(IMPLS["verl_log_probs"])
+    if isinstance(verl, str):
+        assert "verl" in verl

@@ -26,8 +26,8 @@ def tile_weighted_sum(logits, vocab, col_mask, weight_ptr, HAS_WEIGHT: tl.conste
 def tile_exp_logit_sum(logits, exps, col_mask):
     """sum_j exp(logit_j - shift) * logit_j over the tile's columns (`exps` those exponentials):
     the softmax-weighted logit sum that entropy needs, up to the row's normalizer. Masked
-    columns hold -inf logits and 0 exponentials, whose product would be NaN."""
-    return tl.sum(tl.where(col_mask[None, :], exps * logits, 0.0), axis=1)
+    columns hold -inf logits and 0 exponentials, whose product would be NaN: they count as 0."""
+    return tl.sum(exps * tl.where(col_mask[None, :], logits, 0.0), axis=1)
 
 
 @triton.jit
