@@ -34,7 +34,8 @@ OPTIONS = [
 ]
 TEMPERATURE_TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 """A temperature other than 1 divides e (and bias) by it in e's dtype: one rounding more of the
-operands, bf16's 2**-9, which moves bf16 gradients by ~5e-3 against float64 of the unrounded e."""
+operands, bf16's 2**-9, which on these small shapes (D = 40) moves bf16 gradients by up to ~8e-3
+against float64 of the unrounded e (docs/rl.md has LM-like sizes)."""
 
 
 def _case(seed: int, dtype: torch.dtype, options: dict, lead: tuple[int, ...] = (3, 29), v: int = 157, d: int = 40):
