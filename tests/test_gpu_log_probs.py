@@ -97,3 +97,23 @@ def test_compiled_matches_eager() -> None:
     step(*eager_leaves, tokens).backward()
     for got, want in zip(compiled_leaves, eager_leaves):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_no_grad_pass_peaks_at_its_per_tile_buffers() -> None:
+    """The old / reference policy's pass with entropy: the tensor-descriptor forward's two
+    (vocab tiles, N) fp32 buffers (log-sum-exps, mean logits; merged in place), nothing N x V."""
+    from cce_compile.ops.problem import config_for
+    from cce_compile.plan.policy import active_policy
+
+    n, d, v = 16384, 896, 151936
+    e, c, tokens = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=3, device="cuda")
+    per_tile = -(-v // config_for(e, c, False, active_policy()).forward.block_n) * n * 4
+    for _ in range(2):  # the first compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            cce_compile.linear_log_probs(e, c, tokens, entropy=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= 2 * per_tile + 64 * n * 4 + 2**20, f"peak {peak / 2**20:.0f} MiB, per-tile buffer {per_tile / 2**20:.0f} MiB"

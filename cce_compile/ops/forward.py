@@ -134,16 +134,17 @@ def forward_tma(
     tile_lse = tile_stats[1].T if plan.filtered else lse_by_tile
     lse = merge_tile_lse(tile_lse)
     weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
-    mean_logit = merge_tile_means(tile_mean_logit, tile_lse, lse) if need_mean_logit else None
+    mean_logit = None
+    if need_mean_logit:  # filtered mode's backward still reads its tile log-sum-exps
+        mean_logit = merge_tile_means(tile_mean_logit, tile_lse.clone() if plan.filtered else tile_lse, lse)
     return lse, target_logit, weighted_sum, mean_logit
 
 
 def merge_tile_means(tile_mean: Tensor, tile_lse: Tensor, lse: Tensor) -> Tensor:
     """A row's softmax-weighted mean from its tiles' (tile_mean, tile_lse: (tiles, N)): each
-    tile's mean weighted by its share of the softmax, exp(tile lse - lse). In place on
-    tile_mean, the one (tiles, N) buffer it owns."""
-    share = tile_lse - lse
-    tile_mean.mul_(share.exp_())
+    tile's mean weighted by its share of the softmax, exp(tile lse - lse). Both buffers are
+    overwritten, so the forward peaks at the per-tile buffers it already has."""
+    tile_mean.mul_(tile_lse.sub_(lse).exp_())
     return tile_mean.sum(dim=0)
 
 
