@@ -109,7 +109,8 @@ def _apply_temperature(
     T is exact and every kernel serves any temperature. The scaled e is one elementwise pass
     (N x D, against the GEMM's N x V x D) and is what the op keeps for its backward: e's size in
     memory more while autograd holds the graph; temperature 1 makes no copy."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 < temperature < float("inf"):
+    is_number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not is_number or not 0.0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if temperature == 1.0:
         return e, bias, softcap

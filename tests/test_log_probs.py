@@ -163,7 +163,9 @@ def test_no_grad_is_one_forward(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("memory", ["workspace", "low"])
-@pytest.mark.parametrize("options", [{"temperature": 0.6}, {"temperature": 1.7, "softcap": 5.0, "label_smoothing": 0.1}])
+@pytest.mark.parametrize("options", [
+    {"temperature": 0.6}, {"temperature": 1.7, "softcap": 5.0, "label_smoothing": 0.1},
+])
 def test_linear_cross_entropy_temperature(memory: str, options: dict) -> None:
     """The loss of softmax(logits / T), soft-cap first; the fused forward (workspace) and the
     recompute backward (low) alike, with the bias's gradient."""
@@ -294,7 +296,8 @@ def _reference_grpo_loss(hidden, head, tokens, old_log_probs, advantages, mask, 
     log_probs = log_softmax.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     ratio = torch.exp(log_probs - old_log_probs)
-    surrogate = torch.minimum(ratio * advantages[:, None], ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages[:, None])
+    advantages = advantages[:, None]
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
     per_token = -surrogate - entropy_coef * entropy
     return (per_token * mask).sum() / mask.sum()
 

@@ -19,8 +19,8 @@ class BackwardCall:
     """The tensors and settings of one backward call on the Triton path.
 
     coef_softmax, coef_target, coef_smooth and coef_entropy (None but for linear_log_probs'
-    entropy) are the d-logits' per-token coefficients (ops/loss_terms.py); `scale` divides fp16's d-logits back (they are stored scaled up,
-    fp16's range being narrow), otherwise it is an unread stand-in (`scaled` False)."""
+    entropy) are the d-logits' per-token coefficients (ops/loss_terms.py); `scale` divides
+    fp16's d-logits back (they are stored scaled up, fp16's range being narrow), otherwise it is an unread stand-in (`scaled` False)."""
 
     e: Tensor
     c: Tensor

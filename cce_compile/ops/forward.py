@@ -127,8 +127,8 @@ def forward_tma(
             bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
             lse_by_tile, tile_mean_logit, n, row_start, rows, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, STORE_TILE_MAX=plan.filtered, BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, STORE_TILE_MAX=plan.filtered,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
     tile_lse = tile_stats[1].T if plan.filtered else lse_by_tile
