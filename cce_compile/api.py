@@ -1,4 +1,5 @@
-"""The user-facing API: checks arguments, shapes them for the op, reduces its per-token loss."""
+"""The user-facing API: checks arguments, shapes them for the op, reduces its per-token loss;
+linear_log_probs gives per-token log-probabilities and entropies (reinforcement learning)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def _autocast_operands(e: Tensor, c: Tensor, bias: Tensor | None) -> tuple[Tenso
 def _check_inputs(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str,
+    targets_name: str = "targets",
 ) -> None:
-    for name, value in (("e", e), ("c", c), ("targets", targets)):
+    for name, value in (("e", e), ("c", c), (targets_name, targets)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if e.device.type == "meta":
@@ -66,10 +68,11 @@ def _check_inputs(
     if c.dtype != e.dtype:
         raise TypeError(f"c must have e's dtype {e.dtype}, got {c.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor (any integer dtype, e.g. int64 or int32), got {targets.dtype}")
+        raise TypeError(f"{targets_name} must be an integer tensor (any integer dtype, e.g. int64 or int32), got {targets.dtype}")
     if tuple(targets.shape) != tuple(e.shape[:-1]):
-        raise ValueError(f"targets must have shape {tuple(e.shape[:-1])} (e's leading dims), got {tuple(targets.shape)}")
-    for name, value in (("c", c), ("targets", targets), ("bias", bias), ("weight", weight)):
+        raise ValueError(f"{targets_name} must have shape {tuple(e.shape[:-1])} (e's leading dims), "
+                         f"got {tuple(targets.shape)}")
+    for name, value in (("c", c), (targets_name, targets), ("bias", bias), ("weight", weight)):
         if value is not None and value.device != e.device:
             raise ValueError(f"{name} is on {value.device} but e is on {e.device}; put them on one device")
     v = c.shape[0]
@@ -95,7 +98,7 @@ def _check_options(reduction: str, label_smoothing: float, z_loss: float, softca
         raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
 
 
-def _check_target_range(targets: Tensor, v: int, ignore_index: int) -> None:
+def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = "targets") -> None:
     """Eager CPU calls get a clear error for an out-of-range target; on the GPU and under
     torch.compile that would cost a host sync, so the op gives that token a NaN loss."""
     if torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0:
@@ -103,7 +106,26 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int) -> None:
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
     if bool(bad.any()):
         first = int(targets[bad][0])
-        raise ValueError(f"targets must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
+        raise ValueError(f"{name} must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
+
+
+def _apply_temperature(
+    e: Tensor, bias: Tensor | None, softcap: float | None, temperature: float,
+) -> tuple[Tensor, Tensor | None, float | None]:
+    """(e, bias, softcap) whose logits are the given ones divided by `temperature`, the
+    soft-cap applied first (as a sampler divides a model's soft-capped logits):
+    s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)), so dividing e, bias and the cap by
+    T is exact and every kernel serves any temperature. The scaled e is one elementwise pass
+    (N x D, against the GEMM's N x V x D) and is what the op keeps for its backward: e's size in
+    memory more while autograd holds the graph; temperature 1 makes no copy."""
+    is_number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not is_number or not 0.0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if temperature == 1.0:
+        return e, bias, softcap
+    inverse = 1.0 / float(temperature)
+    return (e * inverse, None if bias is None else bias * inverse,
+            None if softcap is None else float(softcap) * inverse)
 
 
 def shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
@@ -129,6 +151,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     filter_eps: float | str | None = None,
     memory: Memory = "workspace",
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """cross_entropy(e @ c.T + bias, targets) without materializing the logits.
 
@@ -145,9 +168,13 @@ def linear_cross_entropy(
     backward only scales them. memory="low" keeps only each token's log-sum-exp for a backward
     that recomputes the logits (four GEMMs, ~1.1x). reduction="none", return_lse, filtered
     mode, fp16 and soft-capping with label smoothing always take the second.
+
+    temperature (> 0) divides the (soft-capped) logits first: the loss of softmax(logits / T),
+    lse included.
     """
     e, c, bias = _autocast_operands(e, c, bias)
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory)
+    e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
         if targets.dim() < 1:
@@ -191,6 +218,48 @@ def linear_cross_entropy(
     return out
 
 
+def linear_log_probs(
+    e: Tensor,
+    c: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    bias: Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log_softmax(z)[token] per token, z = e @ c.T + bias (soft-capped as
+    softcap * tanh(z / softcap)) divided by `temperature`, without materializing the logits:
+    the log-probabilities RL fine-tuning (GRPO, PPO) scores sampled tokens by.
+
+    Returns log_probs (fp32, the shape of `tokens`), or (log_probs, entropy) with `entropy`:
+    each position's entropy -sum_j p_j log p_j of the same softmax. Ignored positions
+    (tokens == ignore_index) are 0 in both and take no gradient; with `shift`, position t
+    scores token t+1 (the last of each sequence ignored). Both outputs are differentiable
+    w.r.t. e, c and bias under any upstream gradients (the backward recomputes the logits:
+    a frozen policy's call under torch.no_grad() is one forward pass, one GEMM's work).
+    """
+    e, c, bias = _autocast_operands(e, c, bias)
+    _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", targets_name="tokens")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    if shift:
+        if tokens.dim() < 1:
+            raise ValueError("shift=True needs tokens with a sequence dimension")
+        tokens = shift_targets(tokens, ignore_index)
+    flat_tokens = tokens.reshape(-1).to(torch.int64)
+    _check_target_range(flat_tokens, c.shape[0], ignore_index, name="tokens")
+    with torch.autocast(e.device.type, enabled=False):  # fp32 accumulation is the op's own
+        log_probs, entropies, *_ = ops.linear_log_probs_forward(
+            e.reshape(-1, c.shape[1]), c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy)
+    if entropy:
+        return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
+    return log_probs.reshape(tokens.shape)
+
+
 class LinearCrossEntropyLoss(nn.Module):
     """Module form of linear_cross_entropy with its options fixed at construction."""
 
@@ -207,6 +276,7 @@ class LinearCrossEntropyLoss(nn.Module):
         return_lse: bool = False,
         filter_eps: float | str | None = None,
         memory: Memory = "workspace",
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         _check_options(reduction, label_smoothing, z_loss, softcap, memory)
@@ -218,6 +288,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps, memory=memory,
+            temperature=temperature,
         )
 
     def extra_repr(self) -> str:

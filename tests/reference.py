@@ -36,3 +36,25 @@ def reference_loss(
         denom = valid.sum().double() if w is None else torch.where(valid, w[flat.clamp(0, c.shape[0] - 1)], 0.0).sum()
         loss = per_token.sum() / torch.where(denom > 0, denom, 1.0)
     return (loss, lse.reshape(lead)) if return_lse else loss
+
+
+def reference_log_probs(
+    e: Tensor, c: Tensor, tokens: Tensor, *, temperature: float = 1.0, entropy: bool = False,
+    bias: Tensor | None = None, softcap: float | None = None, ignore_index: int = -100, shift: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """linear_log_probs on materialized float64 logits: log_softmax, gathered, and -sum p log p."""
+    if shift:
+        tokens = torch.cat([tokens[..., 1:], tokens.new_full((*tokens.shape[:-1], 1), ignore_index)], -1)
+    logits = e.reshape(-1, e.shape[-1]).double() @ c.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_softmax = torch.log_softmax(logits / temperature, dim=-1)
+    flat = tokens.reshape(-1)
+    valid = flat != ignore_index
+    log_probs = torch.where(valid, log_softmax.gather(1, flat.clamp(0, c.shape[0] - 1)[:, None])[:, 0], 0.0)
+    if not entropy:
+        return log_probs.reshape(tokens.shape)
+    entropies = torch.where(valid, -(log_softmax.exp() * log_softmax).sum(dim=-1), 0.0)
+    return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)

@@ -130,16 +130,17 @@ LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": 
                "weight_ptr": "*fp32", "vocab_order_ptr": "*i64", "D": "i32", **FLAGS}
 GRAD_LOGITS = {
     **LOGITS_TILE, "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
-    "coef_smooth_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16", "step_tiles_ptr": "*i32",
+    "coef_smooth_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16",
+    "step_tiles_ptr": "*i32",
     "step_counts_ptr": "*i32", "step_index": "i32", "capacity": "i32", "chunk_tile_rows": "i32", "row_start": "i32",
     "row_end": "i32", "col_start": "i32", "col_end": "i32", "stride_gm": "i32", "stride_gn": ONE,
-    "HAS_SMOOTHING": FALSE, "SCALED": FALSE,
+    "HAS_SMOOTHING": FALSE, "HAS_ENTROPY": FALSE, "SCALED": FALSE,
 }
 LOGITS = {
     "lse_forward_kernel": (lse_forward_kernel, {
         **LOGITS_TILE, "partial_ptr": "*fp32", "tile_max_ptr": "*fp32", "N": "i32", "V": "i32",
         "tiles_per_split": "i32", "num_splits": "i32", "stat_stride": "i32", "stride_tile_max": "i32",
-        "NEED_WEIGHTED_SUM": FALSE, "FILTER": FALSE}),
+        "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "FILTER": FALSE}),
     "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE}),
     # exact mode's recompute where K loops are short (Qwen2.5's D = 896)
     "grad_logits_kernel, exact": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": FALSE}),
@@ -158,8 +159,9 @@ GRAD_LOGITS_TMA = {
                                             "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D")},
     "e_desc": "tensordesc<bf16[128, 64]>", "c_desc": "tensordesc<bf16[256, 64]>",
     "grad_logits_desc": "tensordesc<bf16[128, 256]>", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32",
-    "coef_target_ptr": "*fp32", "coef_smooth_ptr": "*fp32", "scale_ptr": "*fp32", "row_start": "i32", "rows": "i32",
-    "col_start": "i32", "cols": "i32", "num_programs": "i32", "HAS_SMOOTHING": FALSE, "SCALED": FALSE, **FLAGS,
+    "coef_target_ptr": "*fp32", "coef_smooth_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32",
+    "row_start": "i32", "rows": "i32", "col_start": "i32", "cols": "i32", "num_programs": "i32",
+    "HAS_SMOOTHING": FALSE, "HAS_ENTROPY": FALSE, "SCALED": FALSE, **FLAGS,
 }
 
 LSE_FORWARD_TMA = {
@@ -167,8 +169,8 @@ LSE_FORWARD_TMA = {
                                                 "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
                                                 "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE")},
     "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
-    "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32", "NEED_WEIGHTED_SUM": FALSE,
-    "STORE_TILE_MAX": FALSE,
+    "tile_mean_logit_ptr": "*fp32", "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32",
+    "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "STORE_TILE_MAX": FALSE,
 }
 FUSED_FORWARD_TMA = {
     **{name: LSE_FORWARD_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",

@@ -212,3 +212,14 @@ def test_patch_rejects_what_it_cannot_handle() -> None:
         patch(tiny_model(sorted(FAMILIES)[0]), reduction="sum")
     with pytest.raises(ValueError, match="not patched"):
         unpatch(tiny_model(sorted(FAMILIES)[0]))
+
+
+def test_loss_helper_passes_the_temperature() -> None:
+    """LossOptions(temperature=T): the loss of the soft-capped logits divided by T."""
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 24, 64, generator=generator)
+    lm_head = nn.Linear(64, VOCAB, bias=False)
+    _, labels = batch(seed=8)
+    loss = causal_lm_loss(hidden, lm_head, labels, softcap=SOFTCAP, options=LossOptions(temperature=0.5))
+    logits = SOFTCAP * torch.tanh(lm_head(hidden) / SOFTCAP) / 0.5
+    assert_close(loss, hf_shifted_loss(logits, labels), rtol=1e-5)

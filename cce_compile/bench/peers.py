@@ -127,6 +127,13 @@ def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loa
     return load_compiled
 
 
+def _load_log_probs(key: str) -> Loaded:
+    """The log-probs rows (RL's per-token outputs as a loss), loaded from bench/log_probs.py."""
+    from .log_probs import LOG_PROB_LOADERS
+
+    return LOG_PROB_LOADERS[key]()
+
+
 IMPLS: dict[str, Impl] = {
     impl.key: impl
     for impl in (
@@ -140,11 +147,19 @@ IMPLS: dict[str, Impl] = {
         Impl("apple_cce", "Apple cce (default, filtered)", _load_apple_default, on_uniform=True),
         Impl("apple_cce_exact", "Apple cce_exact", _load_apple_exact, on_uniform=False),
         Impl("liger", "Liger FLCE", _load_liger, on_uniform=False),
+        Impl("cce_log_probs", "cce_compile linear_log_probs (+entropy)", lambda: _load_log_probs("cce_log_probs"),
+             on_uniform=False),
+        Impl("torch_compile_log_probs", "torch.compile log-probs (+entropy)",
+             lambda: _load_log_probs("torch_compile_log_probs"), on_uniform=False),
+        Impl("verl_log_probs", "verl LinearCrossEntropy (+entropy)", lambda: _load_log_probs("verl_log_probs"),
+             on_uniform=False),
     )
 }
 """In benchmark order: this project first, so a run cut short by its time budget still
 has the numbers that matter most. "torch" is what HF models do (logits, then cross-entropy);
 compiled, it is torch.compile's own fusion of the materialized loss."""
+
+
 
 
 def resolve_impls(keys: list[str] | None) -> list[Impl]:

@@ -54,6 +54,7 @@ class LossOptions:
 
     return_logits also returns detached logits (for metrics logged during training); they cost
     the (tokens, vocab) memory the op saves, though not the float32 copy HF's loss keeps.
+    temperature divides the (soft-capped) logits in the loss, not the returned logits.
     """
 
     ignore_index: int = -100
@@ -62,6 +63,7 @@ class LossOptions:
     filter_eps: float | str | None = None
     memory: Memory = "workspace"
     return_logits: bool = False
+    temperature: float = 1.0
 
 
 def available_families() -> dict[str, type[PreTrainedModel]]:
@@ -121,6 +123,7 @@ def causal_lm_loss(
         softcap=softcap,
         filter_eps=options.filter_eps,
         memory=options.memory,
+        temperature=options.temperature,
     )
     if num_items_in_batch is None:
         return loss

@@ -9,15 +9,16 @@ from .tiles import exp_shifted, finish_gemm, grouped_tile, load_tile, logits_til
 @triton.jit
 def grad_from_logits(
     logits, rows, vocab, row_mask, col_mask, vocab_first, vocab_last, targets_ptr, weight_ptr, lse_ptr,
-    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, SCALED: tl.constexpr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """d loss / d logits of one tile, whatever it holds outside the masks (callers mask).
 
     With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
-        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j]
-    then the soft-cap's chain rule (`logits` are the capped ones). With SCALED (fp16), the
-    tile is divided by scale_ptr[0] (the largest coefficient) so small gradients stay in
+        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j] - h[i] * p[i, j] * logit[i, j]
+    (the last with HAS_ENTROPY: linear_log_probs' entropy), then the soft-cap's chain rule
+    (`logits` are the capped ones). With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so small gradients stay in
     fp16's normal range; the GEMMs multiply it back. Every vocab id of the tile lies in
     [vocab_first, vocab_last]: tiles that no row's target can fall in skip the search for it.
     """
@@ -25,7 +26,11 @@ def grad_from_logits(
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
     coef_softmax = tl.load(coef_softmax_ptr + rows, mask=row_mask, other=0.0)
 
-    grad = coef_softmax[:, None] * exp_shifted(logits, lse)
+    softmax = exp_shifted(logits, lse)
+    grad = coef_softmax[:, None] * softmax
+    if HAS_ENTROPY:
+        coef_entropy = tl.load(coef_entropy_ptr + rows, mask=row_mask, other=0.0)
+        grad -= coef_entropy[:, None] * softmax * logits
     if tl.max(((targets >= vocab_first) & (targets <= vocab_last)).to(tl.int32), axis=0) > 0:
         coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
         is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]
@@ -48,13 +53,13 @@ def grad_from_logits(
 @triton.jit
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
-    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, vocab_order_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr,
     grad_logits_ptr, step_tiles_ptr, step_counts_ptr, step_index, capacity, chunk_tile_rows,
     row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -97,8 +102,8 @@ def grad_logits_kernel(
     )
     grad = grad_from_logits(
         logits, rows, vocab, row_mask, col_mask, vocab_first, vocab_last, targets_ptr, weight_ptr, lse_ptr,
-        coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
-        HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
+        coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, softcap,
+        HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, SCALED,
     )
     if FILTER:  # the sparse GEMMs read whole slots
         out = (grad_logits_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
@@ -115,10 +120,10 @@ def grad_logits_kernel(
 @triton.jit
 def grad_logits_tma_kernel(
     e_desc, c_desc, grad_logits_desc, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
-    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr,
     row_start, rows, col_start, cols, D, num_programs, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, SCALED: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -151,8 +156,8 @@ def grad_logits_tma_kernel(
         grad = grad_from_logits(
             logits, row_start + local_rows, vocab, row_mask, col_mask, col_start + pid_n * BLOCK_N,
             col_start + pid_n * BLOCK_N + BLOCK_N - 1, targets_ptr, weight_ptr, lse_ptr,
-            coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, scale_ptr, softcap,
-            HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, SCALED,
+            coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, softcap,
+            HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, SCALED,
         )
         grad_logits_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], grad.to(grad_logits_desc.dtype))
 

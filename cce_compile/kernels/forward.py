@@ -23,13 +23,21 @@ def tile_weighted_sum(logits, vocab, col_mask, weight_ptr, HAS_WEIGHT: tl.conste
 
 
 @triton.jit
+def tile_exp_logit_sum(logits, exps, col_mask):
+    """sum_j exp(logit_j - shift) * logit_j over the tile's columns (`exps` those exponentials):
+    the softmax-weighted logit sum that entropy needs, up to the row's normalizer. Masked
+    columns hold -inf logits and 0 exponentials, whose product would be NaN: they count as 0."""
+    return tl.sum(exps * tl.where(col_mask[None, :], logits, 0.0), axis=1)
+
+
+@triton.jit
 def lse_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, vocab_order_ptr,
     partial_ptr, tile_max_ptr,
     N, V, D, tiles_per_split, num_splits, stat_stride, stride_tile_max,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    NEED_WEIGHTED_SUM: tl.constexpr, FILTER: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr, NEED_MEAN_LOGIT: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -37,8 +45,10 @@ def lse_forward_kernel(
 
     Writes partial[stat, split, row] for stat = the running max and sum of exp (an online
     softmax, merged across splits by the op), the target's logit if the target falls in
-    this split, and (NEED_WEIGHTED_SUM) sum_j w_j * logit_j for label smoothing. Out-of-range targets match no
-    column, so nothing is ever read at a target index.
+    this split, (NEED_WEIGHTED_SUM) sum_j w_j * logit_j for label smoothing, and
+    (NEED_MEAN_LOGIT, at the next stat) sum_j exp(logit_j - running max) * logit_j, rescaled
+    with the running sum: the op divides it by that sum for the softmax-weighted mean logit
+    (entropy). Out-of-range targets match no column, so nothing is ever read at a target index.
     With FILTER (filtered mode), columns are positions in `vocab_order`, and each row's
     largest logit per vocab tile goes to tile_max[0, row, tile], its log-sum-exp over the tile
     to tile_max[1, row, tile]: the backward skips the tiles where the largest is far below the
@@ -53,6 +63,7 @@ def lse_forward_kernel(
     row_sumexp = tl.zeros((BLOCK_M,), dtype=tl.float32)
     target_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
     weighted_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    exp_logit_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
         tile = pid_s * tiles_per_split + t
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +85,11 @@ def lse_forward_kernel(
         new_max = tl.maximum(row_max, tile_row_max)
         # A row whose columns are all masked keeps max -inf; shift by 0 there, not by -inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        tile_sumexp = tl.sum(exp_shifted(logits, shift), axis=1)
+        exps = exp_shifted(logits, shift)
+        tile_sumexp = tl.sum(exps, axis=1)
+        if NEED_MEAN_LOGIT:
+            rescale = tl.exp2((row_max - shift) * LOG2E)
+            exp_logit_sum = exp_logit_sum * rescale + tile_exp_logit_sum(logits, exps, col_mask)
         if FILTER:
             live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
             at = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile
@@ -90,14 +105,19 @@ def lse_forward_kernel(
     tl.store(out + 2 * stat_step, target_logit, mask=row_mask)
     if NEED_WEIGHTED_SUM:
         tl.store(out + 3 * stat_step, weighted_sum, mask=row_mask)
+    if NEED_MEAN_LOGIT:
+        mean_stat = 3
+        if NEED_WEIGHTED_SUM:
+            mean_stat = 4
+        tl.store(out + mean_stat * stat_step, exp_logit_sum, mask=row_mask)
 
 
 @triton.jit
 def lse_forward_tma_kernel(
     e_desc, c_desc, bias_ptr, targets_ptr, weight_ptr, tile_lse_ptr, target_logit_ptr, tile_weighted_sum_ptr,
-    tile_max_ptr, N, row_start, rows_in_launch, V, D, num_programs, softcap,
+    tile_max_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V, D, num_programs, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
-    STORE_TILE_MAX: tl.constexpr,
+    NEED_MEAN_LOGIT: tl.constexpr, STORE_TILE_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -114,7 +134,9 @@ def lse_forward_tma_kernel(
     Per tile it writes tile_lse[tile column, row], the rows' log-sum-exp over the tile's
     columns (the op merges them), the target's logit to target_logit[row] where the target
     falls in the tile (one tile per row, so no two programs write a row; out-of-range targets
-    match none), with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum. With
+    match none), with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum, with
+    NEED_MEAN_LOGIT the tile's softmax-weighted mean logit to tile_mean_logit (entropy: the
+    op weights the tiles' by exp(tile lse - lse)). With
     STORE_TILE_MAX (filtered mode, whose op hands it the vocabulary already in vocab order)
     the rows' largest logit goes to tile_max[0, row, tile column] and their tile log-sum-exp
     to tile_max[1, row, tile column] instead of tile_lse (one (N, tiles) fp32 buffer less in
@@ -151,7 +173,12 @@ def lse_forward_tma_kernel(
             tl.store(target_logit_ptr + rows, tile_target_logit(logits, cols, col_mask, targets), mask=hit)
         tile_max = tl.max(logits, axis=1)
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)  # as in lse_forward_kernel
-        tile_lse = shift + tl.log(tl.sum(exp_shifted(logits, shift), axis=1))
+        exps = exp_shifted(logits, shift)
+        tile_sumexp = tl.sum(exps, axis=1)
+        tile_lse = shift + tl.log(tile_sumexp)
+        if NEED_MEAN_LOGIT:
+            tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps, col_mask) / tile_sumexp,
+                     mask=row_mask)
         if STORE_TILE_MAX:
             at = tile_max_ptr + rows.to(tl.int64) * num_n + pid_n
             tl.store(at, tile_max, mask=row_mask)

@@ -3,6 +3,8 @@ plan.backward names (the plain-PyTorch path, backward_dense or backward_filtered
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -16,16 +18,40 @@ from .loss_terms import grad_coefficients
 from .problem import kernel_flags
 
 
+class Coefficients(NamedTuple):
+    """The d-logits' per-token coefficients (ops/loss_terms.py), fp32 (N,): `smooth` is read
+    only with label smoothing, `entropy` is None but for linear_log_probs' entropy."""
+
+    softmax: Tensor
+    target: Tensor
+    smooth: Tensor
+    entropy: Tensor | None = None
+
+
 def run_backward(
     plan: LaunchPlan, config: KernelConfig, grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor,
     targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
     vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
     need_grad_e: bool, need_grad_c: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """-> (grad_e, grad_c, grad_bias or None); a gradient not needed comes back empty."""
+    """-> (grad_e, grad_c, grad_bias or None) of the loss; a gradient not needed comes back empty."""
+    coefficients = Coefficients(*grad_coefficients(
+        grad_loss, grad_lse, targets, weight, c.shape[0], ignore_index, label_smoothing))
+    return backward_from_coefficients(
+        plan, config, coefficients, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
+        label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
+    )
+
+
+def backward_from_coefficients(
+    plan: LaunchPlan, config: KernelConfig, coefficients: Coefficients, e: Tensor, c: Tensor, targets: Tensor,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
+    vocab_order: Tensor, label_smoothing: float, softcap: float, filter_eps: float,
+    need_grad_e: bool, need_grad_c: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """-> (grad_e, grad_c, grad_bias or None) for d-logits of the given coefficients."""
     v = c.shape[0]
-    coef_softmax, coef_target, coef_smooth = grad_coefficients(
-        grad_loss, grad_lse, targets, weight, v, ignore_index, label_smoothing)
+    coef_softmax, coef_target, coef_smooth, coef_entropy = coefficients
     if plan.filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
     if plan.backward is None:
@@ -35,7 +61,7 @@ def run_backward(
             coef_smooth if label_smoothing > 0.0 else None, softcap, filter_eps,
             chunk_v=max(config.slab_v, config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=vocab_order if plan.filtered else None, forward_block_n=config.forward.block_n,
-            need_grad_e=need_grad_e, need_grad_c=need_grad_c,
+            need_grad_e=need_grad_e, need_grad_c=need_grad_c, coef_entropy=coef_entropy,
         )
     if e.shape[0] == 0:  # no token: nothing flows back
         grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
@@ -44,11 +70,10 @@ def run_backward(
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it, so they
     # are stored scaled up; otherwise `lse` stands in for the unread pointer.
     scaled = e.dtype == torch.float16
-    scale = (torch.maximum(coef_softmax.abs().max(), coef_target.abs().max()).clamp_min(1e-30).reshape(1)
-             if scaled else lse)
+    scale = (_largest_coefficient(coefficients).clamp_min(1e-30).reshape(1) if scaled else lse)
     call = BackwardCall(
         e, c, targets, bias, weight, lse, vocab_order, coef_softmax, coef_target, coef_smooth, scale, scaled,
-        softcap, label_smoothing, need_grad_e, need_grad_c, config, plan, kernel_flags(e),
+        softcap, label_smoothing, need_grad_e, need_grad_c, config, plan, kernel_flags(e), coef_entropy,
     )
     if plan.filtered:
         runner = FilteredBackward(call, kept_tiles, tile_lse)  # before the gradients exist: see its doc
@@ -58,3 +83,12 @@ def run_backward(
         gradients = Gradients.allocate(call)
         grad_bias = DenseBackward(call, gradients).run()
     return gradients.grad_e, gradients.grad_c, grad_bias
+
+
+def _largest_coefficient(coefficients: Coefficients) -> Tensor:
+    """fp16's d-logits scale: the largest coefficient. The entropy term, h * p_j * logit_j,
+    divided by it stays within fp16's range for logits under ~60000 in size."""
+    largest = torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
+    if coefficients.entropy is not None:
+        largest = torch.maximum(largest, coefficients.entropy.abs().max())
+    return largest

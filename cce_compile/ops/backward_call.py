@@ -18,9 +18,9 @@ from .problem import cdiv
 class BackwardCall:
     """The tensors and settings of one backward call on the Triton path.
 
-    coef_softmax, coef_target and coef_smooth are the d-logits' per-token coefficients
-    (ops/loss_terms.py); `scale` divides fp16's d-logits back (they are stored scaled up,
-    fp16's range being narrow), otherwise it is an unread stand-in (`scaled` False)."""
+    coef_softmax, coef_target, coef_smooth and coef_entropy (None but for linear_log_probs'
+    entropy) are the d-logits' per-token coefficients (ops/loss_terms.py); `scale` divides
+    fp16's d-logits back (they are stored scaled up, fp16's range being narrow), otherwise it is an unread stand-in (`scaled` False)."""
 
     e: Tensor
     c: Tensor
@@ -41,6 +41,12 @@ class BackwardCall:
     config: KernelConfig
     plan: LaunchPlan
     flags: dict[str, bool]  # UPCAST and IEEE (ops/problem.kernel_flags)
+    coef_entropy: Tensor | None = None
+
+    @property
+    def entropy_coefficients(self) -> Tensor:
+        """coef_entropy, or an unread stand-in for the kernels' pointer."""
+        return self.coef_softmax if self.coef_entropy is None else self.coef_entropy
 
     @property
     def n(self) -> int:
@@ -70,7 +76,8 @@ class BackwardCall:
     def loss_flags(self) -> dict[str, bool]:
         """The kernels' constexpr switches for the loss's options."""
         return {"HAS_BIAS": self.bias is not None, "HAS_SOFTCAP": self.softcap > 0.0,
-                "HAS_WEIGHT": self.weight is not None, "HAS_SMOOTHING": self.label_smoothing > 0.0}
+                "HAS_WEIGHT": self.weight is not None, "HAS_SMOOTHING": self.label_smoothing > 0.0,
+                "HAS_ENTROPY": self.coef_entropy is not None}
 
     def token_chunks(self) -> Iterator[tuple[int, int, int, int]]:
         """(chunk, first row, rows, the dE accumulator's element offset) of each non-empty token

@@ -46,7 +46,8 @@ class DenseBackward:
         """Everything the slab loop's launches read: where each tensor is, and the settings."""
         call, gradients = self.call, self.gradients
         tensors = (call.e, call.c, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
-                   call.coef_smooth, call.scale, gradients.grad_e, gradients.grad_c, gradients.acc, self.grad_logits)
+                   call.coef_smooth, call.coef_entropy, call.scale, gradients.grad_e, gradients.grad_c, gradients.acc,
+                   self.grad_logits)
         return (*map(graphs.tensor_key, tensors), call.plan, call.config, call.softcap, call.label_smoothing,
                 call.need_grad_e, call.need_grad_c)
 

@@ -23,21 +23,26 @@ def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, so
 
 def forward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    softcap: float, need_weighted_sum: bool, chunk_v: int,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(lse, target_logit, sum_j w_j l_j or None), each fp32 (N,)."""
+    softcap: float, need_weighted_sum: bool, chunk_v: int, need_mean_logit: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(lse, target_logit, sum_j w_j l_j or None, sum_j softmax_j l_j or None), each fp32 (N,)."""
     n, v = e.shape[0], c.shape[0]
     e32 = e.to(torch.float32)
     row_max = e32.new_full((n,), float("-inf"))
     row_sumexp = e32.new_zeros((n,))
     target_logit = e32.new_zeros((n,))
     weighted_sum = e32.new_zeros((n,)) if need_weighted_sum else None
+    exp_logit_sum = e32.new_zeros((n,))  # sum_j exp(l_j - row_max) l_j, rescaled with row_sumexp
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
         logits = _logits(e32, c, bias, slice(start, stop), softcap)
         new_max = torch.maximum(row_max, logits.amax(dim=1))
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-        row_sumexp = row_sumexp * torch.exp(row_max - shift) + torch.exp(logits - shift[:, None]).sum(dim=1)
+        rescale = torch.exp(row_max - shift)
+        exps = torch.exp(logits - shift[:, None])
+        row_sumexp = row_sumexp * rescale + exps.sum(dim=1)
+        if need_mean_logit:
+            exp_logit_sum = exp_logit_sum * rescale + (exps * logits).sum(dim=1)
         row_max = new_max
         local = targets - start
         hit = (local >= 0) & (local < stop - start)
@@ -47,7 +52,7 @@ def forward_cpu(
             w = weight[start:stop].to(torch.float32) if weight is not None else None
             weighted_sum = weighted_sum + (logits * w if w is not None else logits).sum(dim=1)
     lse = row_max + torch.log(row_sumexp)
-    return lse, target_logit, weighted_sum
+    return lse, target_logit, weighted_sum, exp_logit_sum / row_sumexp if need_mean_logit else None
 
 
 def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: int, eps: float) -> Tensor:
@@ -75,6 +80,7 @@ def backward_cpu(
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
     forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
+    coef_entropy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
     back empty, its GEMMs skipped.
@@ -112,6 +118,8 @@ def backward_cpu(
         softmax = torch.exp(logits - lse[:, None])
         is_target = targets[:, None] == vocab[None, :]
         grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
+        if coef_entropy is not None:
+            grad = grad - coef_entropy[:, None] * softmax * logits
         if coef_smooth is not None:
             w = weight[ids].to(torch.float32) if weight is not None else 1.0
             grad = grad - coef_smooth[:, None] * w

@@ -1,6 +1,7 @@
 """The forward's runners, one per plan.forward kernel: each gives every row's log-sum-exp and
-target logit (and, for label smoothing, its weighted logit sum); `run_forward` turns them into
-the per-token loss and, in filtered mode, what the backward filters with."""
+target logit (for label smoothing its weighted logit sum, for entropy its softmax-weighted mean
+logit); `run_forward` turns them into the per-token loss and, in filtered mode, what the
+backward filters with."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from .launch import KernelLauncher
 from .loss_terms import token_loss
 from .problem import cdiv, device_limits, kernel_flags
 
-RowStats = tuple[Tensor, Tensor, Tensor | None]
-"""(lse, target_logit, weighted logit sum or None), each fp32 (N,)."""
+RowStats = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+"""(lse, target_logit, weighted logit sum or None, softmax-weighted mean logit or None), each
+fp32 (N,)."""
 
 
 def row_chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
@@ -40,18 +42,8 @@ def run_forward(
     # Filtered mode's tile maxima and log-sum-exps (2, N, vocab tiles), by position in `order`.
     tile_stats = torch.empty((2, n, cdiv(v, tile.block_n)) if plan.filtered and on_triton else (0, 0),
                              dtype=torch.float32, device=e.device)
-    need_weighted_sum = label_smoothing > 0.0
-    if plan.forward == "gluon":
-        lse, target_logit, weighted_sum = forward_gluon(plan, e, c, targets)
-    elif plan.forward == "tma":
-        lse, target_logit, weighted_sum = forward_tma(
-            plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
-    elif plan.forward == "split":
-        lse, target_logit, weighted_sum = forward_split(
-            plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
-    else:
-        lse, target_logit, weighted_sum = forward_cpu(
-            e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v)
+    lse, target_logit, weighted_sum, _ = row_stats(
+        plan, config, e, c, targets, bias, weight, softcap, label_smoothing > 0.0, False, order, tile_stats)
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
     if plan.filtered and on_triton:
         kept_tiles, tile_lse = backward_tile_stats(
@@ -62,6 +54,25 @@ def run_forward(
         kept_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
         tile_lse = torch.empty((0, 0), dtype=torch.float16, device=e.device)
     return loss, lse, kept_tiles, tile_lse, order
+
+
+def row_stats(
+    plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor,
+    tile_stats: Tensor,
+) -> RowStats:
+    """Every row's statistics by the kernel plan.forward names (the Gluon forward computes
+    neither sum: plan_launch does not pick it for options that need one)."""
+    if plan.forward == "gluon":
+        return forward_gluon(plan, e, c, targets)
+    if plan.forward == "tma":
+        return forward_tma(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
+                           order, tile_stats)
+    if plan.forward == "split":
+        return forward_split(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
+                             order, tile_stats)
+    return forward_cpu(e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v,
+                       need_mean_logit=need_mean_logit)
 
 
 def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor) -> RowStats:
@@ -79,12 +90,13 @@ def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor) -> Ro
             *descriptors, targets, tile_lse, target_logit, n, row_start, rows, v, e.shape[1],
             GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
         )
-    return merge_tile_lse(tile_lse), target_logit, None
+    return merge_tile_lse(tile_lse), target_logit, None, None
 
 
 def forward_tma(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
-    weight: Tensor | None, softcap: float, need_weighted_sum: bool, order: Tensor, tile_stats: Tensor,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor,
+    tile_stats: Tensor,
 ) -> RowStats:
     """lse_forward_tma_kernel, persistent on tensor descriptors, per plan.forward_chunk_rows
     rows: a grid over all of N lets its programs drift apart along their tiles until the
@@ -102,6 +114,9 @@ def forward_tma(
     tile_weighted_sum = (
         torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else lse_by_tile
     )
+    tile_mean_logit = (
+        torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_mean_logit else lse_by_tile
+    )
     sms = device_limits(e.device)[0]
     launch = KernelLauncher(lse_forward_tma_kernel, plan.direct_launch)
     e_desc = TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k])
@@ -110,20 +125,32 @@ def forward_tma(
         launch(
             (programs_for(e.device, tiles_of(rows, v, tile), 1),), e_desc, c_desc,
             bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
-            lse_by_tile, n, row_start, rows, v, e.shape[1], sms, softcap,
+            lse_by_tile, tile_mean_logit, n, row_start, rows, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum, STORE_TILE_MAX=plan.filtered, BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, STORE_TILE_MAX=plan.filtered,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
-    lse = merge_tile_lse(tile_stats[1].T if plan.filtered else lse_by_tile)
+    tile_lse = tile_stats[1].T if plan.filtered else lse_by_tile
+    lse = merge_tile_lse(tile_lse)
     weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
-    return lse, target_logit, weighted_sum
+    mean_logit = None
+    if need_mean_logit:  # filtered mode's backward still reads its tile log-sum-exps
+        mean_logit = merge_tile_means(tile_mean_logit, tile_lse.clone() if plan.filtered else tile_lse, lse)
+    return lse, target_logit, weighted_sum, mean_logit
+
+
+def merge_tile_means(tile_mean: Tensor, tile_lse: Tensor, lse: Tensor) -> Tensor:
+    """A row's softmax-weighted mean from its tiles' (tile_mean, tile_lse: (tiles, N)): each
+    tile's mean weighted by its share of the softmax, exp(tile lse - lse). Both buffers are
+    overwritten, so the forward peaks at the per-tile buffers it already has."""
+    tile_mean.mul_(tile_lse.sub_(lse).exp_())
+    return tile_mean.sum(dim=0)
 
 
 def forward_split(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    softcap: float, need_weighted_sum: bool, order: Tensor, tile_stats: Tensor,
+    softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor, tile_stats: Tensor,
 ) -> RowStats:
     """lse_forward_kernel: row blocks x vocab splits of pointer loads, each split's running
     maximum and sum merged after (tensors the copy engine cannot take: fp32, odd strides)."""
@@ -133,22 +160,27 @@ def forward_split(
     vocab_tiles = cdiv(v, tile.block_n)
     tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
     num_splits = cdiv(vocab_tiles, tiles_per_split)
-    partial = torch.empty((4 if need_weighted_sum else 3, num_splits, n), dtype=torch.float32, device=e.device)
+    stats = 3 + need_weighted_sum + need_mean_logit
+    partial = torch.empty((stats, num_splits, n), dtype=torch.float32, device=e.device)
     lse_forward_kernel[(cdiv(n, tile.block_m) * num_splits,)](
         e, c, bias, targets, weight, order if filtered else targets,
         partial, tile_stats if filtered else partial,
         n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n, vocab_tiles,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
-        NEED_WEIGHTED_SUM=need_weighted_sum, FILTER=filtered,
+        NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, FILTER=filtered,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=e.shape[1] % tile.block_k == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
     )
     split_max = partial[0].amax(dim=0)
     shift = torch.where(split_max == float("-inf"), 0.0, split_max)
-    lse = shift + torch.log((partial[1] * torch.exp(partial[0] - shift)).sum(dim=0))
-    return lse, partial[2].sum(dim=0), partial[3].sum(dim=0) if need_weighted_sum else None
+    rescale = torch.exp(partial[0] - shift)
+    sumexp = (partial[1] * rescale).sum(dim=0)
+    lse = shift + torch.log(sumexp)
+    weighted_sum = partial[3].sum(dim=0) if need_weighted_sum else None
+    mean_logit = (partial[-1] * rescale).sum(dim=0) / sumexp if need_mean_logit else None
+    return lse, partial[2].sum(dim=0), weighted_sum, mean_logit
 
 
 def merge_tile_lse(tile_lse: Tensor) -> Tensor:

@@ -103,7 +103,7 @@ class FusedForward:
         row_end = row_start + rows
         targets = self.targets[row_start:row_end]
         if self.plan.fused == "cpu":
-            lse, target_logit, weighted_sum = forward_cpu(
+            lse, target_logit, weighted_sum, _ = forward_cpu(
                 self.e[row_start:row_end], self.c, targets, self.bias, self.weight, self.softcap, self.smoothing,
                 chunk_v=self.config.slab_v)
         else:

@@ -64,3 +64,36 @@ def grad_coefficients(
     coef_smooth = g * (label_smoothing / v)
     coef_softmax = coef_target + coef_smooth * _total_weight(weight, v) + grad_lse.to(torch.float32)
     return coef_softmax.contiguous(), coef_target.contiguous(), coef_smooth.contiguous()
+
+
+def log_prob_terms(
+    lse: Tensor, target_logit: Tensor, mean_logit: Tensor | None, tokens: Tensor, v: int, ignore_index: int,
+) -> tuple[Tensor, Tensor | None]:
+    """linear_log_probs' outputs from the forward's row statistics, fp32 (N,): log p_y =
+    l_y - lse and, with `mean_logit` (sum_j p_j l_j), the entropy lse - sum_j p_j l_j. Both are
+    0 at ignored tokens; a token outside [0, V) that is not ignore_index has a NaN log-prob."""
+    valid = tokens != ignore_index
+    in_range = (tokens >= 0) & (tokens < v)
+    log_probs = torch.where(valid, target_logit - lse, 0.0)
+    log_probs = torch.where(valid & ~in_range, float("nan"), log_probs)
+    entropy = None if mean_logit is None else torch.where(valid, lse - mean_logit, 0.0)
+    return log_probs, entropy
+
+
+def log_prob_coefficients(
+    grad_log_probs: Tensor, grad_entropy: Tensor | None, mean_logit: Tensor, tokens: Tensor, ignore_index: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(coef_softmax, coef_target, coef_entropy) of linear_log_probs' d-logits, fp32 (N,).
+
+    With upstream g (log-prob) and h (entropy), mu = sum_j p_j l_j:
+        d log p_y / d l_j = [j == y] - p_j,   d H / d l_j = -p_j * (l_j - mu),
+    so d l_j = (h * mu - g) * p_j + g * [j == y] - h * p_j * l_j: coef_softmax = h * mu - g,
+    coef_target = -g, coef_entropy = h in the d-logits kernel's terms (kernels/backward.py).
+    Ignored tokens take no gradient."""
+    valid = tokens != ignore_index
+    g = torch.where(valid, grad_log_probs.to(torch.float32), 0.0)
+    coef_target = (-g).contiguous()
+    if grad_entropy is None:
+        return coef_target, coef_target, None
+    h = torch.where(valid, grad_entropy.to(torch.float32), 0.0)
+    return (h * mean_logit - g).contiguous(), coef_target, h.contiguous()

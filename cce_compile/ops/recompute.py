@@ -54,7 +54,7 @@ class Recompute:
             programs = cdiv(rows, tile.block_m) * cdiv(cols, tile.block_n)
             self.launch(
                 (min(programs, self.sms),), *self.descriptors, call.bias, call.targets, call.weight, call.lse,
-                call.coef_softmax, call.coef_target, call.coef_smooth, call.scale,
+                call.coef_softmax, call.coef_target, call.coef_smooth, call.entropy_coefficients, call.scale,
                 row_start, rows, col_start, cols, call.d, self.sms, call.softcap,
                 **call.loss_flags(), SCALED=call.scaled,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
@@ -78,7 +78,8 @@ def launch_pointer_recompute(
     e, c = call.e, call.c
     launch(
         (programs,), e, c, call.bias, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
-        call.coef_smooth, call.scale, call.vocab_order if filtered else call.targets, grad_logits,
+        call.coef_smooth, call.entropy_coefficients, call.scale, call.vocab_order if filtered else call.targets,
+        grad_logits,
         step_tiles, step_counts, step_index, capacity, call.chunk_tile_rows,
         row_start, row_start + rows, col_start, col_start + cols, call.d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),

@@ -62,11 +62,12 @@ class Options:
     has_softcap: bool = False
     has_smoothing: bool = False
     filtered: bool = False
+    has_entropy: bool = False  # linear_log_probs' entropy: a softmax-weighted logit sum, and its term in d-logits
 
     @property
     def plain(self) -> bool:
-        """The loss the Gluon kernels compute: no bias, class weights, soft-cap or smoothing."""
-        return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing)
+        """The loss the Gluon kernels compute: no bias, class weights, soft-cap, smoothing or entropy."""
+        return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing or self.has_entropy)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""The log-probs contenders (linear_log_probs with entropy, RL's per-token outputs), in the
+harness's `(e, c, targets) -> mean loss` form: the loss is -mean(log_probs) + 0 * mean(entropy),
+so the harness's cross-entropy reference checks its value and gradients, and the backward
+still carries the entropy's term (its upstream gradient is a tensor of zeros, not None).
+The no-grad forward it times is the old and reference policies' pass."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .peers import ImplUnavailable, Loaded
+
+VERL_KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
+"""verl's fused log-probs + entropy kernel (`LinearCrossEntropy`, an autograd.Function)."""
+
+
+def as_loss(log_probs: Tensor, entropy: Tensor) -> Tensor:
+    return -log_probs.float().mean() + 0.0 * entropy.float().mean()
+
+
+def _load_cce_log_probs() -> Loaded:
+    from cce_compile import linear_log_probs
+
+    return Loaded(lambda e, c, targets: as_loss(*linear_log_probs(e, c, targets, entropy=True)))
+
+
+def materialized_log_probs(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+    """What RL trainers do without a fused kernel: float32 logits, log_softmax, gather, entropy."""
+    log_softmax = torch.log_softmax((e @ c.T).float(), dim=-1)
+    log_probs = log_softmax.gather(-1, targets[:, None])[:, 0]
+    entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+    return as_loss(log_probs, entropy)
+
+
+def _load_compiled_log_probs() -> Loaded:
+    return Loaded(torch.compile(materialized_log_probs, dynamic=False))
+
+
+def _kernel_module_alone(name: str) -> ModuleType:
+    """Import `name` without running its parent packages' __init__ (verl's imports the whole
+    framework): the parents become bare packages over their directories, so the module and
+    its own relative imports load from the installed files."""
+    top = importlib.util.find_spec(name.split(".")[0])
+    if top is None or not top.submodule_search_locations:
+        raise ImplUnavailable(f"{name.split('.')[0]} is not installed")
+    parts = name.split(".")
+    path = list(top.submodule_search_locations)
+    for depth in range(1, len(parts)):
+        package = ".".join(parts[:depth])
+        if package not in sys.modules:
+            module = ModuleType(package)
+            module.__path__ = path
+            sys.modules[package] = module
+        path = [f"{path[0]}/{parts[depth]}"]
+    return importlib.import_module(name)
+
+
+def _load_verl() -> Loaded:
+    """verl's kernel where its wheel is installed (the GPU machine): `LinearCrossEntropy.apply(
+    hidden, weight, labels[, temperature], reduction)` -> (log_probs, entropy); releases before
+    the temperature argument take none."""
+    try:
+        module = _kernel_module_alone(VERL_KERNEL_MODULE)
+    except ImplUnavailable:
+        raise
+    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
+        raise ImplUnavailable(f"{VERL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
+    function = module.LinearCrossEntropy
+    takes_temperature = "temperature" in inspect.signature(function.forward).parameters
+
+    def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+        args = (e, c, targets, 1.0, "none") if takes_temperature else (e, c, targets, "none")
+        return as_loss(*function.apply(*args))
+
+    return Loaded(loss, "temperature argument" if takes_temperature else "no temperature argument")
+
+
+LOG_PROB_LOADERS: dict[str, Callable[[], Loaded]] = {
+    "cce_log_probs": _load_cce_log_probs,
+    "torch_compile_log_probs": _load_compiled_log_probs,
+    "verl_log_probs": _load_verl,
+}
+"""The loaders of peers.IMPLS' log-probs rows."""
