@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "linear_cross_entropy": "cce_compile.api",
     "LinearCrossEntropyLoss": "cce_compile.api",
+    "VocabParallel": "cce_compile.parallel.vocab_parallel",
     "KernelConfig": "cce_compile.config.kernel_config",
     "TileConfig": "cce_compile.config.kernel_config",
     "ConfigError": "cce_compile.config.kernel_config",

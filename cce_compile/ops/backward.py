@@ -23,9 +23,25 @@ def run_backward(
     need_grad_e: bool, need_grad_c: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """-> (grad_e, grad_c, grad_bias or None); a gradient not needed comes back empty."""
+    coefficients = grad_coefficients(grad_loss, grad_lse, targets, weight, c.shape[0], ignore_index, label_smoothing)
+    return backward_from_coefficients(
+        plan, config, coefficients, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
+        label_smoothing > 0.0, softcap, filter_eps, need_grad_e, need_grad_c,
+    )
+
+
+def backward_from_coefficients(
+    plan: LaunchPlan, config: KernelConfig, coefficients: tuple[Tensor, Tensor, Tensor], e: Tensor, c: Tensor,
+    targets: Tensor, bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
+    vocab_order: Tensor, has_smoothing: bool, softcap: float, filter_eps: float, need_grad_e: bool,
+    need_grad_c: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The gradients of d_logit[i, j] = coef_softmax[i] * p[i, j] - coef_target[i] * [j == y_i]
+    - coef_smooth[i] * w[j] (the last only with has_smoothing), p = exp(logit - lse), through
+    the soft-cap: (grad_e, grad_c, grad_bias or None)."""
     v = c.shape[0]
-    coef_softmax, coef_target, coef_smooth = grad_coefficients(
-        grad_loss, grad_lse, targets, weight, v, ignore_index, label_smoothing)
+    coef_softmax, coef_target, coef_smooth = coefficients
+    label_smoothing = 1.0 if has_smoothing else 0.0  # the runners read only whether it is on
     if plan.filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
     if plan.backward is None:

@@ -40,18 +40,8 @@ def run_forward(
     # Filtered mode's tile maxima and log-sum-exps (2, N, vocab tiles), by position in `order`.
     tile_stats = torch.empty((2, n, cdiv(v, tile.block_n)) if plan.filtered and on_triton else (0, 0),
                              dtype=torch.float32, device=e.device)
-    need_weighted_sum = label_smoothing > 0.0
-    if plan.forward == "gluon":
-        lse, target_logit, weighted_sum = forward_gluon(plan, e, c, targets)
-    elif plan.forward == "tma":
-        lse, target_logit, weighted_sum = forward_tma(
-            plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
-    elif plan.forward == "split":
-        lse, target_logit, weighted_sum = forward_split(
-            plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
-    else:
-        lse, target_logit, weighted_sum = forward_cpu(
-            e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v)
+    lse, target_logit, weighted_sum = row_stats(
+        plan, config, e, c, targets, bias, weight, softcap, label_smoothing > 0.0, order, tile_stats)
     loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
     if plan.filtered and on_triton:
         kept_tiles, tile_lse = backward_tile_stats(
@@ -62,6 +52,21 @@ def run_forward(
         kept_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
         tile_lse = torch.empty((0, 0), dtype=torch.float16, device=e.device)
     return loss, lse, kept_tiles, tile_lse, order
+
+
+def row_stats(
+    plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, order: Tensor, tile_stats: Tensor,
+) -> RowStats:
+    """Every row's statistics from the runner plan.forward names; a target outside [0, V) has
+    target logit 0 (nothing is read at it)."""
+    if plan.forward == "gluon":
+        return forward_gluon(plan, e, c, targets)
+    if plan.forward == "tma":
+        return forward_tma(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
+    if plan.forward == "split":
+        return forward_split(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, order, tile_stats)
+    return forward_cpu(e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v)
 
 
 def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor) -> RowStats:
