@@ -15,6 +15,7 @@ _EXPORTS = {
     "linear_cross_entropy": "cce_compile.api",
     "LinearCrossEntropyLoss": "cce_compile.api",
     "linear_log_probs": "cce_compile.api",
+    "VocabParallel": "cce_compile.parallel.vocab_parallel",
     "KernelConfig": "cce_compile.config.kernel_config",
     "TileConfig": "cce_compile.config.kernel_config",
     "ConfigError": "cce_compile.config.kernel_config",

@@ -9,7 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
+from .ops.loss_terms import reduce_token_loss
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of
+from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
 
 Reduction = Literal["mean", "sum", "none"]
@@ -152,6 +154,7 @@ def linear_cross_entropy(
     filter_eps: float | str | None = None,
     memory: Memory = "workspace",
     temperature: float = 1.0,
+    vocab_parallel: VocabParallel | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """cross_entropy(e @ c.T + bias, targets) without materializing the logits.
 
@@ -171,8 +174,13 @@ def linear_cross_entropy(
 
     temperature (> 0) divides the (soft-capped) logits first: the loss of softmax(logits / T),
     lse included.
+
+    vocab_parallel: c (with bias and weight) is this rank's shard of the classifier's rows,
+    and the loss and dE are the whole classifier's (docs/vocab_parallel.md); a DTensor c
+    sharded Shard(0) on a 1-D mesh says its shard itself. That takes the recompute.
     """
     e, c, bias = _autocast_operands(e, c, bias)
+    c, bias, weight, vocab_parallel = sharded_operands(c, bias, weight, vocab_parallel)
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory)
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     eps = _resolve_filter_eps(filter_eps, e.dtype)
@@ -183,7 +191,14 @@ def linear_cross_entropy(
     v, d = c.shape
     lead_shape = targets.shape
     flat_targets = targets.reshape(-1).to(torch.int64)
-    _check_target_range(flat_targets, v, ignore_index)
+    _check_target_range(flat_targets, v if vocab_parallel is None else vocab_parallel.vocab_size, ignore_index)
+    if vocab_parallel is not None:
+        out, lse = vocab_parallel_loss(
+            e.reshape(-1, d), c, flat_targets, vocab_parallel, bias=bias, weight=weight, ignore_index=int(ignore_index),
+            reduction=reduction, label_smoothing=float(label_smoothing), z_loss=float(z_loss),
+            softcap=float(softcap or 0.0), filter_eps=eps)
+        out = out.reshape(lead_shape) if reduction == "none" else out
+        return (out, lse.reshape(lead_shape)) if return_lse else out
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (e, c, bias))
     options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
     if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction != "none", memory):
@@ -202,17 +217,10 @@ def linear_cross_entropy(
     valid = flat_targets != ignore_index
     if z_loss > 0.0:
         loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
-    if reduction == "none":
-        out = loss.reshape(lead_shape)
-    elif reduction == "sum":
-        out = loss.sum()
-    else:
-        if weight is None:
-            denominator = valid.sum().to(torch.float32)
-        else:
-            safe = flat_targets.clamp(0, v - 1)
-            denominator = torch.where(valid, weight.to(torch.float32)[safe], 0.0).sum()
-        out = loss.sum() / torch.where(denominator > 0, denominator, 1.0)
+    target_weight = (None if weight is None
+                     else torch.where(valid, weight.to(torch.float32)[flat_targets.clamp(0, v - 1)], 0.0))
+    out = reduce_token_loss(loss, reduction, valid, target_weight)
+    out = out.reshape(lead_shape) if reduction == "none" else out
     if return_lse:
         return out, lse.reshape(lead_shape)
     return out

@@ -42,13 +42,35 @@ def token_loss(
     valid = targets != ignore_index
     in_range = (targets >= 0) & (targets < v)
     w_y = _target_weight(targets, weight, valid & in_range, v)
-    loss = (1.0 - label_smoothing) * w_y * (lse - target_logit)
+    return loss_of_terms(lse, target_logit, weighted_sum, valid, in_range, w_y, _total_weight(weight, v), v,
+                         label_smoothing)
+
+
+def loss_of_terms(
+    lse: Tensor, target_logit: Tensor, weighted_sum: Tensor | None, valid: Tensor, in_range: Tensor,
+    target_weight: Tensor, total_weight: Tensor | float, v: int, label_smoothing: float,
+) -> Tensor:
+    """The module doc's per-token loss from its terms: w_y (`target_weight`, 0 where not
+    valid) and W (`total_weight`) given, so a caller holding the weights in shards (the
+    vocabulary-parallel loss) combines them first. Differentiable in every tensor term."""
+    loss = (1.0 - label_smoothing) * target_weight * (lse - target_logit)
     if label_smoothing > 0.0:
         assert weighted_sum is not None
-        smooth = (_total_weight(weight, v) * lse - weighted_sum) * (label_smoothing / v)
+        smooth = (total_weight * lse - weighted_sum) * (label_smoothing / v)
         loss = loss + torch.where(valid, smooth, 0.0)
     loss = torch.where(valid, loss, 0.0)
     return torch.where(valid & ~in_range, float("nan"), loss)
+
+
+def reduce_token_loss(loss: Tensor, reduction: str, valid: Tensor, target_weight: Tensor | None) -> Tensor:
+    """"none", "sum", or "mean": the sum over the valid tokens' weight (their count without
+    class weights; `target_weight` 0 where not valid), as F.cross_entropy; 0 with none valid."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    denominator = valid.sum().to(torch.float32) if target_weight is None else target_weight.sum()
+    return loss.sum() / torch.where(denominator > 0, denominator, 1.0)
 
 
 def grad_coefficients(

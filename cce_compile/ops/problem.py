@@ -74,14 +74,16 @@ def options_of(bias: Tensor | None, weight: Tensor | None, softcap: float, label
                    has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0)
 
 
-def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> ProblemKey:
+def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> ProblemKey:
+    """`key_v` names the config by another vocabulary size than c's (one every shard of a
+    vocabulary-parallel call names alike, so that rank 0's resolution serves all ranks)."""
     device = "cuda" if e.is_cuda else ("interpreter" if policy.triton_on_cpu else "cpu")
-    return ProblemKey(device=device, v=int(c.shape[0]), d=int(c.shape[1]), dtype=dtype_name(e.dtype),
+    return ProblemKey(device=device, v=int(c.shape[0] if key_v is None else key_v), d=int(c.shape[1]), dtype=dtype_name(e.dtype),
                       n_bucket=n_bucket(e.shape[0]), mode="filtered" if filtered else "exact")
 
 
-def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy) -> KernelConfig:
-    return resolve_config(problem_key(e, c, filtered, policy))
+def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> KernelConfig:
+    return resolve_config(problem_key(e, c, filtered, policy, key_v))
 
 
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, policy: Policy, launch: Callable[[KernelConfig], T]) -> T:

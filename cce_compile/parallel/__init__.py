@@ -1,0 +1,1 @@
+"""Losses over classifiers split across torch.distributed ranks (vocab_parallel.py)."""

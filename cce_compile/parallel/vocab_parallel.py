@@ -1,0 +1,193 @@
+"""The loss with the classifier sharded by vocabulary over a process group (tensor parallel).
+
+Each rank holds classifier rows [start, stop) (and the same rows of bias and class weights),
+every rank the same e and targets. Forward: each rank's op (ops/vocab_parallel.py) gives its
+shard's per-token log-sum-exp, target logit (0 where the target is in another shard), and for
+label smoothing its weighted logit sum and target weight; ONE all-gather of those few
+N-vectors (world x k x N floats, plus the shard's weight total) gives every rank all the
+shards' statistics, from which each computes the same loss: lse = logsumexp over shards, the
+target logit and the weighted sums summed. One all-gather costs less than the two all-reduces
+(a max, then a sum of exponentials) that combining without it needs, at the world sizes
+tensor parallelism uses.
+
+Backward: autograd runs through that combination on each rank with the other ranks' rows as
+constants, so the shard's op gets the upstream gradients of its own statistics, e.g.
+d lse / d lse_shard = exp(lse_shard - lse); its backward recomputes the shard's logits from
+lse_shard (memory="low"'s recompute: the fused memory="workspace" forward finishes the
+d-logits before the global lse exists, so it cannot serve here) and gives the shard's dC and
+dbias and its part of dE, which one all-reduce sums over the group (unless reduce_grad_e is
+off, for callers that reduce it themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from ..ops.loss_terms import loss_of_terms, reduce_token_loss
+from ..ops.vocab_parallel import shard_row_stats
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """This rank's shard of the vocabulary: rows [start, stop) of the classifier, over `group`
+    (None: the default group). Build it outside torch.compile'd code: without `vocab_size` it
+    gathers every rank's range once, to check that the shards tile [0, V) and learn V.
+
+    reduce_grad_e: sum dE over the group in the backward (off: each rank gets the part of dE
+    from its own shard, for callers that reduce it, e.g. with sequence parallelism)."""
+
+    group: dist.ProcessGroup | None
+    start: int
+    stop: int
+    vocab_size: int | None = None
+    reduce_grad_e: bool = True
+    group_name: str = field(init=False)
+    rank: int = field(init=False)
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("vocab_parallel needs an initialized torch.distributed process group")
+        group = self.group if self.group is not None else dist.group.WORLD
+        for name in ("start", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"VocabParallel.{name} must be an int, got {type(value).__name__}")
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"VocabParallel needs 0 <= start < stop (a non-empty shard), got [{self.start}, {self.stop})")
+        object.__setattr__(self, "group_name", group.group_name)
+        object.__setattr__(self, "rank", dist.get_rank(group))
+        object.__setattr__(self, "world_size", dist.get_world_size(group))
+        if self.vocab_size is None:
+            object.__setattr__(self, "vocab_size", _checked_vocab_size(self.start, self.stop, group))
+        elif self.stop > self.vocab_size:
+            raise ValueError(f"VocabParallel: stop ({self.stop}) is past vocab_size ({self.vocab_size})")
+
+    @property
+    def shard_size(self) -> int:
+        return self.stop - self.start
+
+
+def _checked_vocab_size(start: int, stop: int, group: dist.ProcessGroup) -> int:
+    """V, from every rank's [start, stop), after checking that they tile [0, V)."""
+    ranges: list[tuple[int, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranges, (start, stop), group=group)
+    position = 0
+    for first, last in sorted(r for r in ranges if r is not None):
+        if first != position:
+            raise ValueError(f"VocabParallel: the ranks' [start, stop) must tile [0, V) without gaps or overlaps, "
+                             f"got {ranges}")
+        position = last
+    return position
+
+
+def from_dtensor(c) -> tuple[Tensor, VocabParallel]:
+    """(the local rows, their VocabParallel) of a classifier DTensor sharded Shard(0) on a
+    1-D mesh, as torch.distributed.tensor lays out uneven shards (torch.chunk: ceil(V / W) rows
+    a rank, the last ones fewer)."""
+    from torch.distributed.tensor import Shard
+
+    mesh = c.device_mesh
+    if mesh.ndim != 1 or tuple(c.placements) != (Shard(0),):
+        raise ValueError(f"c: a DTensor classifier must be sharded Shard(0) on a 1-D mesh, got placements "
+                         f"{tuple(c.placements)} on a {mesh.ndim}-D mesh")
+    v, world = c.shape[0], mesh.size()
+    rows = -(-v // world)
+    start = min(mesh.get_local_rank() * rows, v)
+    stop = min(start + rows, v)
+    return c.to_local(), VocabParallel(mesh.get_group(), start, stop, vocab_size=v)
+
+
+def local_shard(name: str, tensor: Tensor | None) -> Tensor | None:
+    """A bias or weight given as a DTensor sharded like c: its local rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"{name}: a DTensor must be sharded Shard(0) like c, got {tuple(tensor.placements)}")
+    return tensor.to_local()
+
+
+def is_dtensor(tensor: object) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def sharded_operands(
+    c: Tensor, bias: Tensor | None, weight: Tensor | None, vocab_parallel: VocabParallel | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, VocabParallel | None]:
+    """(c, bias, weight, vocab_parallel) as the loss takes them: a DTensor classifier becomes
+    its local rows and the VocabParallel its layout says; plain tensors pass through."""
+    if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(f"vocab_parallel must be a VocabParallel or None, got {type(vocab_parallel).__name__}")
+    if not is_dtensor(c):
+        return c, bias, weight, vocab_parallel
+    if vocab_parallel is not None:
+        raise ValueError("vocab_parallel: leave it None for a DTensor c, whose sharding says it")
+    local_c, derived = from_dtensor(c)
+    return local_c, local_shard("bias", bias), local_shard("weight", weight), derived
+
+
+def _all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
+    """(world, *stats.shape): every rank's `stats`, this rank's row being `stats` itself (so
+    autograd reaches it) and the others constants, from one all-gather."""
+    gathered = funcol.all_gather_single(stats.detach().contiguous(), 0, parallel.group_name)
+    gathered = gathered.reshape(parallel.world_size, *stats.shape)
+    rows = [stats if rank == parallel.rank else gathered[rank] for rank in range(parallel.world_size)]
+    return torch.stack(rows)
+
+
+def vocab_parallel_loss(
+    e: Tensor, c: Tensor, targets: Tensor, parallel: VocabParallel, *, bias: Tensor | None, weight: Tensor | None,
+    ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: float, filter_eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(loss reduced as `reduction` says, lse (N,)) for e (N, D), this rank's rows c of the
+    classifier (and of bias and weight), global targets (N,) int64."""
+    if filter_eps > 0.0:
+        raise ValueError("filter_eps: filtered mode does not combine over vocabulary shards (its kept tiles are "
+                         "chosen against the global log-sum-exp, which no shard has in its forward); pass None")
+    if c.shape[0] != parallel.shard_size:
+        raise ValueError(f"c has {c.shape[0]} rows but vocab_parallel's shard [{parallel.start}, {parallel.stop}) "
+                         f"has {parallel.shard_size}")
+    v = parallel.vocab_size
+    valid = targets != ignore_index
+    in_range = (targets >= 0) & (targets < v)
+    local = targets - parallel.start
+    mine = valid & (local >= 0) & (local < parallel.shard_size)
+    local_targets = torch.where(mine, local, -1)
+    smoothing = label_smoothing > 0.0
+    with torch.autocast(e.device.type, enabled=False):
+        lse_shard, target_logit, weighted_sum = shard_row_stats(
+            e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
+            parallel.group_name if parallel.reduce_grad_e else "", -(-v // parallel.world_size),
+        )
+    terms = [lse_shard, target_logit]
+    if smoothing:
+        terms.append(weighted_sum)
+    if weight is not None:  # the target's class weight, from the shard that holds it
+        weight32 = weight.to(torch.float32)
+        terms.append(torch.where(mine, weight32[local_targets.clamp(0, parallel.shard_size - 1)], 0.0))
+    n = e.shape[0]
+    stats = torch.stack(terms).reshape(-1)
+    if smoothing and weight is not None:  # and the shard's weight total, for W
+        stats = torch.cat([stats, weight32.sum().reshape(1)])
+    shards = _all_shards(stats, parallel)
+    per_shard = shards[:, : len(terms) * n].reshape(parallel.world_size, len(terms), n)
+    lse = torch.logsumexp(per_shard[:, 0], dim=0)
+    summed = per_shard[:, 1:].sum(dim=0)
+    target_weight = summed[-1] if weight is not None else valid.to(torch.float32)
+    total_weight = shards[:, -1].sum() if smoothing and weight is not None else float(v)
+    loss = loss_of_terms(lse, summed[0], summed[1] if smoothing else None, valid, in_range, target_weight,
+                         total_weight, v, label_smoothing)
+    if z_loss > 0.0:
+        loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
+    return reduce_token_loss(loss, reduction, valid, target_weight if weight is not None else None), lse

@@ -1,0 +1,221 @@
+"""The vocabulary-parallel loss: 2 and 3 gloo ranks on CPU, each holding a shard of the
+classifier's rows (uneven ones), against float64 and the unsharded op on the whole classifier:
+loss, lse, dE, the shard's dC and dbias, for seeded random option sets; the DTensor
+classifier; fullgraph torch.compile; reduce_grad_e off; a patched HF model whose lm_head is a
+sharded DTensor. One spawn per world size runs every check, the processes' start-up being
+most of the cost."""
+
+from __future__ import annotations
+
+import copy
+import random
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import cce_compile
+from cce_compile import VocabParallel
+from cce_compile.plan.policy import Policy, override_policy
+
+from .op_cases import TOLERANCE, relative_error
+from .reference import reference_loss
+
+V, D = 37, 16
+LEAD = (3, 7)
+SHARD_BOUNDS = {2: [0, 20, 37], 3: [0, 10, 30, 37]}  # uneven, not torch.chunk's layout either
+
+
+def problem(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(e, c, bias, weight, targets), the same on every rank; some targets ignored, some on
+    the shards' edges."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(*LEAD, D, generator=g)
+    c = torch.randn(V, D, generator=g) * 0.7
+    bias = torch.randn(V, generator=g)
+    weight = torch.rand(V, generator=g) + 0.5
+    targets = torch.randint(0, V, LEAD, generator=g)
+    targets[0, :3] = torch.tensor([-100, 19, 20])
+    targets[1, -1] = V - 1
+    return e, c, bias, weight, targets
+
+
+def random_options(rng: random.Random) -> dict:
+    return dict(
+        reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.1]),
+        z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, 2.0]), shift=rng.choice([False, True]),
+        use_bias=rng.choice([False, True]), use_weight=rng.choice([False, True]),
+    )
+
+
+def loss_and_grads(fn, e: Tensor, c: Tensor, bias: Tensor | None, targets: Tensor, options: dict, **kwargs):
+    """(loss, lse, dE, dC, dbias) of loss + lse under fixed random upstream gradients."""
+    e, c = e.detach().clone().requires_grad_(), c.detach().clone().requires_grad_()
+    bias = None if bias is None else bias.detach().clone().requires_grad_()
+    loss, lse = fn(e, c, targets, bias=bias, return_lse=True, **options, **kwargs)
+    g = torch.Generator().manual_seed(7)
+    up_loss = torch.randn(loss.shape, generator=g, dtype=torch.float64)
+    up_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    ((loss.double() * up_loss).sum() + (lse.double() * up_lse).sum()).backward()
+    return loss, lse, e.grad, c.grad, None if bias is None else bias.grad
+
+
+def split_options(options: dict, weight: Tensor) -> tuple[dict, bool, Tensor | None]:
+    options = dict(options)
+    use_bias = options.pop("use_bias")
+    return options, use_bias, weight if options.pop("use_weight") else None
+
+
+def check_option_set(seed: int, options: dict, parallel: VocabParallel) -> None:
+    """The sharded call against float64 and the unsharded op (memory="low")."""
+    e, c, bias, weight, targets = problem(seed)
+    options, use_bias, weight = split_options(options, weight)
+    rows = slice(parallel.start, parallel.stop)
+    shard = loss_and_grads(cce_compile.linear_cross_entropy, e, c[rows], bias[rows] if use_bias else None, targets,
+                           dict(options, weight=None if weight is None else weight[rows]), vocab_parallel=parallel)
+    whole = loss_and_grads(cce_compile.linear_cross_entropy, e, c, bias if use_bias else None, targets,
+                           dict(options, weight=weight), memory="low")
+    exact = loss_and_grads(reference_loss, e.double(), c.double(), bias.double() if use_bias else None, targets,
+                           dict(options, weight=None if weight is None else weight.double()))
+    for name, mine, unsharded, truth in zip(("loss", "lse", "dE", "dC", "dbias"), shard, whole, exact):
+        if mine is None:
+            assert truth is None, name
+            continue
+        if name in ("dC", "dbias"):
+            unsharded, truth = unsharded[rows], truth[rows]
+        assert mine.dtype == unsharded.dtype, name
+        for against, expected in (("float64", truth), ("the unsharded op", unsharded)):
+            error = relative_error(mine, expected)
+            assert error <= TOLERANCE[torch.float32], f"{name} vs {against}: {error:.2e} with {options}"
+
+
+def check_partial_grad_e(parallel: VocabParallel) -> None:
+    """reduce_grad_e=False: each rank's dE is its shard's part; their sum is the whole dE."""
+    e, c, _, _, targets = problem(3)
+    rows = slice(parallel.start, parallel.stop)
+    partial = VocabParallel(parallel.group, parallel.start, parallel.stop, vocab_size=V, reduce_grad_e=False)
+    ee = e.clone().requires_grad_()
+    cce_compile.linear_cross_entropy(ee, c[rows], targets, vocab_parallel=partial).backward()
+    summed = ee.grad.clone()
+    dist.all_reduce(summed)
+    assert relative_error(ee.grad, summed) > 1e-3, "a shard's part of dE should not be all of it"
+    ref = e.double().requires_grad_()
+    reference_loss(ref, c.double(), targets).backward()
+    assert relative_error(summed, ref.grad) <= TOLERANCE[torch.float32]
+
+
+def check_dtensor(parallel: VocabParallel) -> None:
+    """A DTensor classifier (torch.chunk's uneven shards: 37 over 3 is 13, 13, 11) and bias,
+    with class weights and smoothing: its gradients come back as DTensors of the same layout."""
+    e, c, bias, weight, targets = problem(4)
+    mesh = init_device_mesh("cpu", (parallel.world_size,))
+    c_dt = distribute_tensor(c, mesh, [Shard(0)]).requires_grad_()
+    bias_dt = distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_()
+    weight_dt = distribute_tensor(weight, mesh, [Shard(0)])
+    ee = e.clone().requires_grad_()
+    options = dict(label_smoothing=0.1, z_loss=1e-3, softcap=2.0)
+    loss = cce_compile.linear_cross_entropy(ee, c_dt, targets, bias=bias_dt, weight=weight_dt, **options)
+    loss.backward()
+    refs = [t.double().requires_grad_() for t in (e, c, bias)]
+    ref_loss = reference_loss(*refs[:2], targets, bias=refs[2], weight=weight.double(), **options)
+    ref_loss.backward()
+    assert isinstance(c_dt.grad, DTensor) and tuple(c_dt.grad.placements) == (Shard(0),)
+    assert relative_error(loss, ref_loss) <= TOLERANCE[torch.float32]
+    for mine, ref in ((ee.grad, refs[0].grad), (c_dt.grad.full_tensor(), refs[1].grad),
+                      (bias_dt.grad.full_tensor(), refs[2].grad)):
+        assert relative_error(mine, ref) <= TOLERANCE[torch.float32]
+
+
+def check_compiled(parallel: VocabParallel) -> None:
+    """fullgraph=True (no graph break) through AOTAutograd, so the backward's all-reduce is
+    traced too; the same loss and gradients as eager."""
+    e, c, bias, _, targets = problem(5)
+    rows = slice(parallel.start, parallel.stop)
+    options = dict(label_smoothing=0.1, z_loss=1e-3, reduction="sum")
+
+    def loss_of(ee, cc, bb, tt):
+        return cce_compile.linear_cross_entropy(ee, cc, tt, bias=bb, vocab_parallel=parallel, **options)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (compiled, loss_of):
+        leaves = [t.detach().clone().requires_grad_() for t in (e, c[rows], bias[rows])]
+        loss = fn(*leaves, targets)
+        loss.backward()
+        results.append((loss, *(leaf.grad for leaf in leaves)))
+    for mine, eager in zip(*results):
+        assert relative_error(mine, eager) <= 1e-6
+
+
+def check_refusals(parallel: VocabParallel) -> None:
+    e, c, _, _, targets = problem(6)
+    rows = slice(parallel.start, parallel.stop)
+    with pytest.raises(ValueError, match="filter_eps"):
+        cce_compile.linear_cross_entropy(e, c[rows], targets, vocab_parallel=parallel, filter_eps="auto")
+    with pytest.raises(ValueError, match="rows but vocab_parallel"):
+        cce_compile.linear_cross_entropy(e, c, targets, vocab_parallel=parallel)
+    with pytest.raises(ValueError, match="tile"):
+        VocabParallel(None, 0, parallel.stop)  # every rank starting at 0: overlapping shards
+
+
+def check_hf_model(world: int) -> None:
+    """A patched tiny Llama whose lm_head.weight is a Shard(0) DTensor: HF's loss and
+    gradients (lm_head's, and the layers' below it, which need the summed dE)."""
+    from cce_compile.integrations.transformers import patch
+
+    from .test_transformers import batch, tiny_model
+
+    reference = tiny_model("llama")
+    patched = patch(copy.deepcopy(reference))
+    mesh = init_device_mesh("cpu", (world,))
+    patched.lm_head.weight = nn.Parameter(distribute_tensor(patched.lm_head.weight.detach(), mesh, [Shard(0)]))
+    input_ids, labels = batch(seed=3)
+    expected, actual = reference(input_ids, labels=labels).loss, patched(input_ids, labels=labels).loss
+    expected.backward()
+    actual.backward()
+    assert relative_error(actual, expected) <= 1e-5
+    assert relative_error(patched.lm_head.weight.grad.full_tensor(), reference.lm_head.weight.grad) <= 1e-4
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert relative_error(patched.get_parameter(name).grad, reference.get_parameter(name).grad) <= 1e-4, name
+
+
+def check_kernels(parallel: VocabParallel) -> None:
+    """The Triton kernels (interpreter) instead of the plain-PyTorch path, one option set."""
+    with override_policy(Policy(triton_on_cpu=True)):
+        check_option_set(8, dict(reduction="mean", label_smoothing=0.1, z_loss=0.0, softcap=2.0, shift=True,
+                                 use_bias=True, use_weight=True), parallel)
+
+
+def _worker(rank: int, world: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        with override_policy(Policy(triton_on_cpu=False)):
+            bounds = SHARD_BOUNDS[world]
+            parallel = VocabParallel(None, bounds[rank], bounds[rank + 1])
+            assert parallel.vocab_size == V
+            rng = random.Random(world)
+            for seed in range(4):
+                check_option_set(seed, random_options(rng), parallel)
+            check_partial_grad_e(parallel)
+            check_dtensor(parallel)
+            check_compiled(parallel)
+            check_refusals(parallel)
+            if world == 2:
+                check_hf_model(world)
+                check_kernels(parallel)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_vocabulary_matches_whole(world: int, tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
