@@ -178,6 +178,8 @@ def _fused_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, soft
 def _fused_setup_context(ctx, inputs, output) -> None:
     _, grad_e, grad_c, grad_bias = output
     ctx.mark_non_differentiable(grad_e, grad_c, grad_bias)
+    # No zeros for the gradient outputs nobody differentiates: they would double the peak.
+    ctx.set_materialize_grads(False)
     # Held as attributes, detached: saving outputs of this node for its own backward would make
     # a reference cycle through their grad_fn that frees them only at a garbage collection.
     ctx.gradients = (grad_e.detach(), grad_c.detach(), grad_bias.detach())
@@ -204,7 +206,8 @@ def scaled(gradient: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
 
 
 def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
-    traced = ctx.gradients is not None and any(map(is_fake, ctx.gradients))  # torch.compile's AOTAutograd
+    # torch.compile's AOTAutograd traces this with fake or functional tensors: no kernel launch, no in-place.
+    traced = ctx.gradients is not None and any(is_fake(g) or type(g) is not Tensor for g in ctx.gradients)
     if torch.is_grad_enabled() and not traced:
         raise RuntimeError(
             "linear_cross_entropy computes its gradients in the forward (memory='workspace'), so it has no "
@@ -213,6 +216,8 @@ def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
         raise RuntimeError("linear_cross_entropy: this graph was already backpropagated; pass retain_graph=True "
                            "to the first backward to run another")
     gradients = ctx.gradients
+    if grad_loss is None:  # the loss itself reached nothing that is differentiated
+        return (None,) * 12
     in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
     if in_place:
         ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy

@@ -140,7 +140,7 @@ def sharded_operands(
 def _all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
     """(world, *stats.shape): every rank's `stats`, this rank's row being `stats` itself (so
     autograd reaches it) and the others constants, from one all-gather."""
-    gathered = funcol.all_gather_single(stats.detach().contiguous(), 0, parallel.group_name)
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(stats.detach().contiguous(), 0, parallel.group_name))
     gathered = gathered.reshape(parallel.world_size, *stats.shape)
     rows = [stats if rank == parallel.rank else gathered[rank] for rank in range(parallel.world_size)]
     return torch.stack(rows)
@@ -178,6 +178,13 @@ def vocab_parallel_loss(
         terms.append(torch.where(mine, weight32[local_targets.clamp(0, parallel.shard_size - 1)], 0.0))
     n = e.shape[0]
     stats = torch.stack(terms).reshape(-1)
+    # Every rank must score the same tokens: a classifier sharded by FSDP looks like vocabulary
+    # shards but comes with other ranks' tokens. A checksum of the targets rides along in the
+    # same all-gather (bitwise equal on every rank for equal targets); a mismatch makes the loss
+    # NaN, without a host sync to raise.
+    positions = torch.arange(1, n + 1, dtype=torch.float32, device=targets.device)
+    checksum = (targets.to(torch.float32) * positions).sum().reshape(1)
+    stats = torch.cat([stats, checksum])
     if smoothing and weight is not None:  # and the shard's weight total, for W
         stats = torch.cat([stats, weight32.sum().reshape(1)])
     shards = _all_shards(stats, parallel)
@@ -188,6 +195,8 @@ def vocab_parallel_loss(
     total_weight = shards[:, -1].sum() if smoothing and weight is not None else float(v)
     loss = loss_of_terms(lse, summed[0], summed[1] if smoothing else None, valid, in_range, target_weight,
                          total_weight, v, label_smoothing)
+    same_tokens = (shards[:, len(terms) * n] == checksum).all()
+    loss = torch.where(same_tokens, loss, float("nan"))
     if z_loss > 0.0:
         loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
     return reduce_token_loss(loss, reduction, valid, target_weight if weight is not None else None), lse
