@@ -378,6 +378,34 @@ def test_inductor_calls_the_op_whole_and_matches_eager() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_training_step_with_a_layer_below_matches_eager(mode: str) -> None:
+    """A compiled step whose hidden states come from a layer (the fused op's gradients flow on
+    through autograd, traced by AOTAutograd with functional tensors), in torch.compile's default
+    mode and under CUDA graph trees: its loss and gradients are eager's."""
+    e, c, targets = make_inputs("zipf", (2048,), 16384, 512, torch.bfloat16, seed=4, device="cuda")
+    results = {}
+    for name in ("eager", mode):
+        layer = torch.nn.Linear(512, 512, dtype=torch.bfloat16, device="cuda")
+        torch.nn.init.eye_(layer.weight)
+        head = torch.nn.Parameter(c.clone())
+
+        def step(x, t):
+            return cce_compile.linear_cross_entropy(layer(x), head, t)
+
+        run = step if name == "eager" else torch.compile(step, fullgraph=True, mode=mode)
+        for _ in range(3):
+            if name == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            layer.zero_grad(set_to_none=True)
+            head.grad = None
+            loss = run(e, targets)
+            loss.backward()
+        results[name] = (loss.detach().clone(), layer.weight.grad.clone(), head.grad.clone())
+    for got, expected in zip(results[mode], results["eager"]):
+        assert relative_error(got, expected) < 1e-2
+
+
 @pytest.mark.usefixtures("block_sparse_always")
 def test_filtered_mode_on_lm_like_data() -> None:
     """Filtered mode (sorted vocab, block-sparse GEMMs) on an LM-like softmax: it drops
