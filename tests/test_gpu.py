@@ -388,6 +388,7 @@ def test_compiled_training_step_with_a_layer_below_matches_eager(mode: str) -> N
     for name in ("eager", mode):
         layer = torch.nn.Linear(512, 512, dtype=torch.bfloat16, device="cuda")
         torch.nn.init.eye_(layer.weight)
+        torch.nn.init.zeros_(layer.bias)  # both runs see the same layer
         head = torch.nn.Parameter(c.clone())
 
         def step(x, t):

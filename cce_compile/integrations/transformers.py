@@ -24,12 +24,21 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
 from ..api import linear_cross_entropy, shift_targets
 from ..plan.launch import Memory
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # releases without the helper: the same slicing of the sequence dimension
+
+    def slice_logits_to_keep(tensor: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The last `logits_to_keep` positions (0: all of them), or the positions a tensor names."""
+        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return tensor[:, positions, ...]
 
 # family (the transformers.models subpackage) -> its causal-LM class
 FAMILIES = {
