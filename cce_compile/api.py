@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .ops.loss_terms import reduce_token_loss
+from .ops.loss_terms import reduce_token_loss, target_weight
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of
 from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
@@ -217,9 +217,8 @@ def linear_cross_entropy(
     valid = flat_targets != ignore_index
     if z_loss > 0.0:
         loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
-    target_weight = (None if weight is None
-                     else torch.where(valid, weight.to(torch.float32)[flat_targets.clamp(0, v - 1)], 0.0))
-    out = reduce_token_loss(loss, reduction, valid, target_weight)
+    weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
+    out = reduce_token_loss(loss, reduction, valid, weights)
     out = out.reshape(lead_shape) if reduction == "none" else out
     if return_lse:
         return out, lse.reshape(lead_shape)

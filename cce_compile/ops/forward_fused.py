@@ -29,7 +29,7 @@ from ..plan.launch import LaunchPlan
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import KernelLauncher
-from .loss_terms import grad_coefficients, token_loss
+from .loss_terms import grad_coefficients, target_weight, token_loss
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
 SAFE_GAP = 60.0
@@ -50,11 +50,7 @@ def reduction_scale(targets: Tensor, weight: Tensor | None, v: int, ignore_index
     "mean"; 0-d fp32 on the device, no host sync."""
     if reduction == "sum":
         return torch.ones((), dtype=torch.float32, device=targets.device)
-    valid = targets != ignore_index
-    if weight is None:
-        denominator = valid.sum().to(torch.float32)
-    else:
-        denominator = torch.where(valid, weight.to(torch.float32)[targets.clamp(0, v - 1)], 0.0).sum()
+    denominator = target_weight(targets, weight, targets != ignore_index, v).sum()
     return 1.0 / torch.where(denominator > 0, denominator, 1.0)
 
 

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 
-def _target_weight(targets: Tensor, weight: Tensor | None, valid: Tensor, v: int) -> Tensor:
+def target_weight(targets: Tensor, weight: Tensor | None, valid: Tensor, v: int) -> Tensor:
+    """Each token's weight in a mean: its target's class weight (1 without weights), 0 where not valid."""
     if weight is None:
         return valid.to(torch.float32)
     safe = targets.clamp(0, v - 1)
@@ -41,7 +42,7 @@ def token_loss(
     """Per-token loss (fp32) from the forward's row statistics."""
     valid = targets != ignore_index
     in_range = (targets >= 0) & (targets < v)
-    w_y = _target_weight(targets, weight, valid & in_range, v)
+    w_y = target_weight(targets, weight, valid & in_range, v)
     return loss_of_terms(lse, target_logit, weighted_sum, valid, in_range, w_y, _total_weight(weight, v), v,
                          label_smoothing)
 
@@ -81,7 +82,7 @@ def grad_coefficients(
     valid = targets != ignore_index
     in_range = (targets >= 0) & (targets < v)
     g = torch.where(valid, grad_loss.to(torch.float32), 0.0)
-    w_y = _target_weight(targets, weight, valid & in_range, v)
+    w_y = target_weight(targets, weight, valid & in_range, v)
     coef_target = g * (1.0 - label_smoothing) * w_y
     coef_smooth = g * (label_smoothing / v)
     coef_softmax = coef_target + coef_smooth * _total_weight(weight, v) + grad_lse.to(torch.float32)

@@ -108,9 +108,7 @@ def runs_triton(problem: Problem, policy: Policy) -> bool:
 def forward_kernel(problem: Problem, options: Options, policy: Policy) -> ForwardKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
-    if (options.plain and not options.filtered and problem.on_cuda and problem.hopper
-            and problem.descriptors_fit and gluon_steps <= policy.forward_gluon_max_k_steps):
+    if not options.filtered and gluon_fits(problem, options, policy, policy.forward_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "split"
 
@@ -125,12 +123,17 @@ def gradients_in_forward(options: Options, dtype: str, scalar_loss: bool, memory
             and not (options.has_softcap and options.has_smoothing))
 
 
+def gluon_fits(problem: Problem, options: Options, policy: Policy, max_k_steps: int) -> bool:
+    """Whether a warp-specialized Gluon kernel runs: the plain loss on a Hopper GPU, operands
+    on tensor descriptors, and at most `max_k_steps` K steps of the Gluon tile."""
+    return (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
+            and k_steps(problem.d, policy.gluon_tile.block_k) <= max_k_steps)
+
+
 def fused_kernel(problem: Problem, options: Options, policy: Policy) -> FusedKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
-    if (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
-            and gluon_steps <= policy.fused_gluon_max_k_steps):
+    if gluon_fits(problem, options, policy, policy.fused_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "pointer"
 
@@ -151,9 +154,7 @@ def workspace_rows(n: int, v: int, d: int, element_bytes: int, config: KernelCon
 def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    gluon_steps = k_steps(problem.d, policy.gluon_tile.block_k)
-    if (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
-            and gluon_steps <= policy.recompute_gluon_max_k_steps):
+    if gluon_fits(problem, options, policy, policy.recompute_gluon_max_k_steps):
         return "gluon"
     long_k = k_steps(problem.d, config.grad_logits.block_k) >= policy.recompute_tma_min_k_steps
     return "tma" if long_k and problem.descriptors_fit else "pointer"
