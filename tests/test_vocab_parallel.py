@@ -165,6 +165,20 @@ def check_refusals(parallel: VocabParallel) -> None:
         VocabParallel(None, 0, parallel.stop)  # every rank starting at 0: overlapping shards
 
 
+def check_different_targets_give_nan(parallel: VocabParallel) -> None:
+    """Ranks that pass different targets (a head sharded by FSDP instead of by vocabulary):
+    the loss and every gradient are NaN, for a grad scaler or a NaN check to catch, never a
+    number or a silent zero step."""
+    e, c, _, _, targets = problem(7)
+    e.requires_grad_()
+    local_c = c[parallel.start:parallel.stop].detach().requires_grad_()
+    mine = torch.roll(targets, parallel.rank)  # each rank its own order of the tokens
+    loss = cce_compile.linear_cross_entropy(e, local_c, mine, vocab_parallel=parallel)
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.isnan(e.grad[mine != -100]).all() and torch.isnan(local_c.grad).all()
+
+
 def check_hf_model(world: int) -> None:
     """A patched tiny Llama whose lm_head.weight is a Shard(0) DTensor: HF's loss and
     gradients (lm_head's, and the layers' below it, which need the summed dE)."""
@@ -209,6 +223,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_dtensor(parallel)
             check_compiled(parallel)
             check_refusals(parallel)
+            check_different_targets_give_nan(parallel)
             if world == 2:
                 check_hf_model(world)
                 check_kernels(parallel)

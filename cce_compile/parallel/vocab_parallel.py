@@ -49,6 +49,9 @@ class VocabParallel:
     group_name: str = field(init=False)
     rank: int = field(init=False)
     world_size: int = field(init=False)
+    gather_on_host: bool = field(init=False)
+    """A gloo-only group: gloo's all-gather into one tensor has no CUDA path (it reads the
+    device pointer from the host and crashes), so CUDA statistics travel through host memory."""
 
     def __post_init__(self) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -63,6 +66,7 @@ class VocabParallel:
         object.__setattr__(self, "group_name", group.group_name)
         object.__setattr__(self, "rank", dist.get_rank(group))
         object.__setattr__(self, "world_size", dist.get_world_size(group))
+        object.__setattr__(self, "gather_on_host", dist.get_backend(group) == "gloo")
         if self.vocab_size is None:
             object.__setattr__(self, "vocab_size", _checked_vocab_size(self.start, self.stop, group))
         elif self.stop > self.vocab_size:
@@ -137,11 +141,14 @@ def sharded_operands(
     return local_c, local_shard("bias", bias), local_shard("weight", weight), derived
 
 
-def _all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
+def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
     """(world, *stats.shape): every rank's `stats`, this rank's row being `stats` itself (so
     autograd reaches it) and the others constants, from one all-gather."""
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(stats.detach().contiguous(), 0, parallel.group_name))
-    gathered = gathered.reshape(parallel.world_size, *stats.shape)
+    sent = stats.detach().contiguous()
+    if parallel.gather_on_host and sent.is_cuda:
+        sent = sent.cpu()
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(sent, 0, parallel.group_name))
+    gathered = gathered.to(stats.device).reshape(parallel.world_size, *stats.shape)
     rows = [stats if rank == parallel.rank else gathered[rank] for rank in range(parallel.world_size)]
     return torch.stack(rows)
 
@@ -187,7 +194,7 @@ def vocab_parallel_loss(
     stats = torch.cat([stats, checksum])
     if smoothing and weight is not None:  # and the shard's weight total, for W
         stats = torch.cat([stats, weight32.sum().reshape(1)])
-    shards = _all_shards(stats, parallel)
+    shards = all_shards(stats, parallel)
     per_shard = shards[:, : len(terms) * n].reshape(parallel.world_size, len(terms), n)
     lse = torch.logsumexp(per_shard[:, 0], dim=0)
     summed = per_shard[:, 1:].sum(dim=0)
@@ -196,7 +203,7 @@ def vocab_parallel_loss(
     loss = loss_of_terms(lse, summed[0], summed[1] if smoothing else None, valid, in_range, target_weight,
                          total_weight, v, label_smoothing)
     same_tokens = (shards[:, len(terms) * n] == checksum).all()
-    loss = torch.where(same_tokens, loss, float("nan"))
+    loss = loss * torch.where(same_tokens, 1.0, float("nan"))  # NaN in the gradients too, for any grad scaler to see
     if z_loss > 0.0:
         loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
     return reduce_token_loss(loss, reduction, valid, target_weight if weight is not None else None), lse
