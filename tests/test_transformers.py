@@ -1,9 +1,15 @@
 """The transformers integration against the unpatched model it replaces, for every family the
-installed transformers has: tiny random-init fp32 models on CPU, deepcopied twins."""
+installed transformers has: tiny random-init fp32 models on CPU, deepcopied twins.
+
+Release-agnostic: run it under a release that names the cache `cache` (5.24.0) and under ones
+that name it `past_key_values` (4.57.1 and 5.0.0, whose forwards also take cache_position and,
+in 4.57.1's Gemma2/3, output_attentions and output_hidden_states; 5.10.4, which does not)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 
 import pytest
 import torch
@@ -22,13 +28,16 @@ from cce_compile.integrations.transformers import (  # noqa: E402
 )
 
 FAMILIES = available_families()
+# the installed release's cache argument: its forwards' fourth parameter, after self
+CACHE = list(inspect.signature(next(iter(FAMILIES.values())).forward).parameters)[4]
 VOCAB = 500
 SOFTCAP = 0.5  # small, so that tanh bends the random-init logits and a wrong softcap shows
 
 
-def tiny_model(family: str) -> PreTrainedModel:
-    """Two layers, random init (initializer_range raised so the logits spread), training mode."""
-    model_class = FAMILIES[family]
+def tiny_model(family: str, model_class: type[PreTrainedModel] | None = None) -> PreTrainedModel:
+    """Two layers, random init (initializer_range raised so the logits spread), training mode;
+    model_class: a subclass of the family's class to build instead."""
+    model_class = model_class or FAMILIES[family]
     config = model_class.config_class(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=VOCAB, intermediate_size=128, max_position_embeddings=128, initializer_range=0.1,
@@ -212,6 +221,75 @@ def test_patch_rejects_what_it_cannot_handle() -> None:
         patch(tiny_model(sorted(FAMILIES)[0]), reduction="sum")
     with pytest.raises(ValueError, match="not patched"):
         unpatch(tiny_model(sorted(FAMILIES)[0]))
+
+
+@parametrize_families
+def test_cache_goes_in_and_out_of_the_training_forward_as_hf(family: str) -> None:
+    """A training step on a continuation of a cached prefix: the cache, given under the installed
+    name or as `past_key_values` (deprecated where renamed), is the one HF's forward would use."""
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=9)
+    caches = []
+    for model in (reference, patched):
+        with torch.no_grad():  # in eval mode: 4.57's Gemma2/3 make no cache in training mode
+            caches.append(getattr(model.eval()(input_ids[:, :10], use_cache=True), CACHE))
+        model.train()
+    expected = reference(input_ids[:, 10:], labels=labels[:, 10:], use_cache=True, **{CACHE: caches[0]})
+    renamed = pytest.warns(FutureWarning, match="past_key_values") if CACHE != "past_key_values" else contextlib.nullcontext()
+    with renamed:
+        actual = patched(input_ids[:, 10:], labels=labels[:, 10:], use_cache=True, past_key_values=caches[1])
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    assert getattr(actual, CACHE) is caches[1] and caches[1].get_seq_length() == input_ids.shape[1]
+    # what generate, Trainer and PEFT inspect: the replaced forward's parameters, under their names
+    assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
+
+
+def claiming_forward(model_class: type[PreTrainedModel], names: list[str]) -> type[PreTrainedModel]:
+    """A subclass whose forward, the family's own, claims these parameters (patch() reads the
+    signature; the calls below pass nothing those parameters would need)."""
+
+    def forward(self: PreTrainedModel, *args: object, **kwargs: object) -> object:
+        return model_class.forward(self, *args, **kwargs)
+
+    kind = {"self": inspect.Parameter.POSITIONAL_OR_KEYWORD, "kwargs": inspect.Parameter.VAR_KEYWORD}
+    forward.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter(name, kind.get(name, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                          default=inspect.Parameter.empty if name in kind else None)
+        for name in names
+    ])
+    return type(f"Claimed{model_class.__name__}", (model_class,), {"forward": forward})
+
+
+def installed_forward_with(extra: list[str], before: str = "logits_to_keep") -> list[str]:
+    """The installed family forward's parameter names, with `extra` moved or added before `before`."""
+    names = [name for name in inspect.signature(FAMILIES[sorted(FAMILIES)[0]].forward).parameters if name not in extra]
+    at = names.index(before)
+    return names[:at] + extra + names[at:]
+
+
+def test_patch_takes_the_4_5x_forward_layout() -> None:
+    """4.5x forwards take output_attentions, output_hidden_states and cache_position between
+    use_cache and logits_to_keep: accepted (passed on by keyword), the loss still HF's."""
+    family = sorted(FAMILIES)[0]
+    names = installed_forward_with(["output_attentions", "output_hidden_states", "cache_position"])
+    patched = patch(tiny_model(family, claiming_forward(FAMILIES[family], names)))
+    input_ids, labels = batch(seed=10)
+    assert_close(patched(input_ids, labels=labels).loss, tiny_model(family)(input_ids, labels=labels).loss, rtol=1e-5)
+
+
+OTHER_CACHE = "past_key_values" if CACHE == "cache" else "cache"
+
+
+@pytest.mark.parametrize("names", [
+    pytest.param([OTHER_CACHE if name == CACHE else name for name in installed_forward_with([])], id="other-release-cache-name"),
+    pytest.param(installed_forward_with(["token_type_ids"]), id="unknown-parameter"),
+    pytest.param(installed_forward_with(["return_dict"]), id="return-dict-of-4.50"),
+    pytest.param(installed_forward_with(["cache_position"], before="inputs_embeds"), id="passed-through-before-use-cache"),
+])
+def test_patch_rejects_other_forward_signatures(names: list[str]) -> None:
+    model_class = claiming_forward(FAMILIES[sorted(FAMILIES)[0]], names)
+    with pytest.raises(TypeError, match="the patch is written for"):
+        patch(model_class)
 
 
 def test_loss_helper_passes_the_temperature() -> None:

@@ -7,8 +7,11 @@ loss costs the most memory: the float32 logits and their softmax stay alive for 
 Without labels, or under `torch.no_grad()` (Trainer's evaluation and prediction loops,
 `generate`), the original forward runs, so logits are there for metrics and decoding.
 
-Written against transformers 5.x (the `cache` argument and `slice_logits_to_keep`); import
-this module only where transformers is installed.
+Runs on 4.5x and 5.x releases: the KV cache argument is `cache` where the release renamed it
+(late 5.x, which still takes `past_key_values` with a FutureWarning) and `past_key_values`
+before; 4.5x forwards also take `cache_position` (some `output_attentions`,
+`output_hidden_states`), which the generic forward passes on by keyword. Import this module
+only where transformers is installed.
 """
 
 from __future__ import annotations
@@ -25,18 +28,49 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
-from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import can_return_tuple
 
 from ..api import linear_cross_entropy, shift_targets
 from ..plan.launch import Memory
 
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+try:
+    from transformers.utils.generic import can_return_tuple
+except ImportError:  # older releases: their forwards take return_dict themselves, which patch() refuses
+
+    def can_return_tuple(func: Function) -> Function:
+        return func
+
+# The installed release's name for the KV cache, in its forwards and model outputs alike.
+_CACHE = "cache" if any(field.name == "cache" for field in dataclasses.fields(CausalLMOutputWithPast)) else "past_key_values"
+
+if _CACHE == "cache":  # the renaming releases still take the old name, as their own forward does
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    _accept_old_cache_name: Callable[[Function], Function] = deprecate_kwarg(
+        "past_key_values", "5.40.0", new_name="cache"
+    )
+else:
+
+    def _accept_old_cache_name(func: Function) -> Function:
+        return func
+
+# Parameters of older releases' forwards (between use_cache and logits_to_keep) that only go on
+# to self.model; the generic forward passes them on by keyword, through **kwargs.
+_PASSED_THROUGH = ("output_attentions", "output_hidden_states", "cache_position")
+
 try:
     from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # releases without the helper: the same slicing of the sequence dimension
+except ImportError:  # releases without the helper (4.5x, early 5.x): a copy of its slicing
 
     def slice_logits_to_keep(tensor: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """The last `logits_to_keep` positions (0: all of them), or the positions a tensor names."""
+        """causal_lm_loss takes the same logits_to_keep on every release: the last n positions
+        (0: all), a 1D tensor of positions, (batch, n) positions per sample, or a (batch, seq)
+        boolean mask (flattened to the kept rows)."""
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+            if logits_to_keep.dtype == torch.bool:
+                return tensor[logits_to_keep]
+            return torch.take_along_dim(tensor, logits_to_keep[..., None], dim=1)
         positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return tensor[:, positions, ...]
 
@@ -142,12 +176,20 @@ def causal_lm_loss(
 
 
 def _patched_forward(
-    fallback: Callable[..., CausalLMOutputWithPast | tuple], options: LossOptions
+    fallback: Callable[..., CausalLMOutputWithPast | tuple],
+    options: LossOptions,
+    signature: inspect.Signature | None = None,
 ) -> Callable[..., CausalLMOutputWithPast | tuple]:
-    """The one forward for every family: its signature and decorators are those of the
-    transformers 5.x `*ForCausalLM.forward`; fallback(model, ...) is the forward it replaced."""
+    """The one forward for every family and release, fallback(model, ...) being the one it replaced.
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    `cache` is the installed release's cache argument, whatever its name there (`past_key_values`
+    given by keyword arrives in kwargs on releases that call it so). logits_to_keep is
+    keyword-only because 4.5x forwards put cache_position in that position. `signature` (the
+    replaced forward's) is what inspection then sees: generate, Trainer and PEFT (whose prefix
+    tuning looks for `past_key_values`) read parameter names from it.
+    """
+
+    @_accept_old_cache_name
     @can_return_tuple
     def forward(
         self: PreTrainedModel,
@@ -158,13 +200,15 @@ def _patched_forward(
         inputs_embeds: Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        *,
         logits_to_keep: int | Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        model_inputs = dict(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        )
+        cache = kwargs.pop(_CACHE, cache)
+        model_inputs = {
+            "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            _CACHE: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache,
+        }
         if labels is None or not torch.is_grad_enabled():
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         outputs = self.model(**model_inputs, **kwargs)
@@ -179,10 +223,12 @@ def _patched_forward(
             with torch.no_grad():
                 logits = _soft_capped(self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)), softcap)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=outputs.cache,
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            **{_CACHE: getattr(outputs, _CACHE)},
         )
 
+    if signature is not None:
+        forward.__signature__ = signature  # type: ignore[attr-defined]
     return forward
 
 
@@ -194,8 +240,14 @@ def _forward_replaced_on_instance(model: PreTrainedModel, *args: Any, **kwargs: 
     return replaced(*args, **kwargs)
 
 
-# the parameters the generic forward is written for, checked against the class being patched
-_FORWARD_PARAMETERS = list(inspect.signature(_patched_forward(_forward_replaced_on_instance, LossOptions())).parameters)
+# the parameters the generic forward is written for, under the installed cache name, checked
+# against the class being patched; a positional argument must bind to the same name in both
+_GENERIC_PARAMETERS = inspect.signature(_patched_forward(_forward_replaced_on_instance, LossOptions())).parameters
+_FORWARD_PARAMETERS = [_CACHE if name == "cache" else name for name in _GENERIC_PARAMETERS]
+_POSITIONAL = [
+    name for name, parameter in zip(_FORWARD_PARAMETERS, _GENERIC_PARAMETERS.values())
+    if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+]
 
 
 def _name(model_or_class: object) -> str:
@@ -208,8 +260,12 @@ def _check_patchable(model_class: type, target: object) -> None:
         names = ", ".join(cls.__name__ for cls in families)
         raise TypeError(f"{model_class.__name__} is not a supported causal LM (the installed transformers has: {names})")
     found = list(inspect.signature(model_class.forward).parameters)
-    if found != _FORWARD_PARAMETERS:
-        raise TypeError(f"{model_class.__name__}.forward takes {found}, the patch is written for {_FORWARD_PARAMETERS}")
+    others = [name for name in found if name not in _PASSED_THROUGH]
+    if found[: len(_POSITIONAL)] != _POSITIONAL or others != _FORWARD_PARAMETERS:
+        raise TypeError(
+            f"{model_class.__name__}.forward takes {found}, the patch is written for {_FORWARD_PARAMETERS} "
+            f"(and any of {list(_PASSED_THROUGH)} after use_cache)"
+        )
     if _REPLACED_FORWARD in vars(target):
         raise ValueError(f"{_name(target)} is already patched; unpatch it first")
 
@@ -225,12 +281,14 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
         _check_patchable(model_or_class, model_or_class)
         original = model_or_class.forward
         setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
-        model_or_class.forward = _patched_forward(original, options)
+        model_or_class.forward = _patched_forward(original, options, inspect.signature(original))
     else:
         _check_patchable(type(model_or_class), model_or_class)
         # an instance-level forward (e.g. an accelerate hook) is kept and called on fallback
         setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
-        model_or_class.forward = types.MethodType(_patched_forward(_forward_replaced_on_instance, options), model_or_class)
+        signature = inspect.signature(type(model_or_class).forward)
+        forward = _patched_forward(_forward_replaced_on_instance, options, signature)
+        model_or_class.forward = types.MethodType(forward, model_or_class)
     return model_or_class
 
 
