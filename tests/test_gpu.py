@@ -9,9 +9,10 @@ import cce_compile
 from cce_compile.bench.inputs import lm_like_inputs
 from cce_compile.ops import graphs, library
 from cce_compile.ops.library import linear_cross_entropy_backward, linear_cross_entropy_forward
-from cce_compile.ops.problem import config_for
+from cce_compile.ops.problem import config_for, options_of, problem_of
 from cce_compile.plan.backward import BackwardPlan
-from cce_compile.plan.policy import Policy, active_policy, policy_to_json
+from cce_compile.plan.launch import plan_launch
+from cce_compile.plan.policy import Policy, active_policy, override_policy, policy_to_json
 
 from .op_cases import make_inputs, relative_error
 
@@ -542,7 +543,7 @@ class DirectBackward:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seed: int, names: tuple[str, ...]) -> None:
         self.e, self.c, self.targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=seed)
         self.policy = Policy(backward_plan=BackwardPlan(2, 4096, True))
-        self.loops = graphs.LoopGraphs()
+        self.loops = graphs.LoopGraphs("a loop")
         monkeypatch.setattr(graphs, "SLAB_LOOPS", self.loops)
         self.grad_loss = torch.full(self.targets.shape, 1.0 / self.targets.numel(), device="cuda")
         _, self.lse, self.kept_tiles, self.tile_lse, self.order = self.forward(self.e)
@@ -624,3 +625,76 @@ def test_a_loss_option_changed_on_the_same_tensors_does_not_replay_a_cuda_graph(
     calls.into("eager_option", **option)
     assert calls.same("option", "eager_option")
     assert not torch.equal(calls.results["option"][0], calls.results["plain"][0])
+
+
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4}], ids=["plain", "smoothing"])
+def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused forward called again on the same tensors (3000 x 896 x 20000: five token
+    chunks, the last ragged): the second call captures its chunk loop as a CUDA graph, later
+    ones replay it, and each gives the eager loop's loss and gradients bit for bit, new values
+    at the same addresses included; a call on a tensor elsewhere runs eagerly. Every output is
+    copied into buffers made up front, so the caching allocator hands each call the same blocks."""
+    loops = graphs.LoopGraphs("a loop")
+    monkeypatch.setattr(graphs, "CHUNK_LOOPS", loops)
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=12)
+    results = {name: [torch.empty((), device="cuda"), torch.empty_like(e), torch.empty_like(c)]
+               for name in ("eager", "first", "captured", "replayed", "halved", "elsewhere", "eager_halved")}
+
+    def into(name: str, cuda_graphs: bool, hidden: torch.Tensor | None = None) -> None:
+        with override_policy(Policy(cuda_graphs=cuda_graphs)):
+            loss, grad_e, grad_c, _ = library.linear_cross_entropy_fused(
+                e if hidden is None else hidden, c, targets, None, None, -100, options.get("label_smoothing", 0.0),
+                0.0, options.get("z_loss", 0.0), "mean", True, True)
+        for kept, value in zip(results[name], (loss, grad_e, grad_c)):
+            kept.copy_(value)
+
+    def same(name: str, other: str) -> bool:
+        return all(map(torch.equal, results[name], results[other]))
+
+    policy = active_policy()
+    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, 0.0, 0.0), config_for(e, c, False, policy), policy)
+    assert -(-e.shape[0] // plan.workspace_rows) >= 3, "the test needs several token chunks"
+    e_halved, e_elsewhere = e * 0.5, torch.empty_like(e)  # made before the calls, as everything else
+    into("eager", False)
+    into("first", True)
+    assert (loops.captures, loops.replays) == (0, 0)
+    into("captured", True)
+    assert (loops.captures, loops.replays) == (1, 1), "the second call on the same tensors did not capture"
+    into("replayed", True)
+    assert loops.replays == 2
+    e.copy_(e_halved)
+    into("halved", True)
+    assert loops.replays == 3
+    e_elsewhere.copy_(e)
+    into("elsewhere", True, e_elsewhere)
+    assert loops.replays == 3, "a call on a tensor at another address replayed a graph"
+    into("eager_halved", False)
+    for name in ("first", "captured", "replayed"):
+        assert same(name, "eager"), name
+    for name in ("halved", "elsewhere"):
+        assert same(name, "eager_halved"), name
+    assert not torch.equal(results["halved"][1], results["eager"][1])
+
+
+def test_training_loop_replays_the_fused_chunk_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_cross_entropy's default (workspace) path in a loop of forward+backward steps, as a
+    training loop calls it: the chunk loop replays from the third step or so, with the eager
+    loop's gradients bit for bit."""
+    loops = graphs.LoopGraphs("a loop")
+    monkeypatch.setattr(graphs, "CHUNK_LOOPS", loops)
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
+    e.requires_grad_()
+    c.requires_grad_()
+
+    def step(cuda_graphs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        e.grad = c.grad = None
+        with override_policy(Policy(cuda_graphs=cuda_graphs)):
+            cce_compile.linear_cross_entropy(e, c, targets).backward()
+        return e.grad, c.grad
+
+    eager = [g.clone() for g in step(False)]
+    for _ in range(5):
+        replayed = step(True)
+    assert loops.replays >= 2, (loops.captures, loops.replays)
+    assert loops.captures <= 2
+    assert all(map(torch.equal, replayed, eager))

@@ -25,7 +25,7 @@ def test_tensor_key_names_address_layout_and_dtype() -> None:
 
 def test_a_loop_that_cannot_be_captured_runs_eagerly_and_warns_once() -> None:
     """Here capture fails for want of CUDA; on a GPU the loop's synchronizing call fails it."""
-    loops = graphs.LoopGraphs()
+    loops = graphs.LoopGraphs("a loop")
     runs: list[int] = []
 
     def loop() -> None:
@@ -44,7 +44,7 @@ def test_a_loop_that_cannot_be_captured_runs_eagerly_and_warns_once() -> None:
 
 
 def test_keys_seen_are_bounded() -> None:
-    loops = graphs.LoopGraphs(capacity=2)
+    loops = graphs.LoopGraphs("a loop", capacity=2)
     for key in ("a", "b", "c"):
         loops.run(key, lambda: None, torch.device("cuda", 0))
     assert list(loops.seen) == ["b", "c"]
@@ -53,7 +53,7 @@ def test_keys_seen_are_bounded() -> None:
 @pytest.mark.interpreter
 def test_calls_off_cuda_never_reach_the_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter's calls on CPU tensors run the slab loop as they are, however often."""
-    loops = graphs.LoopGraphs()
+    loops = graphs.LoopGraphs("a loop")
     monkeypatch.setattr(graphs, "SLAB_LOOPS", loops)
     e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.bfloat16, seed=3)
     e.requires_grad_()

@@ -14,6 +14,10 @@ Per token chunk (plan.workspace_rows rows):
    dE[chunk] = s * (q @ c) - coef_smooth * (w @ c) and dC += q.T @ (s * e[chunk]) are cuBLAS
    GEMMs on the workspace as the kernel left it, and label smoothing's rank-one share of dC
    is added once at the end.
+
+Everything the chunk loop writes is allocated before it, so where the plan says so a call that
+recurs on the same tensors replays the loop as one CUDA graph (ops/graphs.py): at small D the
+loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..config.kernel_config import KernelConfig
 from ..kernels.fused_forward import MAX, SUM, WEIGHTED, fused_forward_kernel, fused_forward_tma_kernel
 from ..kernels.warp_specialized import fused_forward_ws_kernel
 from ..plan.launch import LaunchPlan
+from . import graphs
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import KernelLauncher
@@ -63,8 +68,10 @@ def run_fused(
     empty where not needed (grad_bias without a bias)."""
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
-    for row_start in range(0, e.shape[0], plan.workspace_rows):
-        fused.chunk(row_start, min(plan.workspace_rows, e.shape[0] - row_start))
+    if plan.cuda_graphs and plan.fused != "cpu":
+        graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device)
+    else:
+        fused.chunk_loop()
     return fused.finish()
 
 
@@ -94,6 +101,23 @@ class FusedForward:
         self.first_chunk = True
         if plan.fused != "cpu":
             self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing)
+
+    def chunk_loop(self) -> None:
+        """Every token chunk, into the gradients, the loss sum and the buffers made above."""
+        n, rows = self.e.shape[0], self.plan.workspace_rows
+        self.first_chunk = True
+        for row_start in range(0, n, rows):
+            self.chunk(row_start, min(rows, n - row_start))
+
+    def graph_key(self) -> tuple:
+        """Everything the chunk loop's launches read or write: where each tensor is, and the
+        settings (the kernels' buffers on CUDA)."""
+        kernels = self.kernels
+        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.loss_sum, self.grad_e,
+                   self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c, self.smoothing_of_e,
+                   kernels.workspace, kernels.stats_buffer, kernels.target_logit, kernels.mean_c, kernels.mean_bias)
+        return ("fused", *map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
+                self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c)
 
     def chunk(self, row_start: int, rows: int) -> None:
         row_end = row_start + rows
@@ -169,7 +193,7 @@ class FusedForward:
             self.grad_bias += grad_bias.float()
 
     def finish(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if self.first_chunk:  # no token: nothing flows back
+        if self.e.shape[0] == 0:  # no token: nothing flows back
             if self.need_grad_c:
                 self.grad_c.zero_()
         elif self.smoothing and self.need_grad_c and self.plan.fused != "cpu":

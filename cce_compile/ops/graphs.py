@@ -1,14 +1,16 @@
-"""Exact mode's backward slab loop, replayed as one CUDA graph.
+"""Loops of many small launches, replayed as one CUDA graph once a call recurs.
 
-On Qwen2.5's shape (16384 x 896 x 151936) the loop enqueues ~900 dependent kernels a call (304
-steps of a recompute and two GEMMs) at 24-40 ms of host time against ~24 ms of GPU work, so an
-eager call waits on Python (docs/notes/cuda-graph-slab-loop.md). A training loop calls the op step after
-step on tensors the caching allocator puts at the same addresses: the second call on the same
-tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
+Two loops enqueue more kernels than the host keeps up with: exact mode's recompute backward
+(Qwen2.5's shape, 16384 x 896 x 151936: ~900 dependent kernels a call, 304 steps of a recompute
+and two GEMMs, at 24-40 ms of host time against ~24 ms of GPU work; docs/notes/cuda-graph-slab-loop.md)
+and the fused forward's token chunks (the same shape: 26 chunks of ~90 launches, 42 ms of host
+time against 26 ms of GPU work; docs/notes/fused-forward.md). A training loop calls the op step
+after step on tensors the caching allocator puts at the same addresses: the second call on the
+same tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
 launches into a graph, and every later one replays it in one launch. Any other call runs the
 loop as before. A graph reads its tensors when it runs, so new values at the same addresses are
-what it computes on; it allocates nothing (the loop's tensors are the call's own). Which calls
-take this path is the launch plan's `cuda_graphs`.
+what it computes on; what the loop writes lives in the call's own tensors. Which calls take this
+path is the launch plan's `cuda_graphs`.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class LoopGraphs:
     launches), the second captures it and replays the capture, later ones replay. A loop that
     cannot be captured runs eagerly from then on, with one warning."""
 
-    def __init__(self, capacity: int = CAPACITY) -> None:
-        self.capacity = capacity
+    def __init__(self, name: str, capacity: int = CAPACITY) -> None:
+        self.name, self.capacity = name, capacity
         self.graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()
         self.uncapturable: OrderedDict[Hashable, None] = OrderedDict()
@@ -104,8 +106,8 @@ class LoopGraphs:
             return step(*args)
         except RuntimeError as err:
             self._remember(self.uncapturable, key, None)
-            warnings.warn(f"cce_compile: the backward's slab loop cannot be captured as a CUDA graph, so it runs "
-                          f"eagerly ({err})", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"cce_compile: {self.name} cannot be captured as a CUDA graph, so it runs eagerly ({err})",
+                          RuntimeWarning, stacklevel=4)
             return None
 
     def _remember(self, table: OrderedDict, key: Hashable, value) -> None:
@@ -115,5 +117,8 @@ class LoopGraphs:
             table.popitem(last=False)
 
 
-SLAB_LOOPS = LoopGraphs()
-"""The process's graphs of exact mode's backward slab loop."""
+SLAB_LOOPS = LoopGraphs("the backward's slab loop")
+"""The process's graphs of exact mode's backward slab loop (ops/backward_dense.py)."""
+
+CHUNK_LOOPS = LoopGraphs("the fused forward's chunk loop")
+"""The process's graphs of the fused forward's token-chunk loop (ops/forward_fused.py)."""

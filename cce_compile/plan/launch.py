@@ -86,7 +86,7 @@ class LaunchPlan:
     gradient_gemms: GradientGemms
     filtered: bool
     packed_steps: bool
-    cuda_graphs: bool  # the dense slab loop replays as a CUDA graph once a call recurs
+    cuda_graphs: bool  # the dense slab loop and the fused chunk loop replay as a CUDA graph once a call recurs
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
     forward_chunk_rows: int
     workspace_rows: int  # the fused forward's token chunk
@@ -187,6 +187,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         gluon_tile=policy.gluon_tile,
         gluon_programs_per_sm=policy.gluon_programs_per_sm,
         dense_fraction=policy.dense_fraction,
-        backward=(policy.backward_plan or plan_backward(problem.n, problem.v, problem.d, problem.element_bytes,
-                                                        config, options.filtered, policy)) if triton else None,
+        backward=(policy.backward_plan or plan_backward(
+            problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,
+            row_buffers=policy.entropy_row_buffers if options.has_entropy else 0)) if triton else None,
     )
