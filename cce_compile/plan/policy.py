@@ -52,7 +52,8 @@ class Policy:
     """The exact backward's gradient GEMMs on CUDA: cuBLAS; fp16 takes Triton (its d-logits are scaled)."""
 
     cuda_graphs: bool = True
-    """Eager calls that recur on the same tensors replay the backward's slab loop as one CUDA graph (CCE_CUDA_GRAPHS=0: off)."""
+    """Calls that recur on the same tensors replay the backward's slab loop or the fused forward's chunk loop as one CUDA
+    graph (CCE_CUDA_GRAPHS=0: off)."""
 
     filtered_packing: bool = True
     """Filtered steps pack as many vocab tiles as their kept tiles fill (one host sync); off: fixed slabs."""
@@ -65,6 +66,11 @@ class Policy:
 
     other_buffers_fraction: float = 0.002
     """What the op holds beside the scratch at the backward's peak, kept out of scratch_fraction."""
+
+    entropy_row_buffers: int = 4
+    """linear_log_probs with entropy holds this many more fp32 vectors per token than the loss beside the backward's
+    scratch (the entropies, their mean logits, upstream gradient and coefficient): 0.3% of the gradients at
+    20000 x 896 x 151936, past other_buffers_fraction."""
 
     filtered_scratch_fraction: float = 0.25
     """Filtered mode's scratch: more slots make fewer, fuller steps (Qwen2.5 2.84 -> 2.45 x GEMM from 256 to 1024)."""
