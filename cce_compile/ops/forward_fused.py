@@ -68,7 +68,7 @@ def run_fused(
     empty where not needed (grad_bias without a bias)."""
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
-    if plan.cuda_graphs and plan.fused != "cpu":
+    if plan.cuda_graphs:
         graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device)
     else:
         fused.chunk_loop()
@@ -98,14 +98,12 @@ class FusedForward:
                                   else torch.ones(v, dtype=torch.float32, device=e.device)) if self.smoothing else None
         self.smoothing_of_c = (self.smoothing_weights.to(c.dtype) @ c).float() if self.smoothing and need_grad_e else None
         self.smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
-        self.first_chunk = True
         if plan.fused != "cpu":
             self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing)
 
     def chunk_loop(self) -> None:
         """Every token chunk, into the gradients, the loss sum and the buffers made above."""
         n, rows = self.e.shape[0], self.plan.workspace_rows
-        self.first_chunk = True
         for row_start in range(0, n, rows):
             self.chunk(row_start, min(rows, n - row_start))
 
@@ -116,7 +114,7 @@ class FusedForward:
         tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.loss_sum, self.grad_e,
                    self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c, self.smoothing_of_e,
                    kernels.workspace, kernels.stats_buffer, kernels.target_logit, kernels.mean_c, kernels.mean_bias)
-        return ("fused", *map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
+        return (*map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
                 self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c)
 
     def chunk(self, row_start: int, rows: int) -> None:
@@ -143,7 +141,6 @@ class FusedForward:
             self.cpu_gradients(row_start, rows, lse, coefficients)
         else:
             self.gradients(row_start, rows, lse, shift, target_logit, coefficients)
-        self.first_chunk = False
 
     def gradients(self, row_start: int, rows: int, lse: Tensor, shift: Tensor, target_logit: Tensor,
                   coefficients: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -160,7 +157,7 @@ class FusedForward:
             self.grad_e[row_start:row_start + rows].copy_(grad_e)
         if self.need_grad_c:
             scaled_e = (e_rows.float() * s[:, None]).to(e_rows.dtype)
-            if self.first_chunk:
+            if row_start == 0:  # the first chunk writes dC, the later ones add to it
                 torch.mm(workspace.T, scaled_e, out=self.grad_c)
             else:
                 self.grad_c.addmm_(workspace.T, scaled_e)
@@ -185,7 +182,7 @@ class FusedForward:
         if self.need_grad_e:
             self.grad_e[row_start:row_end].copy_(grad_e)
         if self.need_grad_c:
-            if self.first_chunk:
+            if row_start == 0:
                 self.grad_c.copy_(grad_c)
             else:
                 self.grad_c.add_(grad_c)
