@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,26 @@ def test_bench_contenders_agree_on_cpu() -> None:
     verl = try_load(IMPLS["verl_log_probs"])
     if isinstance(verl, str):
         assert "verl" in verl
+
+
+def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's kernel module loads without its package's __init__ (which imports the whole
+    framework), and a second load (the bench's next shape) returns the same module."""
+    from cce_compile.bench.log_probs import _kernel_module_alone
+
+    package = tmp_path / "heavy_framework" / "utils"
+    package.mkdir(parents=True)
+    (tmp_path / "heavy_framework" / "__init__.py").write_text("raise ImportError('the whole framework')\n")
+    (package / "__init__.py").write_text("raise ImportError('the whole framework')\n")
+    (package / "helpers.py").write_text("FACTOR = 3\n")
+    (package / "kernel.py").write_text("from .helpers import FACTOR\n\ndef apply(x):\n    return FACTOR * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
+        monkeypatch.delitem(sys.modules, name)
+    first = _kernel_module_alone("heavy_framework.utils.kernel")
+    try:
+        assert first.apply(2) == 6
+        assert _kernel_module_alone("heavy_framework.utils.kernel") is first
+    finally:
+        for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
+            del sys.modules[name]

@@ -47,7 +47,10 @@ def _load_compiled_log_probs() -> Loaded:
 def _kernel_module_alone(name: str) -> ModuleType:
     """Import `name` without running its parent packages' __init__ (verl's imports the whole
     framework): the parents become bare packages over their directories, so the module and
-    its own relative imports load from the installed files."""
+    its own relative imports load from the installed files. A second call returns the module
+    the first loaded (its bare parents have no spec to look up again)."""
+    if name in sys.modules:
+        return sys.modules[name]
     top = importlib.util.find_spec(name.split(".")[0])
     if top is None or not top.submodule_search_locations:
         raise ImplUnavailable(f"{name.split('.')[0]} is not installed")
