@@ -15,6 +15,7 @@ from cce_compile.plan.launch import plan_launch
 from cce_compile.plan.policy import Policy, active_policy, override_policy, policy_to_json
 
 from .op_cases import make_inputs, relative_error
+from .reference import reference_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -272,6 +273,43 @@ def test_fused_forward_peaks_under_twice_the_gradients(n: int, d: int, v: int) -
     assert peak <= 2.0 * grads, f"peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
     for fused, recomputed in zip(results["workspace"][1:], results["low"][1:]):
         assert relative_error(fused, recomputed) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4, "weighted": True},
+                                     {"softcap": 30.0, "biased": True}], ids=["plain", "smoothing", "softcap"])
+def test_fused_forward_redoes_peaked_rows_on_the_gpu(dtype: torch.dtype, options: dict) -> None:
+    """The fused forward's per-row kernels and its redo, compiled for the GPU: a batch whose
+    first rows are peaked far above their mean logit (their first pass overflows and runs
+    again with the largest logit as the shift), ignored tokens and a size off the tiles give
+    the float64 loss, and the recompute's gradients within the dtype's rounding."""
+    torch.manual_seed(0)
+    n, d, v = 3001, 256, 10007
+    e, c, targets = make_inputs("zipf", (n,), v, d, dtype, seed=4, device="cuda")
+    e = e.clone()
+    e[:40] *= 60.0
+    targets = targets.clone()
+    targets[5::9] = -100
+    kwargs = {key: value for key, value in options.items() if key not in ("weighted", "biased")}
+    if options.get("weighted"):
+        kwargs["weight"] = torch.rand(v, device="cuda") + 0.5
+    if options.get("biased"):
+        kwargs["bias"] = (torch.randn(v, device="cuda") * 0.1).to(dtype)
+    results = {}
+    for memory in ("workspace", "low"):
+        ee, cc = e.detach().clone().requires_grad_(), c.detach().clone().requires_grad_()
+        loss = cce_compile.linear_cross_entropy(ee, cc, targets, memory=memory, **kwargs)
+        loss.backward()
+        results[memory] = (loss.detach(), ee.grad, cc.grad)
+    expected = reference_loss(e.double(), c.double(), targets,
+                              **{key: value.double() if key == "bias" else value for key, value in kwargs.items()})
+    # fp32: the peaked rows' lse is ~600, so its last bits weigh in the mean loss
+    loss_tolerance, grad_tolerance = (1e-3, 2e-2) if dtype == torch.bfloat16 else (2e-5, 1e-4)
+    loss_error = relative_error(results["workspace"][0], expected)
+    assert torch.isfinite(results["workspace"][0]) and loss_error < loss_tolerance, f"loss error {loss_error:.2e}"
+    for name, fused, recomputed in zip(("dE", "dC"), results["workspace"][1:], results["low"][1:]):
+        error = relative_error(fused, recomputed)
+        assert error < grad_tolerance, f"{name} error {error:.2e} against the recompute"
 
 
 @pytest.mark.parametrize(("n", "d", "v"), [(8192, 2048, 65536), (20000, 896, 151936)])

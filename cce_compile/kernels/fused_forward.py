@@ -19,6 +19,8 @@ from .tiles import exp_shifted, grouped_tile, logits_tile, logits_tile_tma
 
 SUM, MAX, WEIGHTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 """The stats' rows (`.value` on the host)."""
+REDO_SPLITS = tl.constexpr(8)
+"""Programs per row block of the redo launch (`.value` on the host)."""
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def scaled_exp_tile(
     row_start + local_rows; the tile's columns start at pid_n * BLOCK_N."""
     tokens = row_start + local_rows
     shift = tl.load(shift_ptr + local_rows, mask=row_mask, other=0.0)
-    at = stats_ptr + pid_n.to(tl.int64) * rows_total + local_rows
+    at = stats_ptr + tl.cast(pid_n, tl.int64) * rows_total + local_rows
     if NEED_WEIGHTED_SUM:
         tl.store(at + WEIGHTED * stat_stride, tile_weighted_sum(logits, cols, col_mask, weight_ptr, HAS_WEIGHT),
                  mask=row_mask)
@@ -54,27 +56,17 @@ def scaled_exp_tile(
 
 
 @triton.jit
-def fused_forward_kernel(
+def fused_tile(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
-    redo_ptr, row_start, rows, V, D, stat_stride,
-    stride_en, stride_ed, stride_cv, stride_cd, stride_w, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    NEED_WEIGHTED_SUM: tl.constexpr, REDO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One program per (row block, vocab tile) of the chunk's rows x V, on pointers (fp32,
-    strides the copy engine cannot take, the interpreter). With REDO only the row blocks
-    whose redo[row block] is set run: the rows the first pass shifted too far from their lse,
-    again with their new shift."""
-    num_m = tl.cdiv(rows, BLOCK_M)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, tl.cdiv(V, BLOCK_N), GROUP_M)
-    if REDO:
-        if tl.load(redo_ptr + pid_m) == 0:
-            return
+    """One (row block, vocab tile) of the chunk: its workspace tile and statistics."""
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = local_rows < rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < V
     logits = logits_tile(
         e_ptr, c_ptr, bias_ptr, row_start + local_rows, cols, row_mask, col_mask, D,
@@ -88,6 +80,46 @@ def fused_forward_kernel(
     )
     out = workspace_ptr + local_rows.to(tl.int64)[:, None] * stride_w + cols.to(tl.int64)[None, :]
     tl.store(out, q.to(workspace_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def fused_forward_kernel(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
+    redo_ptr, row_start, rows, V, D, stat_stride,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_w, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr, REDO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program per (row block, vocab tile) of the chunk's rows x V, on pointers (fp32,
+    strides the copy engine cannot take, the interpreter). With REDO, REDO_SPLITS programs
+    per row block, each over every REDO_SPLITS-th vocab tile, and only the row blocks holding
+    a row whose redo[row] is set run: the rows the first pass shifted too far from their lse,
+    again with their new shift. (That launch follows every chunk and almost never has work:
+    few programs, so it costs a few microseconds.)"""
+    num_m = tl.cdiv(rows, BLOCK_M)
+    num_n = tl.cdiv(V, BLOCK_N)
+    if REDO:
+        pid_m = tl.program_id(0) // REDO_SPLITS
+        local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if tl.max(tl.load(redo_ptr + local_rows, mask=local_rows < rows, other=0), axis=0) == 0:
+            return
+        for pid_n in range(tl.program_id(0) % REDO_SPLITS, num_n, REDO_SPLITS):
+            fused_tile(
+                e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr,
+                target_logit_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv,
+                stride_cd, stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+            )
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+        fused_tile(
+            e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
+            pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w,
+            softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            UPCAST, IEEE,
+        )
 
 
 @triton.jit

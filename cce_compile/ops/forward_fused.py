@@ -7,13 +7,13 @@ Per token chunk (plan.workspace_rows rows):
    gets q = exp(z - shift) (times soft-capping's derivative), the statistics each row's sum
    of exp(z - shift) and largest logit, so lse = shift + log(sum). A row whose lse runs more
    than SAFE_GAP above its shift is done again with its largest logit as the shift (a rare,
-   very peaked row; nothing overflows then).
-3. With the chunk's coefficients (ops/loss_terms.py; the loss's 1/denominator and z-loss
-   folded in), d_logits = s * q - coef_smooth * w with s = coef_softmax * exp(shift - lse)
-   per row, and the target's -coef_target folded into its own workspace entry. So
-   dE[chunk] = s * (q @ c) - coef_smooth * (w @ c) and dC += q.T @ (s * e[chunk]) are cuBLAS
-   GEMMs on the workspace as the kernel left it, and label smoothing's rank-one share of dC
-   is added once at the end.
+   very peaked row; nothing overflows then): kernels/fused_rows.py flags them.
+3. With the chunk's coefficients (ops/loss_terms.py's algebra, in kernels/fused_rows.py; the
+   loss's 1/denominator and z-loss folded in), d_logits = s * q - coef_smooth * w with
+   s = coef_softmax * exp(shift - lse) per row, and the target's -coef_target folded into its
+   own workspace entry. So dE[chunk] = s * (q @ c) - coef_smooth * (w @ c) and
+   dC += q.T @ (s * e[chunk]) are cuBLAS GEMMs on the workspace as the kernel left it, and
+   label smoothing's rank-one share of dC is added once at the end.
 
 Everything the chunk loop writes is allocated before it, so where the plan says so a call that
 recurs on the same tensors replays the loop as one CUDA graph (ops/graphs.py): at small D the
@@ -27,7 +27,8 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import KernelConfig
-from ..kernels.fused_forward import MAX, SUM, WEIGHTED, fused_forward_kernel, fused_forward_tma_kernel
+from ..kernels.fused_forward import REDO_SPLITS, fused_forward_kernel, fused_forward_tma_kernel
+from ..kernels.fused_rows import row_finish_kernel, row_shift_kernel
 from ..kernels.warp_specialized import fused_forward_ws_kernel
 from ..plan.launch import LaunchPlan
 from . import graphs
@@ -40,6 +41,10 @@ from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 SAFE_GAP = 60.0
 """How far a row's lse may lie above its shift: q <= exp(gap) stays inside fp32 and bf16 and
 s = coef * exp(-gap) stays normal in them."""
+SHIFT_ROWS, FINISH_ROWS, TILE_BLOCK = 8, 16, 512
+"""Rows per program of row_shift_kernel (a chunk of Qwen2.5's 640 rows gets 80 programs: its
+pass over the statistics, 6 MB there, is bound by how many SMs read) and of row_finish_kernel,
+and vocab tiles per load: few dependent loads per program, so their latency stays small."""
 
 
 def fp32_product(a: Tensor, b: Tensor) -> Tensor:
@@ -88,7 +93,7 @@ class FusedForward:
         n, d = e.shape
         v = c.shape[0]
         self.scale = reduction_scale(targets, weight, v, ignore_index, reduction)
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=e.device)
+        self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
         self.grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
@@ -99,7 +104,8 @@ class FusedForward:
         self.smoothing_of_c = (self.smoothing_weights.to(c.dtype) @ c).float() if self.smoothing and need_grad_e else None
         self.smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
         if plan.fused != "cpu":
-            self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing)
+            self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing,
+                                        ignore_index, z_loss, need_grad_c)
 
     def chunk_loop(self) -> None:
         """Every token chunk, into the gradients, the loss sum and the buffers made above."""
@@ -111,52 +117,35 @@ class FusedForward:
         """Everything the chunk loop's launches read or write: where each tensor is, and the
         settings (the kernels' buffers on CUDA)."""
         kernels = self.kernels
-        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.loss_sum, self.grad_e,
+        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.losses, self.grad_e,
                    self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c, self.smoothing_of_e,
-                   kernels.workspace, kernels.stats_buffer, kernels.target_logit, kernels.mean_c, kernels.mean_bias)
+                   *kernels.buffers())
         return (*map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
                 self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c)
 
     def chunk(self, row_start: int, rows: int) -> None:
-        row_end = row_start + rows
-        targets = self.targets[row_start:row_end]
         if self.plan.fused == "cpu":
-            lse, target_logit, weighted_sum, _ = forward_cpu(
-                self.e[row_start:row_end], self.c, targets, self.bias, self.weight, self.softcap, self.smoothing,
-                chunk_v=self.config.slab_v)
+            self.cpu_chunk(row_start, rows)
         else:
-            lse, target_logit, weighted_sum, shift = self.kernels.run(row_start, rows)
-        v = self.c.shape[0]
-        valid = targets != self.ignore_index
-        losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
-                            self.label_smoothing)
-        if self.z_loss > 0.0:
-            losses = losses + self.z_loss * torch.where(valid, lse * lse, 0.0)
-        self.loss_sum += losses.sum()
-        grad_loss = torch.where(valid, self.scale, 0.0).expand(rows)
-        grad_lse = torch.where(valid, 2.0 * self.z_loss * self.scale * lse, 0.0)
-        coefficients = grad_coefficients(grad_loss, grad_lse, targets, self.weight, v, self.ignore_index,
-                                         self.label_smoothing)
-        if self.plan.fused == "cpu":
-            self.cpu_gradients(row_start, rows, lse, coefficients)
-        else:
-            self.gradients(row_start, rows, lse, shift, target_logit, coefficients)
+            self.kernels.run(row_start, rows, self.scale, self.losses)
+            self.gradients(row_start, rows)
 
-    def gradients(self, row_start: int, rows: int, lse: Tensor, shift: Tensor, target_logit: Tensor,
-                  coefficients: tuple[Tensor, Tensor, Tensor]) -> None:
+    def gradients(self, row_start: int, rows: int) -> None:
         """The chunk's share of dE, dC and dbias from the workspace the kernels left."""
-        coef_softmax, coef_target, coef_smooth = coefficients
-        e_rows = self.e[row_start:row_start + rows]
+        row_end = row_start + rows
+        e_rows = self.e[row_start:row_end]
         workspace = self.kernels.workspace[:rows]
-        s = coef_softmax * torch.exp(shift - lse)  # the softmax's row scale on the workspace
-        self.kernels.fold_targets(self.targets[row_start:row_start + rows], target_logit, shift, coef_target, s)
+        s = self.kernels.row_scale[:rows]  # the softmax's row scale on the workspace
+        coef_smooth = self.kernels.coef_smooth[:rows]
         if self.need_grad_e:
-            grad_e = fp32_product(workspace, self.c).mul_(s[:, None])
+            grad_e = fp32_product(workspace, self.c)
             if self.smoothing:
-                grad_e.sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
-            self.grad_e[row_start:row_start + rows].copy_(grad_e)
+                grad_e.mul_(s[:, None]).sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
+                self.grad_e[row_start:row_end].copy_(grad_e)
+            else:
+                torch.mul(grad_e, s[:, None], out=self.grad_e[row_start:row_end])
         if self.need_grad_c:
-            scaled_e = (e_rows.float() * s[:, None]).to(e_rows.dtype)
+            scaled_e = self.kernels.scaled_e[:rows]
             if row_start == 0:  # the first chunk writes dC, the later ones add to it
                 torch.mm(workspace.T, scaled_e, out=self.grad_c)
             else:
@@ -168,10 +157,24 @@ class FusedForward:
             if self.smoothing:
                 self.grad_bias -= coef_smooth.sum() * self.smoothing_weights
 
-    def cpu_gradients(self, row_start: int, rows: int, lse: Tensor, coefficients: tuple[Tensor, Tensor, Tensor]) -> None:
-        """The plain-PyTorch path's share of the chunk: its backward, on the chunk's rows."""
-        coef_softmax, coef_target, coef_smooth = coefficients
+    def cpu_chunk(self, row_start: int, rows: int) -> None:
+        """The plain-PyTorch path's chunk: its forward and backward on the chunk's rows."""
         row_end = row_start + rows
+        targets = self.targets[row_start:row_end]
+        lse, target_logit, weighted_sum, _ = forward_cpu(
+            self.e[row_start:row_end], self.c, targets, self.bias, self.weight, self.softcap, self.smoothing,
+            chunk_v=self.config.slab_v)
+        v = self.c.shape[0]
+        valid = targets != self.ignore_index
+        losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
+                            self.label_smoothing)
+        if self.z_loss > 0.0:
+            losses = losses + self.z_loss * torch.where(valid, lse * lse, 0.0)
+        self.losses[row_start:row_end] = losses
+        grad_loss = torch.where(valid, self.scale, 0.0).expand(rows)
+        grad_lse = torch.where(valid, 2.0 * self.z_loss * self.scale * lse, 0.0)
+        coef_softmax, coef_target, coef_smooth = grad_coefficients(
+            grad_loss, grad_lse, targets, self.weight, v, self.ignore_index, self.label_smoothing)
         tile = self.config.grad_logits
         grad_e, grad_c, grad_bias = backward_cpu(
             self.e[row_start:row_end], self.c, self.targets[row_start:row_end], self.bias, self.weight, lse,
@@ -197,19 +200,22 @@ class FusedForward:
             self.grad_c.addr_(self.smoothing_weights.to(self.grad_c.dtype), self.smoothing_of_e.to(self.grad_c.dtype),
                               alpha=-1)
         grad_bias = self.grad_bias.to(self.bias.dtype) if self.bias is not None else self.c.new_empty((0,))
-        return self.loss_sum * self.scale, self.grad_e, self.grad_c, grad_bias
+        return self.losses.sum() * self.scale, self.grad_e, self.grad_c, grad_bias
 
 
 class FusedKernels:
     """The fused kernel's buffers and launches for one call: the workspace (its rows padded to
-    16 bytes, as the copy engine and cuBLAS take them), the statistics, the shift."""
+    16 bytes, as the copy engine and cuBLAS take them), the statistics, the shift, and what the
+    per-row kernels leave for the gradient GEMMs."""
 
     def __init__(self, plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, bias: Tensor | None,
-                 weight: Tensor | None, targets: Tensor, softcap: float, label_smoothing: float) -> None:
+                 weight: Tensor | None, targets: Tensor, softcap: float, label_smoothing: float, ignore_index: int,
+                 z_loss: float, need_grad_c: bool) -> None:
         self.plan, self.config = plan, config
         self.e, self.c, self.bias, self.weight, self.targets = e, c, bias, weight, targets
-        self.softcap, self.smoothing = softcap, label_smoothing > 0.0
-        v = c.shape[0]
+        self.softcap, self.label_smoothing, self.smoothing = softcap, label_smoothing, label_smoothing > 0.0
+        self.ignore_index, self.z_loss, self.need_grad_c = ignore_index, z_loss, need_grad_c
+        v, d = c.shape
         rows = plan.workspace_rows
         padded_v = -(-v // 8) * 8
         self.workspace = torch.empty((rows, padded_v), dtype=e.dtype, device=e.device)[:, :v]
@@ -219,11 +225,21 @@ class FusedKernels:
         self.stats_buffer = torch.empty(self.stats_count * self.vocab_tiles * rows, dtype=torch.float32,
                                         device=e.device)
         self.target_logit = torch.empty(rows, dtype=torch.float32, device=e.device)
+        self.redo_rows = torch.empty(rows, dtype=torch.int32, device=e.device)
+        self.lse = torch.empty(rows, dtype=torch.float32, device=e.device)
+        self.weighted_sum = torch.empty(rows if self.smoothing else 0, dtype=torch.float32, device=e.device)
+        self.row_scale = torch.empty(rows, dtype=torch.float32, device=e.device)
+        self.coef_smooth = torch.empty(rows if self.smoothing else 0, dtype=torch.float32, device=e.device)
+        self.scaled_e = torch.empty((rows, d) if need_grad_c else (0, d), dtype=e.dtype, device=e.device)
+        self.total_weight = (weight.to(torch.float32).sum() if weight is not None
+                             else torch.full((), float(v), dtype=torch.float32, device=e.device))
         # Any shift near the rows' logits serves: the mean of c in its own dtype, with no fp32 copy of c.
-        self.mean_c = torch.mv(c.T, torch.full((v,), 1.0 / v, dtype=c.dtype, device=c.device)).float()
+        self.mean_c = torch.mv(c.T, torch.full((v,), 1.0 / v, dtype=c.dtype, device=c.device))[:, None]
         self.mean_bias = bias.float().mean() if bias is not None else None
         self.flags = kernel_flags(e)
         self.redo = KernelLauncher(fused_forward_kernel, plan.direct_launch)
+        self.row_shift = KernelLauncher(row_shift_kernel, plan.direct_launch)
+        self.row_finish = KernelLauncher(row_finish_kernel, plan.direct_launch)
         if plan.fused == "gluon":
             self.launch = KernelLauncher(fused_forward_ws_kernel, plan.direct_launch)
             self.descriptors = (*operand_descriptors(e, c, self.tile),
@@ -238,28 +254,40 @@ class FusedKernels:
         else:
             self.launch = self.redo
 
-    def run(self, row_start: int, rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-        """The chunk's workspace, and its (lse, target logit, weighted logit sum or None, shift)."""
+    def buffers(self) -> tuple[Tensor | None, ...]:
+        """Every tensor the launches read or write besides the call's own."""
+        return (self.workspace, self.stats_buffer, self.target_logit, self.redo_rows, self.lse, self.weighted_sum,
+                self.row_scale, self.coef_smooth, self.scaled_e, self.total_weight, self.mean_c, self.mean_bias)
+
+    def run(self, row_start: int, rows: int, scale: Tensor, losses: Tensor) -> None:
+        """The chunk's workspace, row scales (and coef_smooth) and scaled rows of e, and its
+        tokens' losses into `losses`; `scale` is d loss / d (a token's loss)."""
         e_rows = self.e[row_start:row_start + rows]
-        shift = e_rows.float() @ self.mean_c
+        shift = fp32_product(e_rows, self.mean_c)[:, 0]
         if self.mean_bias is not None:
             shift += self.mean_bias
         if self.softcap > 0.0:
             shift = self.softcap * torch.tanh(shift / self.softcap)
-        self.target_logit[:rows].zero_()
         # (stat, vocab tile, row) of this chunk's rows, as the kernels index it
-        stats = self.stats_buffer[: self.stats_count * self.vocab_tiles * rows].view(-1, self.vocab_tiles, rows)
+        stats = self.stats_buffer[: self.stats_count * self.vocab_tiles * rows]
+        stat_stride = self.vocab_tiles * rows
         self.launch_chunk(self.plan.fused, row_start, rows, shift, stats)
-        lse = shift + torch.log(stats[SUM.value].sum(dim=0))
         # Rows shifted too far below their lse (or overflowed) again, shifted by their largest logit.
-        redo_rows = ~(lse - shift <= SAFE_GAP)
-        shift = torch.where(redo_rows, stats[MAX.value].amax(dim=0), shift)
-        redo_blocks = torch.nn.functional.pad(redo_rows, (0, (-rows) % self.tile.block_m))
-        redo_blocks = redo_blocks.view(-1, self.tile.block_m).any(dim=1).to(torch.int32)
-        self.launch_chunk("pointer", row_start, rows, shift, stats, redo_blocks)
-        lse = shift + torch.log(stats[SUM.value].sum(dim=0))
-        weighted_sum = stats[WEIGHTED.value].sum(dim=0) if self.smoothing else None
-        return lse, self.target_logit[:rows].clone(), weighted_sum, shift
+        self.row_shift((cdiv(rows, SHIFT_ROWS),), stats, shift, self.redo_rows, self.lse, self.weighted_sum, rows, self.vocab_tiles,
+                       stat_stride, SAFE_GAP, SMOOTHING=self.smoothing, BLOCK_R=SHIFT_ROWS, BLOCK_T=TILE_BLOCK,
+                       num_warps=4)
+        self.launch_chunk("pointer", row_start, rows, shift, stats, self.redo_rows)
+        e = self.e
+        self.row_finish(
+            (cdiv(rows, FINISH_ROWS),), stats, shift, self.redo_rows, self.lse, self.weighted_sum, self.targets, self.weight,
+            self.target_logit, scale, self.total_weight, losses,
+            self.row_scale, self.coef_smooth, self.workspace, e, self.scaled_e, row_start, rows, self.c.shape[0],
+            e.shape[1], self.vocab_tiles, stat_stride, self.workspace.stride(0), e.stride(0), e.stride(1),
+            self.scaled_e.stride(0), self.ignore_index, self.label_smoothing, self.z_loss, self.softcap,
+            HAS_WEIGHT=self.weight is not None, SMOOTHING=self.smoothing, HAS_Z_LOSS=self.z_loss > 0.0,
+            HAS_SOFTCAP=self.softcap > 0.0, SCALE_E=self.need_grad_c, BLOCK_R=FINISH_ROWS, BLOCK_T=TILE_BLOCK, BLOCK_D=128,
+            num_warps=4,
+        )
 
     def launch_chunk(self, kind: str, row_start: int, rows: int, shift: Tensor, stats: Tensor,
                      redo: Tensor | None = None) -> None:
@@ -291,27 +319,12 @@ class FusedKernels:
         # The pointer kernel: the chunk's whole pass, or the rows to do again with their new shift,
         # in the first pass's tiles (the statistics are laid out by them).
         tile = self.tile
+        programs = cdiv(rows, tile.block_m) * (REDO_SPLITS.value if redo is not None else self.vocab_tiles)
         self.redo(
-            (cdiv(rows, tile.block_m) * self.vocab_tiles,), e, c, self.bias, self.targets, self.weight, shift,
+            (programs,), e, c, self.bias, self.targets, self.weight, shift,
             self.workspace, stats, self.target_logit, redo if redo is not None else shift, row_start, rows, v, d,
             stat_stride, e.stride(0), e.stride(1), c.stride(0), c.stride(1), self.workspace.stride(0), self.softcap,
             REDO=redo is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             GROUP_M=tile.group_m, EVEN_K=d % tile.block_k == 0, num_warps=tile.num_warps,
             num_stages=tile.num_stages, **common,
         )
-
-    def fold_targets(self, targets: Tensor, target_logit: Tensor, shift: Tensor, coef_target: Tensor, s: Tensor) -> None:
-        """Each row's -coef_target at its target, folded into the workspace: the entry becomes
-        (s q - coef_target) g / s, q and g (soft-capping's derivative) from the exact fp32
-        target logit. Rows whose s is 0 (ignored tokens, zero class weights) keep their entry."""
-        v = self.c.shape[0]
-        fold = coef_target != 0
-        columns = torch.where(fold, targets, 0).clamp(0, v - 1)
-        q = torch.exp(target_logit - shift)
-        g = 1.0 - (target_logit / self.softcap) ** 2 if self.softcap > 0.0 else 1.0
-        tiny = torch.finfo(torch.float32).tiny
-        safe_s = torch.where(s.abs() < tiny, tiny, s)
-        row_ids = torch.arange(targets.shape[0], device=targets.device)
-        kept = self.workspace[row_ids, columns]
-        self.workspace[row_ids, columns] = torch.where(fold, (q - coef_target / safe_s) * g, kept.float()).to(
-            self.workspace.dtype)

@@ -141,14 +141,16 @@ def fused_kernel(problem: Problem, options: Options, policy: Policy) -> FusedKer
 def workspace_rows(n: int, v: int, d: int, element_bytes: int, config: KernelConfig, policy: Policy) -> int:
     """The fused forward's token chunk: config.workspace_rows where tuned, else as many rows
     (in 128s) as fit policy.workspace_fraction of the gradients beside their per-row buffers
-    (a chunk's fp32 dE, its scaled e rows and the statistics), and no more than N needs."""
-    all_rows = -(-max(n, 1) // 128) * 128
+    (a chunk's fp32 dE, its scaled e rows and the statistics), then evened out over the chunks
+    that takes (N = 8192 in 3 chunks of 2816 rows, not 3200 + 3200 + 1792)."""
+    n = max(n, 1)
     if config.workspace_rows:
-        return min(config.workspace_rows, all_rows)
+        return min(config.workspace_rows, -(-n // 128) * 128)
     grad_bytes = (n * d + v * d + v) * element_bytes
     per_row = v * element_bytes + d * (4 + element_bytes) + 3 * 4 * -(-v // 128)
-    rows = int(policy.workspace_fraction * grad_bytes) // per_row // 128 * 128
-    return max(128, min(rows, all_rows))
+    rows = max(128, int(policy.workspace_fraction * grad_bytes) // per_row // 128 * 128)
+    chunks = -(-n // rows)
+    return -(-(-(-n // chunks)) // 128) * 128
 
 
 def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
