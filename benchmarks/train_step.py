@@ -24,14 +24,15 @@ import time
 from pathlib import Path
 
 RUNS = {
-    "hf eager": (False, None),
-    "patched eager": (True, None),
-    "hf compiled": (False, "default"),
-    "patched compiled": (True, "default"),
-    "hf reduce-overhead": (False, "reduce-overhead"),
-    "patched reduce-overhead": (True, "reduce-overhead"),
+    "hf eager": (None, None),
+    "patched eager": ({}, None),
+    "hf compiled": (None, "default"),
+    "patched compiled": ({}, "default"),
+    "patched compiled low-memory": ({"memory": "low"}, "default"),
+    "hf reduce-overhead": (None, "reduce-overhead"),
+    "patched reduce-overhead": ({}, "reduce-overhead"),
 }
-"""Run name -> (patched, torch.compile mode or None for eager)."""
+"""Run name -> (patch()'s loss options, None for the unpatched model; torch.compile mode or None for eager)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +58,7 @@ def run_child(name: str, steps: int, small: bool) -> dict:
 
     from cce_compile.integrations.transformers import patch
 
-    patched, mode = RUNS[name]
+    patch_options, mode = RUNS[name]
     shape = model_shape(small)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = LlamaConfig(
@@ -68,8 +69,8 @@ def run_child(name: str, steps: int, small: bool) -> dict:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train().to(device, torch.bfloat16)
-    if patched:
-        patch(model)
+    if patch_options is not None:
+        patch(model, **patch_options)
     forward = model if mode is None else torch.compile(model, mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
@@ -102,6 +103,8 @@ def run_child(name: str, steps: int, small: bool) -> dict:
         "peak_mib": peak_total / 2**20 if device.type == "cuda" else None,
         # what a step adds to what stays allocated between steps (weights, AdamW state): activations, the loss
         "step_peak_mib": max(step_peaks[2:] or step_peaks) / 2**20 if device.type == "cuda" else None,
+        # the part of it no loss can save: the parameters' gradients (set to None between steps)
+        "gradients_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -128,9 +131,11 @@ def summary(results: dict[str, dict]) -> list[str]:
         if "error" in run:
             lines.append(f"| {name} | failed: {run['error'].splitlines()[-1][:120]} | | | | |")
             continue
-        twin = results.get(name.replace("patched", "hf"), {})
+        mode = RUNS[name][1]
+        twin = next((results[hf] for hf, (options, hf_mode) in RUNS.items()
+                     if options is None and hf_mode == mode and hf in results), {})
         agreement = ""
-        if name.startswith("patched") and "losses" in twin:
+        if RUNS[name][0] is not None and "losses" in twin:
             agreement = f"{max(abs(a - b) / abs(b) for a, b in zip(run['losses'], twin['losses'])):.1e}"
         peak, own = (f"{run[key]:.0f}" if run.get(key) is not None else "-" for key in ("peak_mib", "step_peak_mib"))
         lines.append(f"| {name} | {run['step_ms']:.1f} | {peak} | {own} | {run['first_step_s']:.1f} | {agreement} |")

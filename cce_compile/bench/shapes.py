@@ -30,6 +30,8 @@ SHAPES = {
         Shape("llama3-8b", 8192, 4096, 128256),
         Shape("qwen2.5-0.5b", 16384, 896, 151936),
         Shape("large-d", 4096, 8192, 128256),
+        Shape("llama3.2-1b", 8192, 2048, 128256),
+        Shape("mistral-nemo", 8192, 5120, 131072),
     )
 }
 QUICK_SHAPES = {

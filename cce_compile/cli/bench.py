@@ -31,7 +31,7 @@ def _render(out: Path, sync: list[Path] | None) -> None:
 
 def bench(
     shapes: Annotated[Optional[list[str]], typer.Option(
-        help="shape names (gemma2-2b, llama3-8b, qwen2.5-0.5b, large-d, quick-aligned, quick-odd) or NxDxV; "
+        help="shape names (gemma2-2b, llama3-8b, qwen2.5-0.5b, large-d, llama3.2-1b, mistral-nemo, quick-aligned, quick-odd) or NxDxV; "
              "repeat or comma-separate [default: the four model shapes]")] = None,
     kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, heavy_tail, uniform [default: lm_like, uniform]")] = None,
     impls: Annotated[Optional[list[str]], typer.Option(
