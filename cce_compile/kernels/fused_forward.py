@@ -58,14 +58,17 @@ def scaled_exp_tile(
 @triton.jit
 def fused_tile(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
-    pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w,
+    softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One (row block, vocab tile) of the chunk: its workspace tile and statistics."""
+    """One (row block, vocab tile) of the chunk: its workspace tile and statistics. With REDO
+    only the rows whose redo[row] is set are loaded and written."""
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = local_rows < rows
+    if REDO:
+        row_mask = row_mask & (tl.load(redo_ptr + local_rows, mask=row_mask, other=0) != 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < V
     logits = logits_tile(
@@ -94,9 +97,9 @@ def fused_forward_kernel(
 ):
     """One program per (row block, vocab tile) of the chunk's rows x V, on pointers (fp32,
     strides the copy engine cannot take, the interpreter). With REDO, REDO_SPLITS programs
-    per row block, each over every REDO_SPLITS-th vocab tile, and only the row blocks holding
-    a row whose redo[row] is set run: the rows the first pass shifted too far from their lse,
-    again with their new shift. (That launch follows every chunk and almost never has work:
+    per row block, each over every REDO_SPLITS-th vocab tile, and only the rows whose
+    redo[row] is set: the rows the first pass shifted too far from their lse, again with their
+    new shift (the others keep the first pass's entries, which their lse was taken from). (That launch follows every chunk and almost never has work:
     few programs, so it costs a few microseconds.)"""
     num_m = tl.cdiv(rows, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -108,17 +111,17 @@ def fused_forward_kernel(
         for pid_n in range(tl.program_id(0) % REDO_SPLITS, num_n, REDO_SPLITS):
             fused_tile(
                 e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr,
-                target_logit_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv,
-                stride_cd, stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM,
+                target_logit_ptr, redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed,
+                stride_cv, stride_cd, stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, REDO,
                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
             )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
         fused_tile(
             e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
-            pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w,
-            softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-            UPCAST, IEEE,
+            redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd,
+            stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, REDO, BLOCK_M, BLOCK_N, BLOCK_K,
+            EVEN_K, UPCAST, IEEE,
         )
 
 

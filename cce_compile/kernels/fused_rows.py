@@ -17,7 +17,8 @@ from .fused_forward import MAX, SUM, WEIGHTED
 
 @triton.jit
 def tile_stat_sum(stats_ptr, stat, local_rows, row_mask, vocab_tiles, rows, stat_stride, BLOCK_T: tl.constexpr):
-    """sum over vocab tiles of stats[stat, tile, row], fp32."""
+    """sum over vocab tiles of stats[stat, tile, row], fp32: the statistics a redone row
+    needs again (row_shift_kernel reads all of them in one pass instead)."""
     total = tl.zeros(local_rows.shape, dtype=tl.float32)
     for start in range(0, vocab_tiles, BLOCK_T):
         tiles = start + tl.arange(0, BLOCK_T)
@@ -114,7 +115,7 @@ def row_finish_kernel(
     tl.store(row_scale_ptr + local_rows, row_scale, mask=row_mask)
 
     # The target's -coef_target, folded into its workspace entry from the exact fp32 target logit.
-    fold = row_mask & (coef_target != 0.0)
+    fold = hit & (coef_target != 0.0)  # in range: a NaN coefficient (an inf scale) writes nowhere else
     tiny = 1.1754943508222875e-38  # fp32's smallest normal
     safe_scale = tl.where(tl.abs(row_scale) < tiny, tiny, row_scale)
     folded = tl.exp(target_logit - shift) - coef_target / safe_scale
