@@ -34,12 +34,16 @@ from ..plan.launch import Memory
 
 Function = TypeVar("Function", bound=Callable[..., Any])
 
+
+def _unchanged(func: Function) -> Function:
+    """The decorator a release lacks: its forward as written."""
+    return func
+
+
 try:
     from transformers.utils.generic import can_return_tuple
 except ImportError:  # older releases: their forwards take return_dict themselves, which patch() refuses
-
-    def can_return_tuple(func: Function) -> Function:
-        return func
+    can_return_tuple = _unchanged
 
 # The installed release's name for the KV cache, in its forwards and model outputs alike.
 _CACHE = "cache" if any(field.name == "cache" for field in dataclasses.fields(CausalLMOutputWithPast)) else "past_key_values"
@@ -51,9 +55,7 @@ if _CACHE == "cache":  # the renaming releases still take the old name, as their
         "past_key_values", "5.40.0", new_name="cache"
     )
 else:
-
-    def _accept_old_cache_name(func: Function) -> Function:
-        return func
+    _accept_old_cache_name = _unchanged
 
 # Parameters of older releases' forwards (between use_cache and logits_to_keep) that only go on
 # to self.model; the generic forward passes them on by keyword, through **kwargs.

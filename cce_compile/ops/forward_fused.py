@@ -160,10 +160,9 @@ class FusedForward:
     def cpu_chunk(self, row_start: int, rows: int) -> None:
         """The plain-PyTorch path's chunk: its forward and backward on the chunk's rows."""
         row_end = row_start + rows
-        targets = self.targets[row_start:row_end]
+        e_rows, targets = self.e[row_start:row_end], self.targets[row_start:row_end]
         lse, target_logit, weighted_sum, _ = forward_cpu(
-            self.e[row_start:row_end], self.c, targets, self.bias, self.weight, self.softcap, self.smoothing,
-            chunk_v=self.config.slab_v)
+            e_rows, self.c, targets, self.bias, self.weight, self.softcap, self.smoothing, chunk_v=self.config.slab_v)
         v = self.c.shape[0]
         valid = targets != self.ignore_index
         losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
@@ -177,7 +176,7 @@ class FusedForward:
             grad_loss, grad_lse, targets, self.weight, v, self.ignore_index, self.label_smoothing)
         tile = self.config.grad_logits
         grad_e, grad_c, grad_bias = backward_cpu(
-            self.e[row_start:row_end], self.c, self.targets[row_start:row_end], self.bias, self.weight, lse,
+            e_rows, self.c, targets, self.bias, self.weight, lse,
             coef_softmax, coef_target, coef_smooth if self.smoothing else None, self.softcap, 0.0,
             chunk_v=max(self.config.slab_v, self.config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c,

@@ -150,7 +150,8 @@ def workspace_rows(n: int, v: int, d: int, element_bytes: int, config: KernelCon
     per_row = v * element_bytes + d * (4 + element_bytes) + 3 * 4 * -(-v // 128)
     rows = max(128, int(policy.workspace_fraction * grad_bytes) // per_row // 128 * 128)
     chunks = -(-n // rows)
-    return -(-(-(-n // chunks)) // 128) * 128
+    rows_per_chunk = -(-n // chunks)
+    return -(-rows_per_chunk // 128) * 128
 
 
 def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
