@@ -140,6 +140,16 @@ def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
     return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
 
 
+def peak_mib(step) -> float:
+    """Peak allocation of one pass above what was allocated before it, gradients included (MiB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def policy_of(args: argparse.Namespace) -> Policy:
     """The active policy with the command line's overrides."""
     changes: dict = {}
@@ -161,6 +171,9 @@ def main() -> None:
                              "GEMMs that torch.compile runs instead of cuBLAS), forward (exact mode's forward without "
                              "autograd, as the benchmark times it)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
+    parser.add_argument("--workspace-rows", type=int, default=None,
+                        help="override the fused forward's token chunk (KernelConfig.workspace_rows): fewer, "
+                             "larger chunks against the workspace's memory")
     parser.add_argument("--scratch-fraction", type=float, default=None,
                         help="override the backward's scratch budget, either mode's (Policy.scratch_fraction, "
                              "filtered_scratch_fraction), to see what fewer, larger steps would gain")
@@ -195,7 +208,7 @@ def main() -> None:
 
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "gemm_ms": gemm_ms, "slab_v": args.slab_v, "scratch_fraction": args.scratch_fraction,
+                    "gemm_ms": gemm_ms, "slab_v": args.slab_v, "workspace_rows": args.workspace_rows, "scratch_fraction": args.scratch_fraction,
                     "plan": args.plan, "persistent_min_k_steps": args.persistent_min_k_steps,
                     "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
@@ -205,20 +218,24 @@ def main() -> None:
         config = config_for(e, c, filter_eps is not None, mode_policy)
         if args.slab_v is not None:
             config = dataclasses.replace(config, slab_v=args.slab_v)
+        if args.workspace_rows is not None:
+            config = dataclasses.replace(config, workspace_rows=args.workspace_rows)
         step = pass_step(mode, e, c, targets)
         with cce_compile.override_config(config), override_policy(mode_policy):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
+            peak = peak_mib(step) if cuda else None
             if args.host_profile:
                 print_host_profile(step, args.host_profile)
             if args.trace is not None and cuda:
                 write_trace(step, args.trace / f"trace-{mode}.json")
         total = sum(entry["ms"] for entry in times.values())
-        report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "idle": idle,
+        report["modes"][mode] = {"total_ms": total, "host_ms": host_ms, "wall_ms": wall_ms, "peak_mib": peak,
+                                 "idle": idle,
                                  "kernels": times}
         print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"
               + (f" = {total / gemm_ms:.2f} x GEMM; wall {wall_ms:.3f} ms = {wall_ms / gemm_ms:.2f} x, "
-                 f"host enqueue {host_ms:.3f} ms" if gemm_ms else ""))
+                 f"host enqueue {host_ms:.3f} ms, peak {peak:.0f} MiB" if gemm_ms else ""))
         print(f"  {'kernel':60s} {'launches':>9s} {'ms':>9s} {'share':>6s}" + ("  x GEMM" if gemm_ms else ""))
         for name, entry in list(times.items())[:15]:
             ratio = f"  {entry['ms'] / gemm_ms:6.2f}" if gemm_ms else ""
