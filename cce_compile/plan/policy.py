@@ -92,8 +92,10 @@ class Policy:
     per-row buffers a call peaks under 2x the gradients, with a margin for the allocator. Fewer chunks mean fewer
     read-modify-write passes over dC and fewer bf16 roundings of it (Qwen2.5's shape: 22 chunks, not 26)."""
 
-    fused_gluon_max_k_steps: int = 64
-    """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 4096), as the recompute."""
+    fused_gluon_max_k_steps: int = 48
+    """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 3072), the persistent
+    128 x 256 TMA kernel beyond: alternating A/B on the H200, Llama-3 (D = 4096) 3.17 against 3.26-3.33 x GEMM on TMA,
+    Gemma-2 (D = 2304) 3.27 against 3.29 on Gluon, Llama-3.2 1B (D = 2048) even (docs/notes/fused-forward.md)."""
 
     backward_plan: BackwardPlan | None = None
     """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
