@@ -29,7 +29,7 @@ if not torch.cuda.is_available():  # before cce_compile's kernels are decorated
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cce_compile  # noqa: E402
-from cce_compile.bench.harness import parse_shape  # noqa: E402
+from cce_compile.bench.harness import _peak_fwd_bwd_bytes, parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
 from cce_compile.ops.problem import config_for  # noqa: E402
 from cce_compile.plan.backward import BackwardPlan  # noqa: E402
@@ -140,16 +140,6 @@ def host_and_wall_ms(step, iters: int) -> tuple[float, float]:
     return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
 
 
-def peak_mib(step) -> float:
-    """Peak allocation of one pass above what was allocated before it, gradients included (MiB)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
 def policy_of(args: argparse.Namespace) -> Policy:
     """The active policy with the command line's overrides."""
     changes: dict = {}
@@ -224,7 +214,9 @@ def main() -> None:
         with cce_compile.override_config(config), override_policy(mode_policy):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
-            peak = peak_mib(step) if cuda else None
+            # as the benchmark measures it (gradients cleared first, counted in the peak); the forward has none
+            peak = (_peak_fwd_bwd_bytes(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, filter_eps=filter_eps),
+                                        e, c, targets) / 2**20 if cuda and mode != "forward" else None)
             if args.host_profile:
                 print_host_profile(step, args.host_profile)
             if args.trace is not None and cuda:
@@ -235,7 +227,8 @@ def main() -> None:
                                  "kernels": times}
         print(f"\n{mode}: {total:.3f} ms of {'GPU' if cuda else 'CPU'} time per forward+backward"
               + (f" = {total / gemm_ms:.2f} x GEMM; wall {wall_ms:.3f} ms = {wall_ms / gemm_ms:.2f} x, "
-                 f"host enqueue {host_ms:.3f} ms, peak {peak:.0f} MiB" if gemm_ms else ""))
+                 f"host enqueue {host_ms:.3f} ms" + (f", peak {peak:.0f} MiB" if peak is not None else "")
+                 if gemm_ms else ""))
         print(f"  {'kernel':60s} {'launches':>9s} {'ms':>9s} {'share':>6s}" + ("  x GEMM" if gemm_ms else ""))
         for name, entry in list(times.items())[:15]:
             ratio = f"  {entry['ms'] / gemm_ms:6.2f}" if gemm_ms else ""
