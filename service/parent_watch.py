@@ -18,10 +18,13 @@ def exit_with_parent() -> None:
     """In a worker process (one multiprocessing started), watch the parent's pid from a
     daemon thread; once the parent is gone (the worker is re-parented), shut down as on
     SIGTERM. getppid works on every POSIX system and, unlike PR_SET_PDEATHSIG, does not
-    fire when only the thread that started the worker ends. A no-op in a main process."""
-    if multiprocessing.parent_process() is None:
+    fire when only the thread that started the worker ends. The parent's pid is the one
+    multiprocessing recorded at the start, not getppid() now: a master killed while the worker
+    was still starting up has already re-parented it. A no-op in a main process."""
+    parent_process = multiprocessing.parent_process()
+    if parent_process is None:
         return
-    parent = os.getppid()
+    parent = parent_process.pid
 
     def watch() -> None:
         while os.getppid() == parent:
