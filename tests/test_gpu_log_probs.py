@@ -37,9 +37,9 @@ def fp32_reference(e, c, tokens, bias, temperature, softcap, up_lp, up_h):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("options", [{}, {"entropy": False}, {"temperature": 0.7, "softcap": 30.0, "bias": True}])
 def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
-    """Plain (the Gluon forward and recompute on an H200 without entropy), with entropy (the
-    tensor-descriptor forward with its mean-logit statistic, the recompute's entropy term), and
-    with every option."""
+    """Plain and with entropy (at D = 1024 the Gluon forward, with its mean-logit statistic,
+    and the Gluon recompute, with its entropy term, on an H200), and with every option (the
+    tensor-descriptor forward and the recompute on pointers)."""
     options = dict(options)
     entropy = options.pop("entropy", True)
     e, c, tokens = make_inputs("zipf", (2048,), 32003, 1024, dtype, seed=0, device="cuda")
@@ -99,15 +99,46 @@ def test_compiled_matches_eager() -> None:
         torch.testing.assert_close(got.grad, want.grad)
 
 
-def test_no_grad_pass_peaks_at_its_per_tile_buffers() -> None:
-    """The old / reference policy's pass with entropy: the tensor-descriptor forward's two
-    (vocab tiles, N) fp32 buffers (log-sum-exps, mean logits; merged in place), nothing N x V."""
+@pytest.mark.parametrize("d", [896, 1000])
+def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, launch_plans: list, use_policy) -> None:
+    """The Gluon forward's mean-logit statistic and the Gluon recompute's entropy term against
+    the tensor-descriptor forward and recompute, on ragged rows and vocabulary, a K tail
+    (D = 1000) and ignored tokens: the same fp32 math over other tiles."""
+    e, c, tokens = make_inputs("zipf", (3001,), 50001, d, torch.bfloat16, seed=7, device="cuda")
+    tokens[::11] = -100
+    g = torch.Generator(device="cuda").manual_seed(2)
+    up_lp, up_h = torch.randn(3001, device="cuda", generator=g), torch.randn(3001, device="cuda", generator=g)
+
+    def outputs() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        log_probs, entropy = cce_compile.linear_log_probs(*leaves, tokens, entropy=True)
+        ((log_probs * up_lp).sum() + (entropy * up_h).sum()).backward()
+        return [log_probs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves]
+
+    on_gluon = outputs()
+    use_policy(forward_gluon_max_k_steps=0, recompute_gluon_max_k_steps=0, recompute_tma_min_k_steps=1)
+    on_descriptors = outputs()
+    assert [(plan.forward, plan.recompute) for plan in launch_plans] == [("gluon", "gluon")] * 2 + [("tma", "tma")] * 2
+    for name, got, want in zip(("log_probs", "entropy"), on_gluon, on_descriptors):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.all(on_gluon[0][::11] == 0)
+    for name, got, want in zip(("dE", "dC"), on_gluon[2:], on_descriptors[2:]):
+        assert relative_error(got, want) < 5e-3, name  # bf16 d-logits of other tiles, rounded apart
+
+
+def test_no_grad_pass_peaks_at_its_per_tile_buffers(launch_plans: list) -> None:
+    """The old / reference policy's pass with entropy: the forward's two (vocab tiles, N) fp32
+    buffers (log-sum-exps, mean logits; merged in place), nothing N x V."""
     from cce_compile.ops.problem import config_for
     from cce_compile.plan.policy import active_policy
 
     n, d, v = 16384, 896, 151936
     e, c, tokens = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=3, device="cuda")
-    per_tile = -(-v // config_for(e, c, False, active_policy()).forward.block_n) * n * 4
+    with torch.no_grad():
+        cce_compile.linear_log_probs(e[:128], c, tokens[:128], entropy=True)
+    plan = launch_plans[-1]
+    block_n = (plan.gluon_tile if plan.forward == "gluon" else config_for(e, c, False, active_policy()).forward).block_n
+    per_tile = -(-v // block_n) * n * 4
     for _ in range(2):  # the first compiles
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

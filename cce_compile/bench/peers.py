@@ -148,7 +148,7 @@ IMPLS: dict[str, Impl] = {
         Impl("apple_cce_exact", "Apple cce_exact", _load_apple_exact, on_uniform=False),
         Impl("liger", "Liger FLCE", _load_liger, on_uniform=False),
         Impl("cce_log_probs", "cce_compile linear_log_probs (+entropy)", lambda: _load_log_probs("cce_log_probs"),
-             on_uniform=False),
+             on_uniform=False, compilable=True),
         Impl("torch_compile_log_probs", "torch.compile log-probs (+entropy)",
              lambda: _load_log_probs("torch_compile_log_probs"), on_uniform=False),
         Impl("verl_log_probs", "verl LinearCrossEntropy (+entropy)", lambda: _load_log_probs("verl_log_probs"),

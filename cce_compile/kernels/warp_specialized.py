@@ -16,7 +16,8 @@ further: 1.54 -> 1.20 x at D = 896, and it beats the persistent kernel up to
 D = 4096. Two consumer warpgroups in one program (CUTLASS's
 ping-pong) faulted on the H200 (Triton 3.6).
 
-Both serve exact mode's plain loss only (no bias, soft-cap, class weights or label smoothing).
+All serve exact mode's plain loss only (no bias, soft-cap, class weights or label smoothing);
+the forward and the recompute also linear_log_probs' entropy.
 A kernel's tiles cover rows [row_start, row_start + rows) of e and vocab rows [col_start,
 col_start + cols) of c; the copy engine zero-fills what lies past the tensors.
 """
@@ -135,9 +136,12 @@ def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready,
 @gluon.jit
 def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
-    row] (row = row_start + local row, of e's N), and the target's logit where the target falls
-    in the tile."""
-    targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch, V = args
+    row] (row = row_start + local row, of e's N), the target's logit where the target falls
+    in the tile, and with NEED_MEAN_LOGIT the tile's softmax-weighted mean logit into
+    tile_mean_logit[tile column, row] (linear_log_probs' entropy; the op merges the tiles' as
+    lse_forward_tma_kernel's)."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V, \
+        NEED_MEAN_LOGIT = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     row_mask = local_rows < rows_in_launch
@@ -151,13 +155,18 @@ def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
         gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
     tile_max = gl.max(logits, axis=1)
     shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
-    tile_lse = shift + gl.log(gl.sum(exp_shifted(logits, shift), axis=1))
-    gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, tile_lse, mask=row_mask)
+    exps = exp_shifted(logits, shift)
+    tile_sumexp = gl.sum(exps, axis=1)
+    out = pid_n.to(gl.int64) * N + rows
+    gl.store(tile_lse_ptr + out, shift + gl.log(tile_sumexp), mask=row_mask)
+    if NEED_MEAN_LOGIT:  # the zero-filled columns' exponentials are 0, and so their share
+        gl.store(tile_mean_logit_ptr + out, gl.sum(exps * acc, axis=1) / tile_sumexp, mask=row_mask)
 
 
 @gluon.jit
-def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch,
-                          V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N,
+                          row_start, rows_in_launch, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          NEED_MEAN_LOGIT: gl.constexpr):
     """The forward over rows [row_start, row_start + rows_in_launch) of e's N (the op launches
     it per row chunk, as lse_forward_tma_kernel). Launched with num_warps=4 (the consumer; the
     producer is a one-warp worker) and maxnreg=128, so two programs fit an SM: the consumer
@@ -165,7 +174,8 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
     gl.warp_specialize([
         (consume_tiles, (forward_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
-                         (targets_ptr, tile_lse_ptr, target_logit_ptr, N, row_start, rows_in_launch, V))),
+                         (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start,
+                          rows_in_launch, V, NEED_MEAN_LOGIT))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows_in_launch, 0, V, D, GROUP_M)),
     ], [1], [24])
 
@@ -190,19 +200,24 @@ def store_half_tiles(values, out_half, out_desc, row0, col0):
 @gluon.jit
 def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The recompute's: d loss / d logits = coef_softmax * softmax - coef_target at the target
-    (kernels/backward.grad_from_logits without its options), stored in the input dtype at
+    (- coef_entropy * softmax * logit with HAS_ENTROPY: linear_log_probs' entropy), as
+    kernels/backward.grad_from_logits without its other options, stored in the input dtype at
     (row - row_start, col - col_start) of the d-logits buffer by the copy engine (store_half_tiles).
     Rows and columns past the slab are computed and stored
     within the buffer, where the GEMMs do not read them."""
-    (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, scale_ptr,
-     row_start, rows, col_start, SCALED) = args
+    (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr, coef_entropy_ptr, scale_ptr,
+     row_start, rows, col_start, SCALED, HAS_ENTROPY) = args
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     row_mask = local_rows < rows
     token = row_start + local_rows
     lse = gl.load(lse_ptr + token, mask=row_mask, other=0.0)
     coef_softmax = gl.load(coef_softmax_ptr + token, mask=row_mask, other=0.0)
-    grad = coef_softmax[:, None] * exp_shifted(acc, lse)
+    if HAS_ENTROPY:
+        coef_entropy = gl.load(coef_entropy_ptr + token, mask=row_mask, other=0.0)
+        grad = (coef_softmax[:, None] - coef_entropy[:, None] * acc) * exp_shifted(acc, lse)
+    else:
+        grad = coef_softmax[:, None] * exp_shifted(acc, lse)
     targets = gl.load(targets_ptr + token, mask=row_mask, other=-1)
     first_vocab = col_start + pid_n * BLOCK_N
     hit = (targets >= first_vocab) & (targets < first_vocab + BLOCK_N)
@@ -217,8 +232,9 @@ def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
 
 @gluon.jit
 def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
-                          scale_ptr, row_start, rows, col_start, cols, D,
-                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr):
+                          coef_entropy_ptr, scale_ptr, row_start, rows, col_start, cols, D,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
+                          HAS_ENTROPY: gl.constexpr):
     """Exact mode's recompute of one slab (rows x cols from (row_start, col_start)) into the
     d-logits buffer that grad_logits_desc views (half-tile blocks). Launched as
     lse_forward_ws_kernel is (num_warps=4, maxnreg=128, two programs per SM)."""
@@ -228,7 +244,7 @@ def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr
     gl.warp_specialize([
         (consume_tiles, (grad_logits_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D, GROUP_M,
                          (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
-                          scale_ptr, row_start, rows, col_start, SCALED))),
+                          coef_entropy_ptr, scale_ptr, row_start, rows, col_start, SCALED, HAS_ENTROPY))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, col_start, cols, D, GROUP_M)),
     ], [1], [24])
     tma.store_wait(0)  # the consumer's last d-logits store has left shared memory

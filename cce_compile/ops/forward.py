@@ -61,10 +61,10 @@ def row_stats(
     weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor,
     tile_stats: Tensor,
 ) -> RowStats:
-    """Every row's statistics by the kernel plan.forward names (the Gluon forward computes
-    neither sum: plan_launch does not pick it for options that need one)."""
+    """Every row's statistics by the kernel plan.forward names (the Gluon forward computes no
+    weighted sum: plan_launch does not pick it for options that need one)."""
     if plan.forward == "gluon":
-        return forward_gluon(plan, e, c, targets)
+        return forward_gluon(plan, e, c, targets, need_mean_logit)
     if plan.forward == "tma":
         return forward_tma(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
                            order, tile_stats)
@@ -75,22 +75,24 @@ def row_stats(
                        need_mean_logit=need_mean_logit)
 
 
-def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor) -> RowStats:
+def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_mean_logit: bool) -> RowStats:
     """lse_forward_ws_kernel per plan.forward_chunk_rows rows: each (vocab tile, row)'s
-    log-sum-exp, merged after."""
+    log-sum-exp (and softmax-weighted mean logit), merged after."""
     n, v = e.shape[0], c.shape[0]
     tile, per_sm = plan.gluon_tile, plan.gluon_programs_per_sm
     tile_lse = torch.empty((cdiv(v, tile.block_n), n), dtype=torch.float32, device=e.device)
+    tile_mean_logit = torch.empty_like(tile_lse) if need_mean_logit else tile_lse
     target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
     launch = KernelLauncher(lse_forward_ws_kernel, plan.direct_launch)
     descriptors = operand_descriptors(e, c, tile)
     for row_start, rows in row_chunks(n, plan.forward_chunk_rows):
         launch(
             (programs_for(e.device, tiles_of(rows, v, tile), per_sm),),
-            *descriptors, targets, tile_lse, target_logit, n, row_start, rows, v, e.shape[1],
-            GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
+            *descriptors, targets, tile_lse, target_logit, tile_mean_logit, n, row_start, rows, v, e.shape[1],
+            GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_MEAN_LOGIT=need_mean_logit, **launch_options(per_sm),
         )
-    return merge_tile_lse(tile_lse), target_logit, None, None
+    lse = merge_tile_lse(tile_lse)
+    return lse, target_logit, None, merge_tile_means(tile_mean_logit, tile_lse, lse) if need_mean_logit else None
 
 
 def forward_tma(

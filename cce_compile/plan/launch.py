@@ -65,9 +65,15 @@ class Options:
     has_entropy: bool = False  # linear_log_probs' entropy: a softmax-weighted logit sum, and its term in d-logits
 
     @property
+    def plain_logits(self) -> bool:
+        """The logits and terms the Gluon forward and recompute compute: no bias, class weights,
+        soft-cap or smoothing (entropy they do)."""
+        return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing)
+
+    @property
     def plain(self) -> bool:
-        """The loss the Gluon kernels compute: no bias, class weights, soft-cap, smoothing or entropy."""
-        return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing or self.has_entropy)
+        """The loss the Gluon fused forward computes: plain logits and no entropy."""
+        return self.plain_logits and not self.has_entropy
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ def runs_triton(problem: Problem, policy: Policy) -> bool:
 def forward_kernel(problem: Problem, options: Options, policy: Policy) -> ForwardKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    if not options.filtered and gluon_fits(problem, options, policy, policy.forward_gluon_max_k_steps):
+    if not options.filtered and gluon_fits(problem, options.plain_logits, policy, policy.forward_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "split"
 
@@ -123,17 +129,17 @@ def gradients_in_forward(options: Options, dtype: str, scalar_loss: bool, memory
             and not (options.has_softcap and options.has_smoothing))
 
 
-def gluon_fits(problem: Problem, options: Options, policy: Policy, max_k_steps: int) -> bool:
-    """Whether a warp-specialized Gluon kernel runs: the plain loss on a Hopper GPU, operands
-    on tensor descriptors, and at most `max_k_steps` K steps of the Gluon tile."""
-    return (options.plain and problem.on_cuda and problem.hopper and problem.descriptors_fit
+def gluon_fits(problem: Problem, supported: bool, policy: Policy, max_k_steps: int) -> bool:
+    """Whether a warp-specialized Gluon kernel runs: options it `supported`, a Hopper GPU,
+    operands on tensor descriptors, and at most `max_k_steps` K steps of the Gluon tile."""
+    return (supported and problem.on_cuda and problem.hopper and problem.descriptors_fit
             and k_steps(problem.d, policy.gluon_tile.block_k) <= max_k_steps)
 
 
 def fused_kernel(problem: Problem, options: Options, policy: Policy) -> FusedKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    if gluon_fits(problem, options, policy, policy.fused_gluon_max_k_steps):
+    if gluon_fits(problem, options.plain, policy, policy.fused_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "pointer"
 
@@ -157,7 +163,7 @@ def workspace_rows(n: int, v: int, d: int, element_bytes: int, config: KernelCon
 def recompute_kernel(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> RecomputeKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    if gluon_fits(problem, options, policy, policy.recompute_gluon_max_k_steps):
+    if gluon_fits(problem, options.plain_logits, policy, policy.recompute_gluon_max_k_steps):
         return "gluon"
     long_k = k_steps(problem.d, config.grad_logits.block_k) >= policy.recompute_tma_min_k_steps
     return "tma" if long_k and problem.descriptors_fit else "pointer"
