@@ -280,11 +280,12 @@ def test_size_products_in_offsets_are_64_bit(name: str, compiled: dict[str, Any]
     assert compiled[name] == {"32-bit size products": []}
 
 
-@pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel", "fused_forward_ws_kernel"])
+@pytest.mark.parametrize("name", ["lse_forward_ws_kernel", "grad_logits_ws_kernel", "fused_forward_ws_kernel",
+                                  "lse_forward_ws_kernel (entropy)", "grad_logits_ws_kernel (entropy)"])
 def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
     wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM (the
-    recompute's with its half tile staged for the store)."""
+    recompute's with its half tile staged for the store), with linear_log_probs' entropy too."""
     assert compiled[name] == {
         "bulk tensor copies": True, "wgmma": True, "two fit an SM": True, "bare exps": True, "wgmma pipelined": True,
     }
@@ -307,19 +308,23 @@ if __name__ == "__main__":
         ttir = compile_for_hopper(kernel, args, num_stages=4).asm["ttir"]
         found[name] = {"32-bit size products": size_products_in_i32(ttir, sizes)}
     tile = Policy().gluon_tile
-    found["lse_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
-        lse_forward_ws_kernel, {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32"},
-        ["N", "row_start", "rows_in_launch", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
-        {"e_desc": tile.block_m, "c_desc": tile.block_n},
-    ))
-    found["grad_logits_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
-        grad_logits_ws_kernel,
-        {"targets_ptr": "*i64", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
-         "scale_ptr": "*fp32"},
-        ["row_start", "rows", "col_start", "cols", "D"],
-        {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False},
-        {"e_desc": tile.block_m, "c_desc": tile.block_n, "grad_logits_desc": tile.block_m},
-    ))
+    for entropy in (False, True):  # linear_log_probs' entropy: the mean-logit statistic, the d-logits term
+        suffix = " (entropy)" * entropy
+        found["lse_forward_ws_kernel" + suffix] = warp_specialized_kinds(compile_warp_specialized(
+            lse_forward_ws_kernel,
+            {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_mean_logit_ptr": "*fp32"},
+            ["N", "row_start", "rows_in_launch", "V", "D"],
+            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "NEED_MEAN_LOGIT": entropy},
+            {"e_desc": tile.block_m, "c_desc": tile.block_n},
+        ))
+        found["grad_logits_ws_kernel" + suffix] = warp_specialized_kinds(compile_warp_specialized(
+            grad_logits_ws_kernel,
+            {"targets_ptr": "*i64", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
+             "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32"},
+            ["row_start", "rows", "col_start", "cols", "D"],
+            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False, "HAS_ENTROPY": entropy},
+            {"e_desc": tile.block_m, "c_desc": tile.block_n, "grad_logits_desc": tile.block_m},
+        ))
     found["fused_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
         fused_forward_ws_kernel,
         {"targets_ptr": "*i64", "shift_ptr": "*fp32", "stats_ptr": "*fp32", "target_logit_ptr": "*fp32"},

@@ -134,6 +134,14 @@ def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready,
 
 
 @gluon.jit
+def store_target_logit(values, cols, targets, hit, target_logit_ptr):
+    """Where a row's target falls in the tile (`hit`), its logit (of `values`) to target_logit_ptr."""
+    if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
+        is_target = cols[None, :] == targets[:, None]
+        gl.store(target_logit_ptr, gl.sum(gl.where(is_target, values, 0.0), axis=1), mask=hit)
+
+
+@gluon.jit
 def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
     row] (row = row_start + local row, of e's N), the target's logit where the target falls
@@ -144,23 +152,29 @@ def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
         NEED_MEAN_LOGIT = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    in_vocab = (cols < V)[None, :]
     row_mask = local_rows < rows_in_launch
     rows = row_start + local_rows
-    # Past V the copy engine's zero fill gives logits of 0.
-    logits = gl.where((cols < V)[None, :], acc, float("-inf"))
     targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
     hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
-    if gl.max(hit.to(gl.int32), axis=0) > 0:  # the search for targets only where one is
-        is_target = cols[None, :] == targets[:, None]
-        gl.store(target_logit_ptr + rows, gl.sum(gl.where(is_target, logits, 0.0), axis=1), mask=hit)
-    tile_max = gl.max(logits, axis=1)
-    shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
-    exps = exp_shifted(logits, shift)
-    tile_sumexp = gl.sum(exps, axis=1)
     out = pid_n.to(gl.int64) * N + rows
-    gl.store(tile_lse_ptr + out, shift + gl.log(tile_sumexp), mask=row_mask)
-    if NEED_MEAN_LOGIT:  # the zero-filled columns' exponentials are 0, and so their share
+    # Past V the copy engine's zero fill gives logits of 0, masked to -inf.
+    if NEED_MEAN_LOGIT:
+        # Every statistic from acc, masked where it is used: the masked logits held beside acc
+        # (which the mean needs) would spill (ptxas for sm_90: ~800 bytes a thread).
+        store_target_logit(acc, cols, targets, hit, target_logit_ptr + rows)
+        tile_max = gl.max(gl.where(in_vocab, acc, float("-inf")), axis=1)
+        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
+        exps = gl.where(in_vocab, exp_shifted(acc, shift), 0.0)
+        tile_sumexp = gl.sum(exps, axis=1)
         gl.store(tile_mean_logit_ptr + out, gl.sum(exps * acc, axis=1) / tile_sumexp, mask=row_mask)
+    else:
+        logits = gl.where(in_vocab, acc, float("-inf"))
+        store_target_logit(logits, cols, targets, hit, target_logit_ptr + rows)
+        tile_max = gl.max(logits, axis=1)
+        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)
+        tile_sumexp = gl.sum(exp_shifted(logits, shift), axis=1)
+    gl.store(tile_lse_ptr + out, shift + gl.log(tile_sumexp), mask=row_mask)
 
 
 @gluon.jit
