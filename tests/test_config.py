@@ -187,15 +187,19 @@ def test_kernel_version_covers_the_kernels_and_the_policy(tmp_path, monkeypatch:
 
 def test_the_gluon_kernels_run_for_the_options_they_compute() -> None:
     """On a Hopper GPU at short K: the plain loss runs every Gluon kernel; linear_log_probs'
-    entropy the Gluon forward and recompute (their mean-logit statistic and entropy term) but
-    not the Gluon fused forward, which has neither; a bias none of them."""
+    entropy the Gluon recompute (its entropy term) and, where the policy lets it, the Gluon
+    forward (its mean-logit statistic), but not the Gluon fused forward, which has neither; a
+    bias none of them."""
     from cce_compile.plan.launch import Options, Problem, plan_launch
 
     qwen = Problem(n=16384, v=151_936, d=896, dtype="bfloat16", on_cuda=True, hopper=True, descriptors_fit=True,
                    capturing=False)
+    calls = {"plain": (Options(), Policy()), "entropy": (Options(has_entropy=True), Policy()),
+             "entropy, Gluon forward": (Options(has_entropy=True), Policy(forward_gluon_with_entropy=True)),
+             "bias": (Options(has_bias=True), Policy(forward_gluon_with_entropy=True))}
     kernels = {}
-    for name, options in {"plain": Options(), "entropy": Options(has_entropy=True), "bias": Options(has_bias=True)}.items():
-        plan = plan_launch(qwen, options, KernelConfig(), Policy())
+    for name, (options, policy) in calls.items():
+        plan = plan_launch(qwen, options, KernelConfig(), policy)
         kernels[name] = (plan.forward, plan.recompute, plan.fused)
-    assert kernels == {"plain": ("gluon", "gluon", "gluon"), "entropy": ("gluon", "gluon", "tma"),
-                       "bias": ("tma", "pointer", "tma")}
+    assert kernels == {"plain": ("gluon", "gluon", "gluon"), "entropy": ("tma", "gluon", "tma"),
+                       "entropy, Gluon forward": ("gluon", "gluon", "tma"), "bias": ("tma", "pointer", "tma")}

@@ -37,9 +37,8 @@ def fp32_reference(e, c, tokens, bias, temperature, softcap, up_lp, up_h):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("options", [{}, {"entropy": False}, {"temperature": 0.7, "softcap": 30.0, "bias": True}])
 def test_realistic_size_against_fp32(dtype: torch.dtype, options: dict) -> None:
-    """Plain and with entropy (at D = 1024 the Gluon forward, with its mean-logit statistic,
-    and the Gluon recompute, with its entropy term, on an H200), and with every option (the
-    tensor-descriptor forward and the recompute on pointers)."""
+    """Plain and with entropy (at D = 1024 the Gluon recompute, with its entropy term, on an
+    H200), and with every option (the tensor-descriptor forward and the recompute on pointers)."""
     options = dict(options)
     entropy = options.pop("entropy", True)
     e, c, tokens = make_inputs("zipf", (2048,), 32003, 1024, dtype, seed=0, device="cuda")
@@ -101,9 +100,9 @@ def test_compiled_matches_eager() -> None:
 
 @pytest.mark.parametrize("d", [896, 1000])
 def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, launch_plans: list, use_policy) -> None:
-    """The Gluon forward's mean-logit statistic and the Gluon recompute's entropy term against
-    the tensor-descriptor forward and recompute, on ragged rows and vocabulary, a K tail
-    (D = 1000) and ignored tokens: the same fp32 math over other tiles."""
+    """The Gluon forward's mean-logit statistic (where the policy lets it run) and the Gluon
+    recompute's entropy term against the tensor-descriptor forward and recompute, on ragged rows
+    and vocabulary, a K tail (D = 1000) and ignored tokens: the same fp32 math over other tiles."""
     e, c, tokens = make_inputs("zipf", (3001,), 50001, d, torch.bfloat16, seed=7, device="cuda")
     tokens[::11] = -100
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -115,6 +114,7 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
         ((log_probs * up_lp).sum() + (entropy * up_h).sum()).backward()
         return [log_probs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves]
 
+    use_policy(forward_gluon_with_entropy=True)
     on_gluon = outputs()
     use_policy(forward_gluon_max_k_steps=0, recompute_gluon_max_k_steps=0, recompute_tma_min_k_steps=1)
     on_descriptors = outputs()

@@ -144,36 +144,45 @@ def store_target_logit(values, cols, targets, hit, target_logit_ptr):
 @gluon.jit
 def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
-    row] (row = row_start + local row, of e's N), the target's logit where the target falls
-    in the tile, and with NEED_MEAN_LOGIT the tile's softmax-weighted mean logit into
-    tile_mean_logit[tile column, row] (linear_log_probs' entropy; the op merges the tiles' as
-    lse_forward_tma_kernel's)."""
-    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V, \
-        NEED_MEAN_LOGIT = args
+    row] (row = row_start + local row, of e's N), and the target's logit where the target falls
+    in the tile."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    in_vocab = (cols < V)[None, :]
+    row_mask = local_rows < rows_in_launch
+    rows = row_start + local_rows
+    # Past V the copy engine's zero fill gives logits of 0.
+    logits = gl.where((cols < V)[None, :], acc, float("-inf"))
+    targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
+    store_target_logit(logits, cols, targets, hit, target_logit_ptr + rows)
+    tile_max = gl.max(logits, axis=1)
+    shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
+    tile_lse = shift + gl.log(gl.sum(exp_shifted(logits, shift), axis=1))
+    gl.store(tile_lse_ptr + pid_n.to(gl.int64) * N + rows, tile_lse, mask=row_mask)
+
+
+@gluon.jit
+def forward_entropy_epilogue(acc, pid_m, pid_n, local_rows, args):
+    """forward_epilogue, and the tile's softmax-weighted mean logit into tile_mean_logit[tile
+    column, row] (linear_log_probs' entropy; the op merges the tiles' as lse_forward_tma_kernel's).
+    Every statistic comes from acc, masked where it is used: the masked logits held beside acc
+    (which the mean needs) would spill (ptxas for sm_90: ~800 bytes a thread)."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V = args
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    in_vocab = (cols < V)[None, :]  # past V the zero fill's logits of 0 are masked out
     row_mask = local_rows < rows_in_launch
     rows = row_start + local_rows
     targets = gl.load(targets_ptr + rows, mask=row_mask, other=-1)
     hit = row_mask & (targets >= pid_n * BLOCK_N) & (targets < gl.minimum(pid_n * BLOCK_N + BLOCK_N, V))
+    store_target_logit(acc, cols, targets, hit, target_logit_ptr + rows)
+    tile_max = gl.max(gl.where(in_vocab, acc, float("-inf")), axis=1)
+    shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)
+    exps = gl.where(in_vocab, exp_shifted(acc, shift), 0.0)
+    tile_sumexp = gl.sum(exps, axis=1)
     out = pid_n.to(gl.int64) * N + rows
-    # Past V the copy engine's zero fill gives logits of 0, masked to -inf.
-    if NEED_MEAN_LOGIT:
-        # Every statistic from acc, masked where it is used: the masked logits held beside acc
-        # (which the mean needs) would spill (ptxas for sm_90: ~800 bytes a thread).
-        store_target_logit(acc, cols, targets, hit, target_logit_ptr + rows)
-        tile_max = gl.max(gl.where(in_vocab, acc, float("-inf")), axis=1)
-        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)  # all masked: shift by 0
-        exps = gl.where(in_vocab, exp_shifted(acc, shift), 0.0)
-        tile_sumexp = gl.sum(exps, axis=1)
-        gl.store(tile_mean_logit_ptr + out, gl.sum(exps * acc, axis=1) / tile_sumexp, mask=row_mask)
-    else:
-        logits = gl.where(in_vocab, acc, float("-inf"))
-        store_target_logit(logits, cols, targets, hit, target_logit_ptr + rows)
-        tile_max = gl.max(logits, axis=1)
-        shift = gl.where(tile_max == float("-inf"), 0.0, tile_max)
-        tile_sumexp = gl.sum(exp_shifted(logits, shift), axis=1)
+    gl.store(tile_mean_logit_ptr + out, gl.sum(exps * acc, axis=1) / tile_sumexp, mask=row_mask)
     gl.store(tile_lse_ptr + out, shift + gl.log(tile_sumexp), mask=row_mask)
 
 
@@ -182,14 +191,16 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
                           row_start, rows_in_launch, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                           NEED_MEAN_LOGIT: gl.constexpr):
     """The forward over rows [row_start, row_start + rows_in_launch) of e's N (the op launches
-    it per row chunk, as lse_forward_tma_kernel). Launched with num_warps=4 (the consumer; the
-    producer is a one-warp worker) and maxnreg=128, so two programs fit an SM: the consumer
-    takes what the producer's 24 registers a thread leave."""
+    it per row chunk, as lse_forward_tma_kernel), with NEED_MEAN_LOGIT the tiles' mean logits too.
+    Launched with num_warps=4 (the consumer; the producer is a one-warp worker) and
+    maxnreg=128, so two programs fit an SM: the consumer takes what the producer's 24
+    registers a thread leave."""
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
+    epilogue: gl.constexpr = forward_entropy_epilogue if NEED_MEAN_LOGIT else forward_epilogue
     gl.warp_specialize([
-        (consume_tiles, (forward_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
+        (consume_tiles, (epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
                          (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start,
-                          rows_in_launch, V, NEED_MEAN_LOGIT))),
+                          rows_in_launch, V))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows_in_launch, 0, V, D, GROUP_M)),
     ], [1], [24])
 
@@ -255,6 +266,8 @@ def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
     out_half = gl.allocate_shared_memory(grad_logits_desc.dtype, grad_logits_desc.block_type.shape,
                                          grad_logits_desc.layout)
+    if not HAS_ENTROPY:  # a stand-in the epilogue reads: Triton 3.6 fails to lower a partition
+        coef_entropy_ptr = coef_softmax_ptr  # argument that a pruned branch leaves unread
     gl.warp_specialize([
         (consume_tiles, (grad_logits_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D, GROUP_M,
                          (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,

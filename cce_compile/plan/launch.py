@@ -67,7 +67,7 @@ class Options:
     @property
     def plain_logits(self) -> bool:
         """The logits and terms the Gluon forward and recompute compute: no bias, class weights,
-        soft-cap or smoothing (entropy they do)."""
+        soft-cap or smoothing (entropy they do: the forward where the policy lets it)."""
         return not (self.has_bias or self.has_weight or self.has_softcap or self.has_smoothing)
 
     @property
@@ -114,7 +114,8 @@ def runs_triton(problem: Problem, policy: Policy) -> bool:
 def forward_kernel(problem: Problem, options: Options, policy: Policy) -> ForwardKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    if not options.filtered and gluon_fits(problem, options.plain_logits, policy, policy.forward_gluon_max_k_steps):
+    supported = options.plain or (options.plain_logits and policy.forward_gluon_with_entropy)
+    if not options.filtered and gluon_fits(problem, supported, policy, policy.forward_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "split"
 

@@ -33,6 +33,9 @@ class Policy:
     forward_gluon_max_k_steps: int = 16
     """The plain forward runs the Gluon kernel up to this many K steps (D <= 1024): it won at D = 896, lost from 1536 up."""
 
+    forward_gluon_with_entropy: bool = False
+    """linear_log_probs' entropy on the Gluon forward (its mean-logit statistic): off until timed on an H200 (docs/notes/log_probs.md)."""
+
     recompute_gluon_max_k_steps: int = 64
     """The plain recompute runs the Gluon kernel up to this many K steps (D <= 4096): it won to 4096, lost at 5120 and 8192."""
 
