@@ -86,15 +86,16 @@ def main() -> None:
                         print(f"{where}: {result.status}: {result.reason}")
                         continue
                     timed.setdefault((value, f"{run.shape.label} {run.kind}", result.label), []).append(
-                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_ms, result.memory_x_grads, result.rel_err_de))
+                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_x_gemm, result.fwd_ms, result.memory_x_grads,
+                         result.rel_err_de))
                     print(f"{where}: fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.3f} x GEMM), "
-                          f"fwd {result.fwd_ms:.2f} ms, memory {result.memory_x_grads:.3f} x grads, "
+                          f"fwd {result.fwd_ms:.2f} ms ({result.fwd_x_gemm:.3f} x GEMM), memory {result.memory_x_grads:.3f} x grads, "
                           f"err dE {result.rel_err_de:.1e}", flush=True)
     print("medians:")
     for (value, shape, label), rows in timed.items():
-        ratio, fwd_bwd, fwd, memory, de = (statistics.median(column) for column in zip(*rows))
+        ratio, fwd_bwd, fwd_ratio, fwd, memory, de = (statistics.median(column) for column in zip(*rows))
         print(f"  {name}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), "
-              f"fwd {fwd:.2f} ms, memory {memory:.3f} x grads, err dE {de:.1e}")
+              f"fwd {fwd:.2f} ms ({fwd_ratio:.3f} x GEMM), memory {memory:.3f} x grads, err dE {de:.1e}")
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ def block_sparse_always(use_policy: Callable[..., Policy]) -> None:
 
 @pytest.fixture
 def launch_plans(monkeypatch: pytest.MonkeyPatch) -> list[LaunchPlan]:
-    """Every launch plan the ops make (forward, then backward), in order."""
-    from cce_compile.ops import library
+    """Every launch plan the ops make (forward, then backward), in order: the loss's ops and
+    linear_log_probs' alike."""
+    from cce_compile.ops import library, log_probs
 
     plans: list[LaunchPlan] = []
     plan_launch = library.plan_launch
@@ -73,7 +74,8 @@ def launch_plans(monkeypatch: pytest.MonkeyPatch) -> list[LaunchPlan]:
         plans.append(plan_launch(*args))
         return plans[-1]
 
-    monkeypatch.setattr(library, "plan_launch", recorded)
+    for module in (library, log_probs):
+        monkeypatch.setattr(module, "plan_launch", recorded)
     return plans
 
 

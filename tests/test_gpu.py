@@ -255,7 +255,8 @@ def test_huge_classifier_needs_64bit_offsets() -> None:
 def test_fused_forward_peaks_under_twice_the_gradients(n: int, d: int, v: int) -> None:
     """memory="workspace" (the default): a training call's peak, the workspace and the
     gradients the forward holds for the backward included, stays under 2x the gradients, and
-    its gradients are the recompute's within bf16 rounding."""
+    its gradients, as the recompute's, are within the fast-exact issue's 5e-3 of fp32's. (Not
+    of each other: two bf16 roundings apart, they differ by up to twice that.)"""
     e, c, targets = make_inputs("zipf", (n,), v, d, torch.bfloat16, seed=1, device="cuda")
     results = {}
     for memory in ("workspace", "low"):
@@ -271,8 +272,10 @@ def test_fused_forward_peaks_under_twice_the_gradients(n: int, d: int, v: int) -
     grads = (n * d + v * d) * 2
     peak = results["workspace"][0]
     assert peak <= 2.0 * grads, f"peak {peak / 2**20:.0f} MiB vs gradients {grads / 2**20:.0f} MiB"
-    for fused, recomputed in zip(results["workspace"][1:], results["low"][1:]):
-        assert relative_error(fused, recomputed) < 5e-3
+    _, ref_e, ref_c = fp32_reference(e, c, targets)
+    for memory, (_, grad_e, grad_c) in results.items():
+        assert relative_error(grad_e, ref_e) <= 5e-3, memory
+        assert relative_error(grad_c, ref_c) <= 5e-3, memory
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -120,7 +120,7 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
     on_descriptors = outputs()
     assert [(plan.forward, plan.recompute) for plan in launch_plans] == [("gluon", "gluon")] * 2 + [("tma", "tma")] * 2
     for name, got, want in zip(("log_probs", "entropy"), on_gluon, on_descriptors):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda report, name=name: f"{name}: {report}")
     assert torch.all(on_gluon[0][::11] == 0)
     for name, got, want in zip(("dE", "dC"), on_gluon[2:], on_descriptors[2:]):
         assert relative_error(got, want) < 5e-3, name  # bf16 d-logits of other tiles, rounded apart
