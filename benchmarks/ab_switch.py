@@ -56,6 +56,16 @@ def policies_of(args: argparse.Namespace) -> tuple[str, dict[str, Policy]]:
     return name, {value: replace(base, **{name: _value(value)}) for value in values.split(",")}
 
 
+COLUMNS = ("fwd_bwd_ms", "fwd_bwd_x_gemm", "fwd_ms", "fwd_x_gemm", "memory_x_grads", "rel_err_de")
+"""The harness result's fields each line shows, in describe()'s order."""
+
+
+def describe(row: tuple[float, ...]) -> str:
+    fwd_bwd, fwd_bwd_ratio, fwd, fwd_ratio, memory, de = row
+    return (f"fwd+bwd {fwd_bwd:.2f} ms ({fwd_bwd_ratio:.3f} x GEMM), fwd {fwd:.2f} ms ({fwd_ratio:.3f} x GEMM), "
+            f"memory {memory:.3f} x grads, err dE {de:.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     choice = parser.add_mutually_exclusive_group(required=True)
@@ -85,18 +95,12 @@ def main() -> None:
                     if result.status != "ok":
                         print(f"{where}: {result.status}: {result.reason}")
                         continue
-                    timed.setdefault((value, f"{run.shape.label} {run.kind}", result.label), []).append(
-                        (result.fwd_bwd_x_gemm, result.fwd_bwd_ms, result.fwd_x_gemm, result.fwd_ms, result.memory_x_grads,
-                         result.rel_err_de))
-                    print(f"{where}: fwd+bwd {result.fwd_bwd_ms:.2f} ms ({result.fwd_bwd_x_gemm:.3f} x GEMM), "
-                          f"fwd {result.fwd_ms:.2f} ms ({result.fwd_x_gemm:.3f} x GEMM), memory {result.memory_x_grads:.3f} x grads, "
-                          f"err dE {result.rel_err_de:.1e}", flush=True)
+                    row = tuple(getattr(result, column) for column in COLUMNS)
+                    timed.setdefault((value, f"{run.shape.label} {run.kind}", result.label), []).append(row)
+                    print(f"{where}: {describe(row)}", flush=True)
     print("medians:")
     for (value, shape, label), rows in timed.items():
-        ratio, fwd_bwd, fwd_ratio, fwd, memory, de = (statistics.median(column) for column in zip(*rows))
-        print(f"  {name}={value}: {shape} {label}: fwd+bwd {fwd_bwd:.2f} ms ({ratio:.3f} x GEMM), "
-              f"fwd {fwd:.2f} ms ({fwd_ratio:.3f} x GEMM), memory {memory:.3f} x grads, err dE {de:.1e}")
-
+        print(f"  {name}={value}: {shape} {label}: {describe(tuple(statistics.median(col) for col in zip(*rows)))}")
 
 if __name__ == "__main__":
     main()

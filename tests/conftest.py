@@ -7,6 +7,7 @@ policy's triton_on_cpu), all others the plain-PyTorch path.
 
 import contextlib
 import os
+import sys
 from dataclasses import replace
 from typing import Callable
 
@@ -63,19 +64,20 @@ def block_sparse_always(use_policy: Callable[..., Policy]) -> None:
 
 @pytest.fixture
 def launch_plans(monkeypatch: pytest.MonkeyPatch) -> list[LaunchPlan]:
-    """Every launch plan the ops make (forward, then backward), in order: the loss's ops and
-    linear_log_probs' alike."""
-    from cce_compile.ops import library, log_probs
+    """Every launch plan the ops make (forward, then backward), in order: recorded in every
+    cce_compile module that imported plan_launch (the loss's ops, linear_log_probs', any other)."""
+    import cce_compile.ops  # noqa: F401 - loads every op module before the scan below
+    from cce_compile.plan.launch import plan_launch
 
     plans: list[LaunchPlan] = []
-    plan_launch = library.plan_launch
 
     def recorded(*args) -> LaunchPlan:
         plans.append(plan_launch(*args))
         return plans[-1]
 
-    for module in (library, log_probs):
-        monkeypatch.setattr(module, "plan_launch", recorded)
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("cce_compile.") and getattr(module, "plan_launch", None) is plan_launch:
+            monkeypatch.setattr(module, "plan_launch", recorded)
     return plans
 
 
