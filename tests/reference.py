@@ -56,5 +56,7 @@ def reference_log_probs(
     log_probs = torch.where(valid, log_softmax.gather(1, flat.clamp(0, c.shape[0] - 1)[:, None])[:, 0], 0.0)
     if not entropy:
         return log_probs.reshape(tokens.shape)
-    entropies = torch.where(valid, -(log_softmax.exp() * log_softmax).sum(dim=-1), 0.0)
+    # p log p is 0 at p = 0 (a -inf bias); the where keeps log p's -inf out of the product and its gradient
+    entropies = torch.where(valid, -(log_softmax.exp() * torch.where(log_softmax > -torch.inf, log_softmax, 0.0)).sum(
+        dim=-1), 0.0)
     return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)

@@ -45,6 +45,10 @@ def _case(seed: int, dtype: torch.dtype, options: dict, lead: tuple[int, ...] = 
     tokens.view(-1)[:: 7] = options.get("ignore_index", -100)
     options = dict(options)
     bias = (torch.randn(v, generator=g) * 0.5).to(dtype) if options.pop("bias", False) else None
+    if options.pop("ruled_out", False):  # a -inf bias rules tokens out, as a sampler's mask does
+        bias[::5] = float("-inf")
+        flat = tokens.view(-1)
+        flat[(flat >= 0) & (flat % 5 == 0)] = 1
     return e, c, tokens, bias, options
 
 
@@ -114,6 +118,16 @@ def test_kernels_under_the_interpreter(dtype: torch.dtype, options: dict) -> Non
     mean-logit statistic, and grad_logits_kernel with the entropy term."""
     e, c, tokens, bias, options = _case(21, dtype, options, lead=(2, 37), v=203, d=45)
     check_log_probs(e, c, tokens, bias, options)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["cpu", "kernels"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_a_minus_inf_bias_rules_out(kernels: bool, dtype: torch.dtype) -> None:
+    """A bias of -inf on some tokens (p = 0 there): the entropy's p log p and its gradient's
+    p * logit count 0, not NaN, in the forward's mean logit and in the backward's d-logits."""
+    e, c, tokens, bias, options = _case(23, dtype, {"bias": True, "ruled_out": True}, lead=(70,), v=190, d=48)
+    with on_kernels(kernels):
+        check_log_probs(e, c, tokens, bias, options)
 
 
 @pytest.mark.interpreter

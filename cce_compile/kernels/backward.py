@@ -30,7 +30,8 @@ def grad_from_logits(
     grad = coef_softmax[:, None] * softmax
     if HAS_ENTROPY:
         coef_entropy = tl.load(coef_entropy_ptr + rows, mask=row_mask, other=0.0)
-        grad -= coef_entropy[:, None] * softmax * logits
+        # p * logit is 0 where p is (a -inf bias), not NaN
+        grad -= coef_entropy[:, None] * tl.where(softmax > 0.0, softmax * logits, 0.0)
     if tl.max(((targets >= vocab_first) & (targets <= vocab_last)).to(tl.int32), axis=0) > 0:
         coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
         is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]

@@ -23,11 +23,12 @@ def tile_weighted_sum(logits, vocab, col_mask, weight_ptr, HAS_WEIGHT: tl.conste
 
 
 @triton.jit
-def tile_exp_logit_sum(logits, exps, col_mask):
+def tile_exp_logit_sum(logits, exps):
     """sum_j exp(logit_j - shift) * logit_j over the tile's columns (`exps` those exponentials):
     the softmax-weighted logit sum that entropy needs, up to the row's normalizer. Masked
-    columns hold -inf logits and 0 exponentials, whose product would be NaN: they count as 0."""
-    return tl.sum(exps * tl.where(col_mask[None, :], logits, 0.0), axis=1)
+    columns and tokens a -inf bias rules out hold -inf logits and 0 exponentials, whose
+    product would be NaN: they count as 0, as p log p does at p = 0."""
+    return tl.sum(tl.where(exps > 0.0, exps * logits, 0.0), axis=1)
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def lse_forward_kernel(
         tile_sumexp = tl.sum(exps, axis=1)
         if NEED_MEAN_LOGIT:
             rescale = tl.exp2((row_max - shift) * LOG2E)
-            exp_logit_sum = exp_logit_sum * rescale + tile_exp_logit_sum(logits, exps, col_mask)
+            exp_logit_sum = exp_logit_sum * rescale + tile_exp_logit_sum(logits, exps)
         if FILTER:
             live = row_mask & (rows * 0 + tile * BLOCK_N < V)  # the last split may run past V
             at = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile
@@ -177,7 +178,7 @@ def lse_forward_tma_kernel(
         tile_sumexp = tl.sum(exps, axis=1)
         tile_lse = shift + tl.log(tile_sumexp)
         if NEED_MEAN_LOGIT:
-            tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps, col_mask) / tile_sumexp,
+            tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps) / tile_sumexp,
                      mask=row_mask)
         if STORE_TILE_MAX:
             at = tile_max_ptr + rows.to(tl.int64) * num_n + pid_n

@@ -42,7 +42,7 @@ def forward_cpu(
         exps = torch.exp(logits - shift[:, None])
         row_sumexp = row_sumexp * rescale + exps.sum(dim=1)
         if need_mean_logit:
-            exp_logit_sum = exp_logit_sum * rescale + (exps * logits).sum(dim=1)
+            exp_logit_sum = exp_logit_sum * rescale + torch.where(exps > 0, exps * logits, 0.0).sum(dim=1)
         row_max = new_max
         local = targets - start
         hit = (local >= 0) & (local < stop - start)
@@ -119,7 +119,7 @@ def backward_cpu(
         is_target = targets[:, None] == vocab[None, :]
         grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
         if coef_entropy is not None:
-            grad = grad - coef_entropy[:, None] * softmax * logits
+            grad = grad - coef_entropy[:, None] * torch.where(softmax > 0, softmax * logits, 0.0)
         if coef_smooth is not None:
             w = weight[ids].to(torch.float32) if weight is not None else 1.0
             grad = grad - coef_smooth[:, None] * w
