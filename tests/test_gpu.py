@@ -385,7 +385,7 @@ def test_frozen_operand_skips_its_gradient_and_its_memory(filter_eps: float | No
 def test_forward_alone_peaks_at_its_per_tile_buffer(d: int) -> None:
     """A forward with no autograd (evaluation, or what a frozen head's step holds before its
     backward) allocates its (vocab tiles, N) log-sum-exps and little else: the merge of them
-    (merge_tile_lse_kernel) makes no temporary of their size."""
+    (merge_tile_stats_kernel) makes no temporary of their size."""
     n, v = 8192, 65536
     e, c, targets = lm_like_inputs(n, d, v, torch.bfloat16, "cuda", seed=13)
     with torch.no_grad():

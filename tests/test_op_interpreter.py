@@ -71,20 +71,35 @@ def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_out
     assert outputs == [(260 * 16, 300 * 16), (260 * 16, 0), (0, 300 * 16)]
 
 
-def test_tile_lse_merge_streams_like_torch_logsumexp() -> None:
-    """merge_tile_lse_kernel against torch.logsumexp, ragged in tiles and rows, in both layouts
-    the forward hands it, with -inf tiles, an all -inf row, +inf and NaN."""
-    from cce_compile.ops.forward import merge_tile_lse
+def test_tile_stats_merge_streams_like_torch() -> None:
+    """merge_tile_stats_kernel against torch.logsumexp and the softmax-weighted mean of the
+    tiles' means, ragged in tiles and rows, in both layouts the forward hands it (the means in
+    another layout than the log-sum-exps), with -inf tiles (whose NaN means add nothing), an
+    all -inf row, +inf and NaN; neither input changes."""
+    from cce_compile.ops.forward import merge_tile_stats
 
-    tile_lse = torch.randn(45, 150, generator=torch.Generator().manual_seed(0)) * 8.0
+    generator = torch.Generator().manual_seed(0)
+    tile_lse = torch.randn(45, 150, generator=generator) * 8.0
+    tile_mean = torch.randn(45, 150, generator=generator) * 3.0 + 10.0
     tile_lse[::3, 10] = float("-inf")
+    tile_mean[::3, 10] = float("nan")
     tile_lse[:, 11] = float("-inf")
     tile_lse[7, 12] = float("inf")
     tile_lse[40, 13] = float("nan")
-    expected = torch.logsumexp(tile_lse, dim=0)
-    for layout in (tile_lse, tile_lse.T.contiguous().T):
-        torch.testing.assert_close(merge_tile_lse(layout), expected, equal_nan=True)
-    assert merge_tile_lse(tile_lse)[11] == float("-inf") and merge_tile_lse(tile_lse)[12] == float("inf")
+    expected_lse = torch.logsumexp(tile_lse, dim=0)
+    shares = torch.exp(tile_lse - expected_lse)
+    expected_mean = torch.where(shares > 0, shares * tile_mean, 0.0).sum(dim=0)
+    kept = (tile_lse.clone(), tile_mean.clone())
+    for lse_layout in (tile_lse, tile_lse.T.contiguous().T):
+        lse, mean = merge_tile_stats(lse_layout, tile_mean)
+        torch.testing.assert_close(lse, expected_lse, equal_nan=True)
+        finite = torch.isfinite(expected_lse)
+        torch.testing.assert_close(mean[finite], expected_mean[finite])
+        assert torch.isnan(mean[13])  # a NaN log-sum-exp's row
+    for buffer, before in zip((tile_lse, tile_mean), kept):
+        torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
+    lse, no_mean = merge_tile_stats(tile_lse)
+    assert no_mean is None and lse[11] == float("-inf") and lse[12] == float("inf")
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])

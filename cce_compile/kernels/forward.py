@@ -189,27 +189,39 @@ def lse_forward_tma_kernel(
 
 
 @triton.jit
-def merge_tile_lse_kernel(
-    tile_lse_ptr, lse_ptr, N, num_tiles, stride_tile, stride_row,
-    BLOCK_ROWS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+def merge_tile_stats_kernel(
+    tile_lse_ptr, tile_mean_ptr, lse_ptr, mean_ptr, N, num_tiles, stride_tile, stride_row,
+    stride_mean_tile, stride_mean_row, NEED_MEAN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_TILES: tl.constexpr,
 ):
-    """lse[row] = log-sum-exp over tiles of tile_lse[tile, row] (strided), one streaming pass.
+    """lse[row] = log-sum-exp over tiles of tile_lse[tile, row] and (NEED_MEAN) mean[row] = the
+    tiles' means tile_mean[tile, row] weighted by exp(tile lse - lse), their shares of the
+    softmax: one streaming pass over both (tile, row) buffers, which stay as they are.
 
     torch.logsumexp made temporaries the size of its input, so the forward's peak was ~3x its
-    per-tile buffer (on Qwen2.5's shape 285 MB against 78 MB), what a frozen head's call or a
-    forward alone is left with. +inf stays +inf, all -inf gives -inf, NaN stays NaN."""
+    per-tile buffer (on Qwen2.5's shape 285 MB against 78 MB); the mean's merge in torch took
+    four more passes. +inf stays +inf, all -inf gives -inf, NaN stays NaN."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < N
     row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
     row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    row_mean_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)  # sum of exp(tile lse - row_max) * tile mean
     for start in range(0, num_tiles, BLOCK_TILES):
         tiles = start + tl.arange(0, BLOCK_TILES)
-        at = tile_lse_ptr + tiles.to(tl.int64)[:, None] * stride_tile + rows.to(tl.int64)[None, :] * stride_row
-        x = tl.load(at, mask=(tiles < num_tiles)[:, None] & row_mask[None, :], other=float("-inf"))
+        tiles64, rows64 = tiles.to(tl.int64)[:, None], rows.to(tl.int64)[None, :]
+        mask = (tiles < num_tiles)[:, None] & row_mask[None, :]
+        x = tl.load(tile_lse_ptr + tiles64 * stride_tile + rows64 * stride_row, mask=mask, other=float("-inf"))
         new_max = tl.maximum(row_max, tl.max(x, axis=0))
         # Shift by 0 where the max is infinite: exp(-inf - -inf) and exp(inf - inf) would be NaN.
         shift = tl.where(tl.abs(new_max) == float("inf"), 0.0, new_max)
-        row_sumexp = row_sumexp * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
+        rescale = tl.exp(row_max - shift)
+        weights = tl.exp(x - shift[None, :])
+        row_sumexp = row_sumexp * rescale + tl.sum(weights, axis=0)
+        if NEED_MEAN:
+            means = tl.load(tile_mean_ptr + tiles64 * stride_mean_tile + rows64 * stride_mean_row, mask=mask, other=0.0)
+            # A tile of weight 0 adds nothing, whatever its mean (a masked or empty tile's may be NaN).
+            row_mean_sum = row_mean_sum * rescale + tl.sum(tl.where(weights > 0.0, weights * means, 0.0), axis=0)
         row_max = new_max
     shift = tl.where(tl.abs(row_max) == float("inf"), 0.0, row_max)
     tl.store(lse_ptr + rows, shift + tl.log(row_sumexp), mask=row_mask)
+    if NEED_MEAN:
+        tl.store(mean_ptr + rows, row_mean_sum / row_sumexp, mask=row_mask)

@@ -10,7 +10,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import KernelConfig
-from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel, merge_tile_lse_kernel
+from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel, merge_tile_stats_kernel
 from ..kernels.warp_specialized import lse_forward_ws_kernel
 from ..plan.launch import LaunchPlan
 from .cpu_path import forward_cpu
@@ -91,8 +91,8 @@ def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_
             *descriptors, targets, tile_lse, target_logit, tile_mean_logit, n, row_start, rows, v, e.shape[1],
             GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_MEAN_LOGIT=need_mean_logit, **launch_options(per_sm),
         )
-    lse = merge_tile_lse(tile_lse)
-    return lse, target_logit, None, merge_tile_means(tile_mean_logit, tile_lse, lse) if need_mean_logit else None
+    lse, mean_logit = merge_tile_stats(tile_lse, tile_mean_logit if need_mean_logit else None)
+    return lse, target_logit, None, mean_logit
 
 
 def forward_tma(
@@ -134,20 +134,9 @@ def forward_tma(
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
     tile_lse = tile_stats[1].T if plan.filtered else lse_by_tile
-    lse = merge_tile_lse(tile_lse)
+    lse, mean_logit = merge_tile_stats(tile_lse, tile_mean_logit if need_mean_logit else None)
     weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
-    mean_logit = None
-    if need_mean_logit:  # filtered mode's backward still reads its tile log-sum-exps
-        mean_logit = merge_tile_means(tile_mean_logit, tile_lse.clone() if plan.filtered else tile_lse, lse)
     return lse, target_logit, weighted_sum, mean_logit
-
-
-def merge_tile_means(tile_mean: Tensor, tile_lse: Tensor, lse: Tensor) -> Tensor:
-    """A row's softmax-weighted mean from its tiles' (tile_mean, tile_lse: (tiles, N)): each
-    tile's mean weighted by its share of the softmax, exp(tile lse - lse). Both buffers are
-    overwritten, so the forward peaks at the per-tile buffers it already has."""
-    tile_mean.mul_(tile_lse.sub_(lse).exp_())
-    return tile_mean.sum(dim=0)
 
 
 def forward_split(
@@ -185,13 +174,19 @@ def forward_split(
     return lse, partial[2].sum(dim=0), weighted_sum, mean_logit
 
 
-def merge_tile_lse(tile_lse: Tensor) -> Tensor:
-    """Each row's log-sum-exp from its per-tile ones (tile_lse: (tiles, N), any strides), with
-    no temporary the size of tile_lse."""
+def merge_tile_stats(tile_lse: Tensor, tile_mean: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Each row's log-sum-exp from its per-tile ones (tile_lse: (tiles, N), any strides) and,
+    given the tiles' softmax-weighted mean logits (tiles, N), the row's: one pass
+    over both, no temporary of their size, neither buffer changed (filtered mode's backward
+    still reads its tile log-sum-exps)."""
     num_tiles, n = tile_lse.shape
     lse = torch.empty(n, dtype=torch.float32, device=tile_lse.device)
+    mean = torch.empty_like(lse) if tile_mean is not None else None
+    means = tile_mean if tile_mean is not None else tile_lse
     block_rows = 64
-    merge_tile_lse_kernel[(cdiv(n, block_rows),)](
-        tile_lse, lse, n, num_tiles, tile_lse.stride(0), tile_lse.stride(1), BLOCK_ROWS=block_rows, BLOCK_TILES=32,
+    merge_tile_stats_kernel[(cdiv(n, block_rows),)](
+        tile_lse, means, lse, mean if mean is not None else lse, n, num_tiles,
+        tile_lse.stride(0), tile_lse.stride(1), means.stride(0), means.stride(1),
+        NEED_MEAN=tile_mean is not None, BLOCK_ROWS=block_rows, BLOCK_TILES=32,
     )
-    return lse
+    return lse, mean
