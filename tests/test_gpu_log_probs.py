@@ -102,7 +102,11 @@ def test_compiled_matches_eager() -> None:
 def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, launch_plans: list, use_policy) -> None:
     """The Gluon forward's mean-logit statistic (where the policy lets it run) and the Gluon
     recompute's entropy term against the tensor-descriptor forward and recompute, on ragged rows
-    and vocabulary, a K tail (D = 1000) and ignored tokens: the same fp32 math over other tiles."""
+    and vocabulary, a K tail (D = 1000) and ignored tokens: both as close to float64 as fp32 math
+    over other tiles gets (each path sums its logits and tiles in its own order, so the two are
+    a few fp32 ulps of lse apart, not equal)."""
+    from .reference import reference_log_probs
+
     e, c, tokens = make_inputs("zipf", (3001,), 50001, d, torch.bfloat16, seed=7, device="cuda")
     tokens[::11] = -100
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -119,8 +123,10 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
     use_policy(forward_gluon_max_k_steps=0, recompute_gluon_max_k_steps=0, recompute_tma_min_k_steps=1)
     on_descriptors = outputs()
     assert [(plan.forward, plan.recompute) for plan in launch_plans] == [("gluon", "gluon")] * 2 + [("tma", "tma")] * 2
-    for name, got, want in zip(("log_probs", "entropy"), on_gluon, on_descriptors):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda report, name=name: f"{name}: {report}")
+    expected = reference_log_probs(e.double(), c.double(), tokens, entropy=True)
+    for name, got_gluon, got_descriptors, want in zip(("log_probs", "entropy"), on_gluon, on_descriptors, expected):
+        errors = [(got.double() - want).abs().max().item() for got in (got_gluon, got_descriptors)]
+        assert max(errors) <= 2e-4, f"{name}: largest error against float64, Gluon / descriptors {errors}"
     assert torch.all(on_gluon[0][::11] == 0)
     for name, got, want in zip(("dE", "dC"), on_gluon[2:], on_descriptors[2:]):
         assert relative_error(got, want) < 5e-3, name  # bf16 d-logits of other tiles, rounded apart

@@ -22,6 +22,8 @@ loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -31,7 +33,7 @@ from ..kernels.fused_forward import REDO_SPLITS, fused_forward_kernel, fused_for
 from ..kernels.fused_rows import row_finish_kernel, row_shift_kernel
 from ..kernels.warp_specialized import fused_forward_ws_kernel
 from ..plan.launch import LaunchPlan
-from . import graphs
+from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import KernelLauncher
@@ -106,6 +108,9 @@ class FusedForward:
         if plan.fused != "cpu":
             self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing,
                                         ignore_index, z_loss, need_grad_c)
+        # dE's GEMM on its own stream where dC's runs beside it
+        self.grad_e_stream = (streams.grad_e_stream(e.device)
+                              if plan.grad_e_side_stream and need_grad_e and need_grad_c else None)
 
     def chunk_loop(self) -> None:
         """Every token chunk, into the gradients, the per-token losses and the buffers made above."""
@@ -131,19 +136,19 @@ class FusedForward:
             self.gradients(row_start, rows)
 
     def gradients(self, row_start: int, rows: int) -> None:
-        """The chunk's share of dE, dC and dbias from the workspace the kernels left."""
+        """The chunk's share of dE, dC and dbias from the workspace the kernels left; with a
+        dE stream, dE runs there beside dC, and the next chunk's kernels wait for both."""
         row_end = row_start + rows
         e_rows = self.e[row_start:row_end]
         workspace = self.kernels.workspace[:rows]
         s = self.kernels.row_scale[:rows]  # the softmax's row scale on the workspace
         coef_smooth = self.kernels.coef_smooth[:rows]
+        main = torch.cuda.current_stream(self.e.device) if self.grad_e_stream is not None else None
         if self.need_grad_e:
-            grad_e = fp32_product(workspace, self.c)
-            if self.smoothing:
-                grad_e.mul_(s[:, None]).sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
-                self.grad_e[row_start:row_end].copy_(grad_e)
-            else:
-                torch.mul(grad_e, s[:, None], out=self.grad_e[row_start:row_end])
+            with contextlib.nullcontext() if main is None else torch.cuda.stream(self.grad_e_stream):
+                if main is not None:
+                    self.grad_e_stream.wait_stream(main)
+                self.grad_e_rows(workspace, s, coef_smooth, row_start, row_end)
         if self.need_grad_c:
             scaled_e = self.kernels.scaled_e[:rows]
             if row_start == 0:  # the first chunk writes dC, the later ones add to it
@@ -156,6 +161,17 @@ class FusedForward:
             self.grad_bias += torch.mv(workspace.T, s.to(workspace.dtype)).float()
             if self.smoothing:
                 self.grad_bias -= coef_smooth.sum() * self.smoothing_weights
+        if main is not None:
+            main.wait_stream(self.grad_e_stream)
+
+    def grad_e_rows(self, workspace: Tensor, s: Tensor, coef_smooth: Tensor, row_start: int, row_end: int) -> None:
+        """dE of the chunk's rows: the workspace's product with c, summed in fp32, row-scaled."""
+        grad_e = fp32_product(workspace, self.c)
+        if self.smoothing:
+            grad_e.mul_(s[:, None]).sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
+            self.grad_e[row_start:row_end].copy_(grad_e)
+        else:
+            torch.mul(grad_e, s[:, None], out=self.grad_e[row_start:row_end])
 
     def cpu_chunk(self, row_start: int, rows: int) -> None:
         """The plain-PyTorch path's chunk: its forward and backward on the chunk's rows."""

@@ -19,10 +19,10 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from functools import lru_cache
-
 import torch
 from torch import Tensor
+
+from .streams import capture_stream
 
 CAPACITY = 8
 """Graphs kept (least recently replayed dropped first): a training loop needs one per set of
@@ -32,21 +32,6 @@ addresses it cycles through, usually one or two."""
 def tensor_key(t: Tensor | None) -> Hashable:
     """What a captured launch depends on of a tensor: where it is and how it is laid out."""
     return None if t is None else (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
-
-
-@lru_cache(maxsize=None)
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device to capture on (a capture cannot run on the default stream);
-    graphs replay on the caller's stream. torch gives each stream that runs cuBLAS its own
-    workspace (32 MiB on Hopper), so this stream's is made here, at a loop's first call, once
-    per process and device: the capture itself then allocates nothing (on the H200 a capture
-    that made it added 32 MiB to its call's peak)."""
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        one = torch.ones((1, 1), dtype=torch.bfloat16, device=device)
-        torch.mm(one, one)
-        torch.mm(one, one, out_dtype=torch.float32)  # the cuBLASLt path dE's accumulation takes
-    return stream
 
 
 CAPTURING = threading.Lock()

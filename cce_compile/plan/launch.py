@@ -96,6 +96,7 @@ class LaunchPlan:
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
     forward_chunk_rows: int
     workspace_rows: int  # the fused forward's token chunk
+    grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside its dC GEMMs (not under capture)
     gluon_tile: TileConfig
     gluon_programs_per_sm: int
     dense_fraction: float
@@ -194,10 +195,12 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         direct_launch=problem.on_cuda,
         forward_chunk_rows=policy.forward_chunk_rows,
         workspace_rows=workspace_rows(problem.n, problem.v, problem.d, problem.element_bytes, config, policy),
+        grad_e_side_stream=policy.fused_side_stream_grad_e and problem.on_cuda and not problem.capturing,
         gluon_tile=policy.gluon_tile,
         gluon_programs_per_sm=policy.gluon_programs_per_sm,
         dense_fraction=policy.dense_fraction,
         backward=(policy.backward_plan or plan_backward(
             problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,
-            row_buffers=policy.entropy_row_buffers if options.has_entropy else 0)) if triton else None,
+            row_buffers=policy.loss_row_buffers + (policy.entropy_row_buffers if options.has_entropy else 0),
+        )) if triton else None,
     )

@@ -70,6 +70,11 @@ class Policy:
     other_buffers_fraction: float = 0.002
     """What the op holds beside the scratch at the backward's peak, kept out of scratch_fraction."""
 
+    loss_row_buffers: int = 6
+    """Exact mode's recompute holds this many fp32 vectors per token beside the backward's scratch (lse, the upstream
+    gradients autograd hands it, three coefficients; a memory trace at 20000 x 896 x 151936 on the H200): at 20000
+    tokens 0.16% of the gradients, which took that shape's peak to 1.1003 x within other_buffers_fraction alone."""
+
     entropy_row_buffers: int = 4
     """linear_log_probs with entropy holds this many more fp32 vectors per token than the loss beside the backward's
     scratch (the entropies, their mean logits, upstream gradient and coefficient): 0.3% of the gradients at
@@ -94,6 +99,12 @@ class Policy:
     """The fused forward's workspace (token chunk x V), as a share of the gradients it computes: with them and the
     per-row buffers a call peaks under 2x the gradients, with a margin for the allocator. Fewer chunks mean fewer
     read-modify-write passes over dC and fewer bf16 roundings of it (Qwen2.5's shape: 22 chunks, not 26)."""
+
+    fused_side_stream_grad_e: bool = True
+    """The fused forward runs each chunk's dE GEMM on a second stream beside its dC GEMM: dE's output (chunk rows x D)
+    is a few tiles split over K, dC streams V x D through memory, so one fills what the other leaves. Alternating
+    A/B on the H200, fwd+bwd x GEMM off / on: Qwen2.5 3.56 / 3.47, Gemma-2 3.32 / 3.28, Llama-3.2 1B 3.27 / 3.20,
+    Llama-3 3.14 / 3.15. Costs a second cuBLAS workspace (32 MiB, once per process)."""
 
     fused_gluon_max_k_steps: int = 48
     """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 3072), the persistent
