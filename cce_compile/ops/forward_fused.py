@@ -49,12 +49,12 @@ pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how 
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
 
 
-def fp32_product(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b summed and returned in fp32: cuBLASLt's 16-bit operands with an fp32 result on
-    CUDA (no fp32 copies of the operands), fp32 operands elsewhere."""
+def fp32_product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b summed and returned in fp32 (into `out` where given): cuBLASLt's 16-bit operands
+    with an fp32 result on CUDA (no fp32 copies of the operands), fp32 operands elsewhere."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def reduction_scale(targets: Tensor, weight: Tensor | None, v: int, ignore_index: int, reduction: str) -> Tensor:
@@ -76,7 +76,8 @@ def run_fused(
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
     if plan.cuda_graphs:
-        graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device)
+        side = (fused.grad_e_stream,) if fused.grad_e_stream is not None else ()
+        graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device, side)
     else:
         fused.chunk_loop()
     return fused.finish()
@@ -107,7 +108,7 @@ class FusedForward:
         self.smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
         if plan.fused != "cpu":
             self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing,
-                                        ignore_index, z_loss, need_grad_c)
+                                        ignore_index, z_loss, need_grad_e, need_grad_c)
         # dE's GEMM on its own stream where dC's runs beside it
         self.grad_e_stream = (streams.grad_e_stream(e.device)
                               if plan.grad_e_side_stream and need_grad_e and need_grad_c else None)
@@ -166,7 +167,7 @@ class FusedForward:
 
     def grad_e_rows(self, workspace: Tensor, s: Tensor, coef_smooth: Tensor, row_start: int, row_end: int) -> None:
         """dE of the chunk's rows: the workspace's product with c, summed in fp32, row-scaled."""
-        grad_e = fp32_product(workspace, self.c)
+        grad_e = fp32_product(workspace, self.c, out=self.kernels.grad_e_sum[:row_end - row_start])
         if self.smoothing:
             grad_e.mul_(s[:, None]).sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
             self.grad_e[row_start:row_end].copy_(grad_e)
@@ -225,7 +226,7 @@ class FusedKernels:
 
     def __init__(self, plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, bias: Tensor | None,
                  weight: Tensor | None, targets: Tensor, softcap: float, label_smoothing: float, ignore_index: int,
-                 z_loss: float, need_grad_c: bool) -> None:
+                 z_loss: float, need_grad_e: bool, need_grad_c: bool) -> None:
         self.plan, self.config = plan, config
         self.e, self.c, self.bias, self.weight, self.targets = e, c, bias, weight, targets
         self.softcap, self.label_smoothing, self.smoothing = softcap, label_smoothing, label_smoothing > 0.0
@@ -246,6 +247,8 @@ class FusedKernels:
         self.row_scale = torch.empty(rows, dtype=torch.float32, device=e.device)
         self.coef_smooth = torch.empty(rows if self.smoothing else 0, dtype=torch.float32, device=e.device)
         self.scaled_e = torch.empty((rows, d) if need_grad_c else (0, d), dtype=e.dtype, device=e.device)
+        # dE's fp32 product, made here as everything the chunk loop writes (on either stream)
+        self.grad_e_sum = torch.empty((rows, d) if need_grad_e else (0, d), dtype=torch.float32, device=e.device)
         self.total_weight = (weight.to(torch.float32).sum() if weight is not None
                              else torch.full((), float(v), dtype=torch.float32, device=e.device))
         # Any shift near the rows' logits serves: the mean of c in its own dtype, with no fp32 copy of c.
@@ -272,7 +275,8 @@ class FusedKernels:
     def buffers(self) -> tuple[Tensor | None, ...]:
         """Every tensor the launches read or write besides the call's own."""
         return (self.workspace, self.stats_buffer, self.target_logit, self.redo_rows, self.lse, self.weighted_sum,
-                self.row_scale, self.coef_smooth, self.scaled_e, self.total_weight, self.mean_c, self.mean_bias)
+                self.row_scale, self.coef_smooth, self.scaled_e, self.grad_e_sum, self.total_weight, self.mean_c,
+                self.mean_bias)
 
     def run(self, row_start: int, rows: int, scale: Tensor, losses: Tensor) -> None:
         """The chunk's workspace, row scales (and coef_smooth) and scaled rows of e, and its

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
-from .streams import capture_stream
+from .streams import capture_stream, warm
 
 CAPACITY = 8
 """Graphs kept (least recently replayed dropped first): a training loop needs one per set of
@@ -52,14 +52,16 @@ class LoopGraphs:
         self.uncapturable: OrderedDict[Hashable, None] = OrderedDict()
         self.captures = self.replays = 0
 
-    def run(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> None:
+    def run(self, key: Hashable, loop: Callable[[], None], device: torch.device,
+            side_streams: tuple[torch.cuda.Stream, ...] = ()) -> None:
+        """`side_streams`: the streams `loop` forks to besides the one it runs on."""
         graph = self.graphs.get(key)
         if graph is None and key not in self.uncapturable:
             if key in self.seen:
-                graph = self._capture(key, loop, device)
-            else:
+                graph = self._capture(key, loop, device, side_streams)
+            else:  # the first call makes the workspaces, so the capturing one (usually) need not
                 self._remember(self.seen, key, None)
-                self._try(key, capture_stream, device)
+                self._try(key, warm_streams, device, side_streams)
         if graph is None:
             loop()
             return
@@ -67,10 +69,12 @@ class LoopGraphs:
         graph.replay()
         self.replays += 1
 
-    def _capture(self, key: Hashable, loop: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, key: Hashable, loop: Callable[[], None], device: torch.device,
+                 side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.CUDAGraph | None:
         def capture() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
-            with CAPTURING, torch.cuda.stream(capture_stream(device)):
+            stream = warm_streams(device, side_streams)
+            with CAPTURING, torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     loop()
@@ -100,6 +104,14 @@ class LoopGraphs:
         table.move_to_end(key)
         while len(table) > self.capacity:
             table.popitem(last=False)
+
+
+def warm_streams(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.Stream:
+    """The capture stream, after a GEMM on it and on each side stream (outside any capture)."""
+    stream = capture_stream(device)
+    for each in (stream, *side_streams):
+        warm(each)
+    return stream
 
 
 SLAB_LOOPS = LoopGraphs("the backward's slab loop")
