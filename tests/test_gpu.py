@@ -277,9 +277,9 @@ def test_fused_forward_peaks_under_twice_the_gradients(n: int, d: int, v: int) -
         _, grad_e, grad_c = results[memory]
         assert relative_error(grad_e, ref_e) <= 5e-3, memory
         error_c = relative_error(grad_c, ref_c)
-        if memory == "workspace" and d < 1024 and error_c > 5e-3:
-            pytest.xfail(f"dC {error_c:.1e} against fp32: the fused path sums {-(-n // 768)} token chunks of dC in bf16 "
-                         "(issue 35's 5e-3 is not met at D = 896 with this many; docs/notes/fused-forward.md)")
+        if memory == "workspace" and d < 1024 and 5e-3 < error_c <= 6e-3:
+            pytest.xfail(f"dC {error_c:.1e} against fp32: the fused path sums its many token chunks of dC in bf16 "
+                         "(issue 35's 5e-3 is not met at D = 896 with 27 of them; docs/notes/fused-forward.md)")
         assert error_c <= 5e-3, memory
 
 

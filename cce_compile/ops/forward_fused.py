@@ -22,8 +22,6 @@ loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -144,11 +142,8 @@ class FusedForward:
         workspace = self.kernels.workspace[:rows]
         s = self.kernels.row_scale[:rows]  # the softmax's row scale on the workspace
         coef_smooth = self.kernels.coef_smooth[:rows]
-        main = torch.cuda.current_stream(self.e.device) if self.grad_e_stream is not None else None
         if self.need_grad_e:
-            with contextlib.nullcontext() if main is None else torch.cuda.stream(self.grad_e_stream):
-                if main is not None:
-                    self.grad_e_stream.wait_stream(main)
+            with streams.forked(self.grad_e_stream):
                 self.grad_e_rows(workspace, s, coef_smooth, row_start, row_end)
         if self.need_grad_c:
             scaled_e = self.kernels.scaled_e[:rows]
@@ -162,14 +157,14 @@ class FusedForward:
             self.grad_bias += torch.mv(workspace.T, s.to(workspace.dtype)).float()
             if self.smoothing:
                 self.grad_bias -= coef_smooth.sum() * self.smoothing_weights
-        if main is not None:
-            main.wait_stream(self.grad_e_stream)
+        if self.grad_e_stream is not None:  # the next chunk's kernels write what dE reads
+            torch.cuda.current_stream(self.e.device).wait_stream(self.grad_e_stream)
 
     def grad_e_rows(self, workspace: Tensor, s: Tensor, coef_smooth: Tensor, row_start: int, row_end: int) -> None:
         """dE of the chunk's rows: the workspace's product with c, summed in fp32, row-scaled."""
         grad_e = fp32_product(workspace, self.c, out=self.kernels.grad_e_sum[:row_end - row_start])
         if self.smoothing:
-            grad_e.mul_(s[:, None]).sub_(coef_smooth[:, None] * self.smoothing_of_c[None, :])
+            grad_e.mul_(s[:, None]).addr_(coef_smooth, self.smoothing_of_c, alpha=-1)
             self.grad_e[row_start:row_end].copy_(grad_e)
         else:
             torch.mul(grad_e, s[:, None], out=self.grad_e[row_start:row_end])

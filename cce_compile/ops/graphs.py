@@ -19,10 +19,11 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+
 import torch
 from torch import Tensor
 
-from .streams import capture_stream, warm
+from .streams import warm_streams
 
 CAPACITY = 8
 """Graphs kept (least recently replayed dropped first): a training loop needs one per set of
@@ -61,7 +62,7 @@ class LoopGraphs:
                 graph = self._capture(key, loop, device, side_streams)
             else:  # the first call makes the workspaces, so the capturing one (usually) need not
                 self._remember(self.seen, key, None)
-                self._try(key, warm_streams, device, side_streams)
+                self._try(key, _warm_streams_alone, device, side_streams)
         if graph is None:
             loop()
             return
@@ -73,8 +74,7 @@ class LoopGraphs:
                  side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.CUDAGraph | None:
         def capture() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
-            stream = warm_streams(device, side_streams)
-            with CAPTURING, torch.cuda.stream(stream):
+            with CAPTURING, torch.cuda.stream(warm_streams(device, side_streams)):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     loop()
@@ -106,12 +106,10 @@ class LoopGraphs:
             table.popitem(last=False)
 
 
-def warm_streams(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.Stream:
-    """The capture stream, after a GEMM on it and on each side stream (outside any capture)."""
-    stream = capture_stream(device)
-    for each in (stream, *side_streams):
-        warm(each)
-    return stream
+def _warm_streams_alone(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> None:
+    """warm_streams while no other thread captures on the capture stream."""
+    with CAPTURING:
+        warm_streams(device, side_streams)
 
 
 SLAB_LOOPS = LoopGraphs("the backward's slab loop")

@@ -7,14 +7,19 @@ pair's first GEMM, and each thread its own handle (the autograd engine's device 
 backwards, the caller's thread forwards); and one made earlier may be gone again (in the GPU
 suite, after a torch.compile reduce-overhead test, a capture made one anew). A workspace made
 inside our capture lands in the capturing call (on the H200, 32 MiB over the call's memory
-bound), so `warm` runs a GEMM on each stream a loop uses, on the capturing thread, just before
-every capture, and at a loop's first call."""
+bound), so `warm_streams` runs a GEMM on each stream a loop uses, on the capturing thread, just
+before every capture, and at a loop's first call."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from functools import lru_cache
 
 import torch
+
+_local = threading.local()
 
 
 def warm(stream: torch.cuda.Stream) -> None:
@@ -27,12 +32,36 @@ def warm(stream: torch.cuda.Stream) -> None:
 
 @lru_cache(maxsize=None)
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream per device to capture graphs on (a capture cannot run on the default
-    stream); graphs replay on the caller's stream."""
+    """One stream per device to capture graphs on, one capture at a time (graphs.CAPTURING; a
+    capture cannot run on the default stream); graphs replay on the caller's stream."""
     return torch.cuda.Stream(device)
 
 
-@lru_cache(maxsize=None)
+def warm_streams(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.Stream:
+    """The capture stream, after a GEMM on it and on each side stream (outside any capture)."""
+    stream = capture_stream(device)
+    for each in (stream, *side_streams):
+        warm(each)
+    return stream
+
+
 def grad_e_stream(device: torch.device) -> torch.cuda.Stream:
-    """One stream per device for the fused forward's dE GEMMs, beside dC's on the caller's."""
-    return torch.cuda.Stream(device)
+    """This thread's stream for the fused forward's dE GEMMs, beside dC's on the caller's: one
+    per thread, so no thread's work lands in a stream another thread's capture has forked."""
+    streams: dict[torch.device, torch.cuda.Stream] = _local.__dict__.setdefault("grad_e", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
+@contextlib.contextmanager
+def forked(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Work queued in the block runs on `stream`, after all the current stream has queued (with
+    no stream, on the current one). The caller joins it back (`current.wait_stream(stream)`)
+    before anything the block reads is written again."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield

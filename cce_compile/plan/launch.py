@@ -96,7 +96,7 @@ class LaunchPlan:
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
     forward_chunk_rows: int
     workspace_rows: int  # the fused forward's token chunk
-    grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside its dC GEMMs (not under capture)
+    grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside dC's (not in a caller's capture)
     gluon_tile: TileConfig
     gluon_programs_per_sm: int
     dense_fraction: float
@@ -201,6 +201,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         dense_fraction=policy.dense_fraction,
         backward=(policy.backward_plan or plan_backward(
             problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,
-            row_buffers=policy.loss_row_buffers + (policy.entropy_row_buffers if options.has_entropy else 0),
+            row_buffers=(0 if options.filtered else policy.loss_row_buffers)
+            + (policy.entropy_row_buffers if options.has_entropy else 0),
         )) if triton else None,
     )

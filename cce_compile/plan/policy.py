@@ -106,7 +106,7 @@ class Policy:
     """The fused forward runs each chunk's dE GEMM on a second stream beside its dC GEMM: dE's output (chunk rows x D)
     is a few tiles split over K, dC streams V x D through memory, so one fills what the other leaves. Alternating
     A/B on the H200, fwd+bwd x GEMM off / on: Qwen2.5 3.56 / 3.47, Gemma-2 3.32 / 3.28, Llama-3.2 1B 3.27 / 3.20,
-    Llama-3 3.14 / 3.15. Costs a second cuBLAS workspace (32 MiB, once per process)."""
+    Llama-3 3.14 / 3.15. Costs a second cuBLAS workspace (32 MiB per thread that runs the fused forward)."""
 
     fused_gluon_max_k_steps: int = 48
     """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 3072), the persistent
