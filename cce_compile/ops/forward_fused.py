@@ -12,8 +12,9 @@ Per token chunk (plan.workspace_rows rows):
    loss's 1/denominator and z-loss folded in), d_logits = s * q - coef_smooth * w with
    s = coef_softmax * exp(shift - lse) per row, and the target's -coef_target folded into its
    own workspace entry. So dE[chunk] = s * (q @ c) - coef_smooth * (w @ c) and
-   dC += q.T @ (s * e[chunk]) are cuBLAS GEMMs on the workspace as the kernel left it, and
-   label smoothing's rank-one share of dC is added once at the end.
+   dC += q.T @ (s * e[chunk]) are cuBLAS GEMMs on the workspace as the kernel left it (dE on a
+   second stream beside dC where the plan says so), and label smoothing's rank-one share of dC
+   is added once at the end.
 
 Everything the chunk loop writes is allocated before it, so where the plan says so a call that
 recurs on the same tensors replays the loop as one CUDA graph (ops/graphs.py): at small D the

@@ -74,7 +74,7 @@ class LoopGraphs:
                  side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.CUDAGraph | None:
         def capture() -> torch.cuda.CUDAGraph:
             graph = torch.cuda.CUDAGraph()
-            with CAPTURING, torch.cuda.stream(warm_streams(device, side_streams)):
+            with CAPTURING, torch.cuda.stream(warm_streams(device, side_streams, again=True)):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     loop()
@@ -107,9 +107,9 @@ class LoopGraphs:
 
 
 def _warm_streams_alone(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> None:
-    """warm_streams while no other thread captures on the capture stream."""
+    """warm_streams, once per thread and stream, while no other thread captures on the capture stream."""
     with CAPTURING:
-        warm_streams(device, side_streams)
+        warm_streams(device, side_streams, again=False)
 
 
 SLAB_LOOPS = LoopGraphs("the backward's slab loop")

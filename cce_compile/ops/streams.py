@@ -37,11 +37,17 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def warm_streams(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...]) -> torch.cuda.Stream:
-    """The capture stream, after a GEMM on it and on each side stream (outside any capture)."""
+def warm_streams(device: torch.device, side_streams: tuple[torch.cuda.Stream, ...], *,
+                 again: bool) -> torch.cuda.Stream:
+    """The capture stream, after a GEMM on it and on each side stream (outside any capture):
+    each time with `again` (before a capture), else only where this thread has not warmed it
+    (a loop's first call, which every call of a loop that never recurs is)."""
+    warmed: set[int] = _local.__dict__.setdefault("warmed", set())
     stream = capture_stream(device)
     for each in (stream, *side_streams):
-        warm(each)
+        if again or each.cuda_stream not in warmed:
+            warm(each)
+            warmed.add(each.cuda_stream)
     return stream
 
 
