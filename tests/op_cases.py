@@ -44,6 +44,22 @@ def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.d
     return (e.reshape(*lead, d).to(dtype).to(device), c.to(dtype).to(device), targets.reshape(lead).to(device))
 
 
+def call_peak(call) -> tuple[int, int]:
+    """The CUDA memory `call()` held at its peak beyond what it left allocated, and what it left
+    allocated (the caller drops the call's outputs and gradients inside `call`). What stays is
+    the process's, not the call's: torch keeps a cuBLAS workspace (32 MiB on Hopper) per handle
+    and stream, and CUDA graph trees (torch.compile's reduce-overhead) free them all at each
+    warm-up and recording (torch/_inductor/cudagraph_trees.py), so the next GEMM on a stream
+    makes its workspace again, inside whatever call runs it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    return torch.cuda.max_memory_allocated() - before - kept, kept
+
+
 def relative_error(actual: Tensor, expected: Tensor, floor: float = 1e-4) -> float:
     """||actual - expected|| / ||expected||, the denominator floored so a (near-)zero
     reference (a fully ignored batch, a perfectly predicted token) compares absolutely."""

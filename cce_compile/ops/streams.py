@@ -4,8 +4,8 @@ dC (ops/forward_fused.py).
 
 torch gives each (cuBLAS handle, stream) pair its own workspace (32 MiB on Hopper), made at the
 pair's first GEMM, and each thread its own handle (the autograd engine's device thread runs
-backwards, the caller's thread forwards); and one made earlier may be gone again (in the GPU
-suite, after a torch.compile reduce-overhead test, a capture made one anew). A workspace made
+backwards, the caller's thread forwards); and one made earlier may be gone again (CUDA graph
+trees, torch.compile's reduce-overhead, free them all at each warm-up and recording). A workspace made
 inside our capture lands in the capturing call (on the H200, 32 MiB over the call's memory
 bound), so `warm_streams` runs a GEMM on each stream a loop uses, on the capturing thread, just
 before every capture, and at a loop's first call."""
