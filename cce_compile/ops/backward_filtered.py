@@ -30,7 +30,7 @@ class FilteredBackward:
     def __init__(self, call: BackwardCall, kept_tiles: Tensor, tile_lse: Tensor) -> None:
         self.call = call
         self.tile_lse = tile_lse
-        e, c, v, d = call.e, call.c, call.v, call.d
+        e, v, d = call.e, call.v, call.d
         tile, forward_n = call.config.grad_logits, call.config.forward.block_n
         self.vocab_tiles = cdiv(v, tile.block_n)
         if kept_tiles.shape != (cdiv(call.n, tile.block_m), self.vocab_tiles):
