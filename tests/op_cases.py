@@ -44,6 +44,12 @@ def make_inputs(kind: str, lead: tuple[int, ...], v: int, d: int, dtype: torch.d
     return (e.reshape(*lead, d).to(dtype).to(device), c.to(dtype).to(device), targets.reshape(lead).to(device))
 
 
+CUBLAS_WORKSPACES = 2 * 32 * 2**20
+"""What a process's calls may leave allocated between them, all told, after the first: the capture
+stream's cuBLAS workspace on the caller's thread and on autograd's (32 MiB each on Hopper), made
+again after CUDA graph trees free them (see call_peak)."""
+
+
 def call_peak(call) -> tuple[int, int]:
     """The CUDA memory `call()` held at its peak beyond what it left allocated, and what it left
     allocated (the caller drops the call's outputs and gradients inside `call`). What stays is

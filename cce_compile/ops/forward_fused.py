@@ -43,7 +43,7 @@ SAFE_GAP = 60.0
 """How far a row's lse may lie above its shift: q <= exp(gap) stays inside fp32 and bf16 and
 s = coef * exp(-gap) stays normal in them."""
 SHIFT_ROWS, FINISH_ROWS, TILE_BLOCK = 8, 16, 512
-"""Rows per program of row_shift_kernel (a chunk of Qwen2.5's 768 rows gets 96 programs: its
+"""Rows per program of row_shift_kernel (a chunk of Qwen2.5's 896 rows gets 112 programs: its
 pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how many SMs
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
 
