@@ -66,6 +66,16 @@ def call_peak(call) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated() - before - kept, kept
 
 
+def steady_peaks(call, calls: int) -> list[int]:
+    """The peaks of `calls` calls of `call` (call_peak's, each; the caller has called it once
+    already, to compile and make the streams' workspaces), having checked that together they
+    left no more allocated than CUBLAS_WORKSPACES."""
+    measured = [call_peak(call) for _ in range(calls)]
+    kept = sum(left for _, left in measured)
+    assert kept <= CUBLAS_WORKSPACES, f"the calls left {kept / 2**20:.0f} MiB allocated"
+    return [peak for peak, _ in measured]
+
+
 def relative_error(actual: Tensor, expected: Tensor, floor: float = 1e-4) -> float:
     """||actual - expected|| / ||expected||, the denominator floored so a (near-)zero
     reference (a fully ignored batch, a perfectly predicted token) compares absolutely."""

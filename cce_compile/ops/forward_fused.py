@@ -75,8 +75,7 @@ def run_fused(
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
     if plan.cuda_graphs:
-        side = (fused.grad_e_stream,) if fused.grad_e_stream is not None else ()
-        graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device, side)
+        graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device, fused.side_streams())
     else:
         fused.chunk_loop()
     return fused.finish()
@@ -111,6 +110,10 @@ class FusedForward:
         # dE's GEMM on its own stream where dC's runs beside it
         self.grad_e_stream = (streams.grad_e_stream(e.device)
                               if plan.grad_e_side_stream and need_grad_e and need_grad_c else None)
+
+    def side_streams(self) -> tuple[torch.cuda.Stream, ...]:
+        """The streams the chunk loop forks to besides the caller's (a capture must warm them)."""
+        return (self.grad_e_stream,) if self.grad_e_stream is not None else ()
 
     def chunk_loop(self) -> None:
         """Every token chunk, into the gradients, the per-token losses and the buffers made above."""
