@@ -723,6 +723,50 @@ def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, side_stream: bo
     assert not torch.equal(results["halved"][1], results["eager"][1])
 
 
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}], ids=["plain", "smoothing_softcap"])
+def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch, use_policy) -> None:
+    """The fused forward's first call of its kind (3000 x 896 x 20000: four token chunks, the
+    last ragged) starts compiling every kernel its chunk loop launches on threads before the
+    first launch (ops/launch.py's AheadCompiler): each launch finds its kernel compiled ahead,
+    none binds through Triton's JIT (a stand-in argument of another class than the real one's
+    would), no compile started goes unused, and the loss and gradients are those of a call
+    with nothing compiled ahead, bit for bit. Plain options take the Gluon chunk pass, the
+    others the tensor-descriptor one; both redo through the pointer kernel."""
+    from cce_compile.ops import forward_fused, launch
+
+    launchers: list[launch.KernelLauncher] = []
+
+    class CountingLauncher(launch.KernelLauncher):
+        def __init__(self, kernel, reuse: bool) -> None:
+            super().__init__(kernel, reuse)
+            launchers.append(self)
+
+    use_policy(cuda_graphs=False)
+    monkeypatch.setattr(forward_fused, "KernelLauncher", CountingLauncher)
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=14)
+
+    def first_call(ahead: bool) -> tuple[list[torch.Tensor], list[tuple[str, int]], dict]:
+        launchers.clear()
+        started: dict = {}
+        monkeypatch.setattr(launch, "COMPILED", {})
+        monkeypatch.setattr(launch, "AHEAD", started)
+        monkeypatch.setattr(forward_fused, "CALLS_COMPILED_AHEAD", set())
+        with monkeypatch.context() as patches:
+            if not ahead:
+                patches.setattr(forward_fused.FusedForward, "compile_ahead", lambda self: None)
+            loss, grad_e, grad_c, _ = library.linear_cross_entropy_fused(
+                e, c, targets, None, None, -100, options.get("label_smoothing", 0.0), options.get("softcap", 0.0),
+                0.0, "mean", True, True)
+        return [loss, grad_e, grad_c], [(it.kernel.fn.__name__, it.jit_launches) for it in launchers], started
+
+    expected, bound, _ = first_call(ahead=False)
+    assert sum(jit for _, jit in bound) >= 4, bound  # the counting sees the JIT compile the four kernels
+    got, bound, started = first_call(ahead=True)
+    assert started == {} and all(jit == 0 for _, jit in bound), (bound, started)  # every compile started was taken
+    for value, reference in zip(got, expected):
+        assert torch.equal(value, reference)
+
+
 def test_training_loop_replays_the_fused_chunk_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_cross_entropy's default (workspace) path in a loop of forward+backward steps, as a
     training loop calls it: the chunk loop replays from the third step or so, with the eager

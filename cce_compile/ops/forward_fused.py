@@ -23,6 +23,8 @@ loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -35,7 +37,7 @@ from ..plan.launch import LaunchPlan
 from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
-from .launch import KernelLauncher
+from .launch import AheadCompiler, KernelLauncher
 from .loss_terms import grad_coefficients, target_weight, token_loss
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
@@ -46,6 +48,10 @@ SHIFT_ROWS, FINISH_ROWS, TILE_BLOCK = 8, 16, 512
 """Rows per program of row_shift_kernel (a chunk of Qwen2.5's 896 rows gets 112 programs: its
 pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how many SMs
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
+
+CALLS_COMPILED_AHEAD: set[tuple] = set()
+"""The kinds of call (FusedForward.compile_ahead) whose kernels were compiled ahead: a later
+call of the kind finds them compiled and skips the bookkeeping."""
 
 
 def fp32_product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
@@ -74,6 +80,8 @@ def run_fused(
     empty where not needed (grad_bias without a bias)."""
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
+    if plan.direct_launch:
+        fused.compile_ahead()
     if plan.cuda_graphs:
         graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device, fused.side_streams())
     else:
@@ -110,6 +118,17 @@ class FusedForward:
         # dE's GEMM on its own stream where dC's runs beside it
         self.grad_e_stream = (streams.grad_e_stream(e.device)
                               if plan.grad_e_side_stream and need_grad_e and need_grad_c else None)
+
+    def compile_ahead(self) -> None:
+        """On the first call of its kind (what picks the kernels' variants: plan, config, shape,
+        dtype, options), start compiling what the chunk loop will launch, side by side, before
+        it launches the first: the first call pays the longest compile, not their sum."""
+        kind = (self.plan, self.config, tuple(self.e.shape), self.e.dtype, self.e.device, self.bias is not None,
+                self.weight is not None, self.softcap > 0.0, self.smoothing, self.z_loss > 0.0, self.need_grad_e,
+                self.need_grad_c)
+        if kind not in CALLS_COMPILED_AHEAD and self.e.shape[0] > 0:
+            CALLS_COMPILED_AHEAD.add(kind)
+            self.kernels.compile_ahead(self.scale, self.losses)
 
     def side_streams(self) -> tuple[torch.cuda.Stream, ...]:
         """The streams the chunk loop forks to besides the caller's (a capture must warm them)."""
@@ -218,6 +237,23 @@ class FusedForward:
         return self.losses.sum() * self.scale, self.grad_e, self.grad_c, grad_bias
 
 
+class FusedLaunches(NamedTuple):
+    """How a chunk's four kernels are launched (KernelLaunchers, or AheadCompilers): its pass
+    over the vocabulary, the redo of its rows shifted too far, and the two per-row kernels."""
+
+    chunk: Any
+    redo: Any
+    row_shift: Any
+    row_finish: Any
+
+
+def fused_kernels(plan: LaunchPlan) -> tuple[Any, Any, Any, Any]:
+    """The kernels behind FusedLaunches' fields: the plan's kind of chunk pass (Gluon, tensor
+    descriptors or pointers); the redo is always the pointer kernel, in the same tiles."""
+    chunk = {"gluon": fused_forward_ws_kernel, "tma": fused_forward_tma_kernel}.get(plan.fused, fused_forward_kernel)
+    return chunk, fused_forward_kernel, row_shift_kernel, row_finish_kernel
+
+
 class FusedKernels:
     """The fused kernel's buffers and launches for one call: the workspace (its rows padded to
     16 bytes, as the copy engine and cuBLAS take them), the statistics, the shift, and what the
@@ -254,22 +290,16 @@ class FusedKernels:
         self.mean_c = torch.mv(c.T, torch.full((v,), 1.0 / v, dtype=c.dtype, device=c.device))[:, None]
         self.mean_bias = bias.float().mean() if bias is not None else None
         self.flags = kernel_flags(e)
-        self.redo = KernelLauncher(fused_forward_kernel, plan.direct_launch)
-        self.row_shift = KernelLauncher(row_shift_kernel, plan.direct_launch)
-        self.row_finish = KernelLauncher(row_finish_kernel, plan.direct_launch)
         if plan.fused == "gluon":
-            self.launch = KernelLauncher(fused_forward_ws_kernel, plan.direct_launch)
             self.descriptors = (*operand_descriptors(e, c, self.tile),
                                 gluon_descriptor(self.workspace, [self.tile.block_m, self.tile.block_n // 2]))
         elif plan.fused == "tma":
-            self.launch = KernelLauncher(fused_forward_tma_kernel, plan.direct_launch)
             self.descriptors = (
                 TensorDescriptor.from_tensor(e, [self.tile.block_m, self.tile.block_k]),
                 TensorDescriptor.from_tensor(c, [self.tile.block_n, self.tile.block_k]),
                 TensorDescriptor.from_tensor(self.workspace, [self.tile.block_m, self.tile.block_n]),
             )
-        else:
-            self.launch = self.redo
+        self.launchers = FusedLaunches(*(KernelLauncher(kernel, plan.direct_launch) for kernel in fused_kernels(plan)))
 
     def buffers(self) -> tuple[Tensor | None, ...]:
         """Every tensor the launches read or write besides the call's own."""
@@ -286,18 +316,34 @@ class FusedKernels:
             shift += self.mean_bias
         if self.softcap > 0.0:
             shift = self.softcap * torch.tanh(shift / self.softcap)
+        self.launch_all(self.launchers, row_start, rows, shift, scale, losses)
+
+    def compile_ahead(self, scale: Tensor, losses: Tensor) -> None:
+        """Start compiling every kernel the chunk loop will launch, side by side on threads: the
+        first two chunks' and the last's launches (the rest repeat the second's integer classes),
+        with the row statistics' buffer standing in for the shift (an fp32 vector as well)."""
+        n, rows = self.e.shape[0], self.plan.workspace_rows
+        compilers = FusedLaunches(*(AheadCompiler(launcher.kernel) for launcher in self.launchers))
+        for row_start in sorted({0, (n - 1) // rows * rows} | ({rows} if n > rows else set())):
+            chunk_rows = min(rows, n - row_start)
+            self.launch_all(compilers, row_start, chunk_rows, self.lse[:chunk_rows], scale, losses)
+
+    def launch_all(self, launches: FusedLaunches, row_start: int, rows: int, shift: Tensor, scale: Tensor,
+                   losses: Tensor) -> None:
+        """The chunk's four launches through `launches` (launchers, or compilers ahead of them)."""
         # (stat, vocab tile, row) of this chunk's rows, as the kernels index it
         stats = self.stats_buffer[: self.stats_count * self.vocab_tiles * rows]
         stat_stride = self.vocab_tiles * rows
-        self.launch_chunk(self.plan.fused, row_start, rows, shift, stats)
+        self.launch_chunk(launches, self.plan.fused, row_start, rows, shift, stats)
         # Rows shifted too far below their lse (or overflowed) again, shifted by their largest logit.
-        self.row_shift((cdiv(rows, SHIFT_ROWS),), stats, shift, self.redo_rows, self.lse, self.weighted_sum, rows, self.vocab_tiles,
-                       stat_stride, SAFE_GAP, SMOOTHING=self.smoothing, BLOCK_R=SHIFT_ROWS, BLOCK_T=TILE_BLOCK,
-                       num_warps=4)
-        self.launch_chunk("pointer", row_start, rows, shift, stats, self.redo_rows)
+        launches.row_shift(
+            (cdiv(rows, SHIFT_ROWS),), stats, shift, self.redo_rows, self.lse, self.weighted_sum, rows,
+            self.vocab_tiles, stat_stride, SAFE_GAP, SMOOTHING=self.smoothing, BLOCK_R=SHIFT_ROWS, BLOCK_T=TILE_BLOCK,
+            num_warps=4)
+        self.launch_chunk(launches, "pointer", row_start, rows, shift, stats, self.redo_rows)
         e = self.e
         # After the redo each row's statistics match its shift: lse as row_shift_kernel took it, or again.
-        self.row_finish(
+        launches.row_finish(
             (cdiv(rows, FINISH_ROWS),), stats, shift, self.redo_rows, self.lse, self.weighted_sum, self.targets, self.weight,
             self.target_logit, scale, self.total_weight, losses,
             self.row_scale, self.coef_smooth, self.workspace, e, self.scaled_e, row_start, rows, self.c.shape[0],
@@ -308,13 +354,13 @@ class FusedKernels:
             num_warps=4,
         )
 
-    def launch_chunk(self, kind: str, row_start: int, rows: int, shift: Tensor, stats: Tensor,
-                     redo: Tensor | None = None) -> None:
+    def launch_chunk(self, launches: FusedLaunches, kind: str, row_start: int, rows: int, shift: Tensor,
+                     stats: Tensor, redo: Tensor | None = None) -> None:
         e, c, v, d = self.e, self.c, self.c.shape[0], self.e.shape[1]
         stat_stride = self.vocab_tiles * rows
         if kind == "gluon":
             tile, per_sm = self.tile, self.plan.gluon_programs_per_sm
-            self.launch(
+            launches.chunk(
                 (programs_for(e.device, tiles_of(rows, v, tile), per_sm),), *self.descriptors, self.targets, shift,
                 stats, self.target_logit, stat_stride, row_start, rows, v, d,
                 GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
@@ -328,7 +374,7 @@ class FusedKernels:
             tile = self.tile
             sms, shared_memory = device_limits(e.device)
             stages = stages_beside_output(tile, e.element_size(), shared_memory)  # beside the staged output tile
-            self.launch(
+            launches.chunk(
                 (min(sms, tiles_of(rows, v, tile)),), *self.descriptors, self.bias, self.targets, self.weight, shift,
                 stats, self.target_logit, row_start, rows, v, d, stat_stride, sms, self.softcap,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
@@ -339,7 +385,7 @@ class FusedKernels:
         # in the first pass's tiles (the statistics are laid out by them).
         tile = self.tile
         programs = cdiv(rows, tile.block_m) * (REDO_SPLITS.value if redo is not None else self.vocab_tiles)
-        self.redo(
+        (launches.redo if redo is not None else launches.chunk)(
             (programs,), e, c, self.bias, self.targets, self.weight, shift,
             self.workspace, stats, self.target_logit, redo if redo is not None else shift, row_start, rows, v, d,
             stat_stride, e.stride(0), e.stride(1), c.stride(0), c.stride(1), self.workspace.stride(0), self.softcap,

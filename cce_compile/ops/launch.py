@@ -1,12 +1,21 @@
-"""Launching one Triton kernel many times, at less host time per launch.
+"""Launching one Triton kernel many times, at less host time per launch, and compiling a
+call's kernels side by side before its first launch.
 
 The backward launches its kernels once per slab step: 304 steps on Qwen2.5's shape. Each
 Triton launch binds and specializes every argument (~40 of them) before it finds its compiled
 kernel: on the H200's host 20-70 us of a step whose GPU work is ~80 us, so the GPU waited.
+
+A kernel's first launch compiles it: 0.3-1.5 s each for sm_90, one after another as the call
+reaches them. AheadCompiler takes the same arguments and compiles on threads instead
+(Triton's compiler and ptxas mostly release the GIL), so a call that knows its launches can
+start all their compiles before the first; each launch then waits only for its own.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -62,6 +71,44 @@ call's first launches reuse what earlier calls compiled (a JIT launch after the 
 backward's host sync held its next step back)."""
 
 
+AHEAD: dict[tuple, Future] = {}
+"""Compiles started by AheadCompiler, by the same key as COMPILED; the launch that needs one
+takes it from here into COMPILED."""
+
+
+@lru_cache(maxsize=1)
+def compile_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cce-compile")
+
+
+def compile_on_thread(kernel: Any, device: int, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+    with torch.cuda.device(device):
+        return kernel.warmup(*args, grid=grid, **kwargs)
+
+
+class AheadCompiler:
+    """Called as a KernelLauncher of `kernel` is, it launches nothing: it starts compiling, on
+    a thread, the kernel that launch would need, unless that is compiled or started already."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        key = (self.kernel, launch_key(args, kwargs))
+        if key not in COMPILED and key not in AHEAD:
+            AHEAD[key] = compile_threads().submit(
+                compile_on_thread, self.kernel, torch.cuda.current_device(), grid, args, kwargs)
+
+
+def compiled_ahead(key: tuple) -> Any | None:
+    """The kernel an AheadCompiler compiled for `key` (waiting for it), or None where none
+    was started or it failed (the launch then compiles it and raises what went wrong)."""
+    future = AHEAD.pop(key, None)
+    if future is None or future.exception() is not None:
+        return None
+    return future.result()
+
+
 class KernelLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` as `kernel[grid](...)` does. With
     `reuse` (CUDA calls) a launch whose launch_key matches an earlier one's, in this op call or
@@ -87,10 +134,13 @@ class KernelLauncher:
             key = (self.kernel, launch_key(args, kwargs))
             compiled = COMPILED.get(key)
             if compiled is None:
+                compiled = compiled_ahead(key)
+            if compiled is None:
                 self.jit_launches += 1
                 COMPILED[key] = compiled = self.kernel[grid](*args, **kwargs)
                 self.by_identity[identity] = (compiled, args)
                 return
+            COMPILED[key] = compiled
             self.by_identity[identity] = entry = (compiled, args)
         # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
         # included (it skips them).
