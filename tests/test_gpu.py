@@ -724,13 +724,13 @@ def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, side_stream: bo
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}], ids=["plain", "smoothing_softcap"])
-def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch, use_policy) -> None:
+def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused forward's first call of its kind (3000 x 896 x 20000: four token chunks, the
-    last ragged) starts compiling every kernel its chunk loop launches on threads before the
-    first launch (ops/launch.py's AheadCompiler): each launch finds its kernel compiled ahead,
-    none binds through Triton's JIT (a stand-in argument of another class than the real one's
-    would), no compile started goes unused, and the loss and gradients are those of a call
-    with nothing compiled ahead, bit for bit. Plain options take the Gluon chunk pass, the
+    last ragged) starts compiling every kernel it and its backward launch, on threads, before
+    its first launch (ops/launch.py's AheadCompiler): each launch finds its kernel compiled
+    ahead, none binds through Triton's JIT (a stand-in argument of another class than the real
+    one's would), no compile started goes untaken, and the loss and gradients are those of a
+    call with nothing compiled ahead, bit for bit. Plain options take the Gluon chunk pass, the
     others the tensor-descriptor one; both redo through the pointer kernel."""
     from cce_compile.ops import forward_fused, launch
 
@@ -741,8 +741,8 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
             super().__init__(kernel, reuse)
             launchers.append(self)
 
-    use_policy(cuda_graphs=False)
     monkeypatch.setattr(forward_fused, "KernelLauncher", CountingLauncher)
+    monkeypatch.setattr(library, "KernelLauncher", CountingLauncher)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=14)
 
     def first_call(ahead: bool) -> tuple[list[torch.Tensor], list[tuple[str, int]], dict]:
@@ -751,16 +751,15 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
         monkeypatch.setattr(launch, "COMPILED", {})
         monkeypatch.setattr(launch, "AHEAD", started)
         monkeypatch.setattr(forward_fused, "CALLS_COMPILED_AHEAD", set())
-        with monkeypatch.context() as patches:
-            if not ahead:
-                patches.setattr(forward_fused.FusedForward, "compile_ahead", lambda self: None)
-            loss, grad_e, grad_c, _ = library.linear_cross_entropy_fused(
-                e, c, targets, None, None, -100, options.get("label_smoothing", 0.0), options.get("softcap", 0.0),
-                0.0, "mean", True, True)
-        return [loss, grad_e, grad_c], [(it.kernel.fn.__name__, it.jit_launches) for it in launchers], started
+        leaves = [t.detach().clone().requires_grad_() for t in (e, c)]
+        with override_policy(Policy(cuda_graphs=False, compile_ahead=ahead)):
+            loss = cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, **options)
+            (loss * 3.0).backward()  # an upstream gradient other than 1: the scaling kernel runs
+        return ([loss.detach(), *(t.grad for t in leaves)], [(it.kernel.fn.__name__, it.jit_launches) for it in launchers],
+                started)
 
     expected, bound, _ = first_call(ahead=False)
-    assert sum(jit for _, jit in bound) >= 4, bound  # the counting sees the JIT compile the four kernels
+    assert len({name for name, jit in bound if jit}) == 5, bound  # the counting sees the JIT compile all five kernels
     got, bound, started = first_call(ahead=True)
     assert started == {} and all(jit == 0 for _, jit in bound), (bound, started)  # every compile started was taken
     for value, reference in zip(got, expected):

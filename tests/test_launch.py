@@ -79,3 +79,24 @@ def test_identity_keys_are_no_coarser_than_launch_keys() -> None:
             if identity_key(first, {}) == identity_key(second, {}):
                 assert launch_key(first, {}) == launch_key(second, {})
     assert identity_key((a,), {}) != identity_key((a.clone(),), {})
+
+
+def test_a_launch_takes_a_compile_started_ahead_once_and_compiles_itself_after_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What AheadCompiler started is taken by the one launch whose key it is; a compile that
+    failed on its thread hands nothing over, so the launch compiles through Triton's JIT and
+    raises the error where the caller sees it."""
+    from concurrent.futures import Future
+
+    from cce_compile.ops import launch
+
+    compiled, failed = Future(), Future()
+    compiled.set_result("the compiled kernel")
+    failed.set_exception(RuntimeError("ptxas ran out of registers"))
+    monkeypatch.setattr(launch, "AHEAD", {"key": compiled, "failed key": failed})
+    assert launch.compiled_ahead("key") == "the compiled kernel"
+    assert launch.compiled_ahead("key") is None  # taken
+    assert launch.compiled_ahead("failed key") is None
+    assert launch.compiled_ahead("never started") is None
+    assert launch.AHEAD == {}

@@ -30,7 +30,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..config.kernel_config import KernelConfig
-from ..kernels.fused_forward import REDO_SPLITS, fused_forward_kernel, fused_forward_tma_kernel
+from ..kernels.fused_forward import REDO_SPLITS, fused_forward_kernel, fused_forward_tma_kernel, scale_unless_one_kernel
 from ..kernels.fused_rows import row_finish_kernel, row_shift_kernel
 from ..kernels.warp_specialized import fused_forward_ws_kernel
 from ..plan.launch import LaunchPlan
@@ -52,6 +52,15 @@ read) and of row_finish_kernel, and vocab tiles per load: few dependent loads pe
 CALLS_COMPILED_AHEAD: set[tuple] = set()
 """The kinds of call (FusedForward.compile_ahead) whose kernels were compiled ahead: a later
 call of the kind finds them compiled and skips the bookkeeping."""
+SCALE_BLOCK = 8192
+"""Elements per program of scale_unless_one_kernel."""
+
+
+def scale_unless_one(launch: Any, gradient: Tensor, scale: Tensor) -> None:
+    """gradient *= scale (a one-element fp32 tensor) through `launch`, a KernelLauncher or
+    AheadCompiler of scale_unless_one_kernel: the backward's only kernel, which skips the pass
+    when the upstream gradient is 1 (a loss's own backward) without a host sync to ask."""
+    launch((cdiv(gradient.numel(), SCALE_BLOCK),), gradient, gradient.numel(), scale, BLOCK=SCALE_BLOCK)
 
 
 def fp32_product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
@@ -80,7 +89,7 @@ def run_fused(
     empty where not needed (grad_bias without a bias)."""
     fused = FusedForward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
-    if plan.direct_launch:
+    if plan.compile_ahead:
         fused.compile_ahead()
     if plan.cuda_graphs:
         graphs.CHUNK_LOOPS.run(fused.graph_key(), fused.chunk_loop, e.device, fused.side_streams())
@@ -129,6 +138,9 @@ class FusedForward:
         if kind not in CALLS_COMPILED_AHEAD and self.e.shape[0] > 0:
             CALLS_COMPILED_AHEAD.add(kind)
             self.kernels.compile_ahead(self.scale, self.losses)
+            for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own
+                if gradient.numel():
+                    scale_unless_one(AheadCompiler(scale_unless_one_kernel), gradient, self.scale.reshape(1))
 
     def side_streams(self) -> tuple[torch.cuda.Stream, ...]:
         """The streams the chunk loop forks to besides the caller's (a capture must warm them)."""

@@ -82,8 +82,13 @@ def compile_threads() -> ThreadPoolExecutor:
 
 
 def compile_on_thread(kernel: Any, device: int, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The compiled kernel, ready to launch: compiled (Triton's warmup), its launcher built (a C
+    module gcc compiles for each signature) and its binary loaded, all of which the first launch
+    would otherwise do on the caller's thread."""
     with torch.cuda.device(device):
-        return kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled._init_handles()
+        return compiled
 
 
 class AheadCompiler:

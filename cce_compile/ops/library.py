@@ -29,7 +29,8 @@ from ..plan.launch import plan_launch, runs_triton
 from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import run_backward
 from .forward import run_forward
-from .forward_fused import run_fused
+from .forward_fused import run_fused, scale_unless_one
+from .launch import KernelLauncher
 from .problem import cdiv, config_for, launch_with_config, options_of, problem_of
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -198,9 +199,7 @@ def scaled(gradient: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
     if not in_place:
         return gradient * grad_loss.to(gradient.dtype)
     if gradient.is_cuda and gradient.numel():
-        block = 8192
-        scale_unless_one_kernel[(cdiv(gradient.numel(), block),)](
-            gradient, gradient.numel(), grad_loss.to(torch.float32).reshape(1), BLOCK=block)
+        scale_unless_one(KernelLauncher(scale_unless_one_kernel, True), gradient, grad_loss.to(torch.float32).reshape(1))
         return gradient
     return gradient.mul_(grad_loss.to(gradient.dtype))
 

@@ -94,6 +94,7 @@ class LaunchPlan:
     packed_steps: bool
     cuda_graphs: bool  # the dense slab loop and the fused chunk loop replay as a CUDA graph once a call recurs
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
+    compile_ahead: bool  # the fused forward's first call compiles its kernels on threads before launching (CUDA)
     forward_chunk_rows: int
     workspace_rows: int  # the fused forward's token chunk
     grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside dC's (not in a caller's capture)
@@ -193,6 +194,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         cuda_graphs=(policy.cuda_graphs and problem.on_cuda and not options.has_bias
                      and not problem.capturing),
         direct_launch=problem.on_cuda,
+        compile_ahead=policy.compile_ahead and problem.on_cuda,
         forward_chunk_rows=policy.forward_chunk_rows,
         workspace_rows=workspace_rows(problem.n, problem.v, problem.d, problem.element_bytes, config, policy),
         grad_e_side_stream=policy.fused_side_stream_grad_e and problem.on_cuda and not problem.capturing,
