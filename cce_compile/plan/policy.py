@@ -120,8 +120,8 @@ class Policy:
     compile_ahead: bool = True
     """The fused forward's first call of a kind compiles its kernels side by side on threads before its first launch,
     not one after another as it reaches them (ops/launch.py): the first fwd+bwd call in a fresh process on the H200,
-    Llama-3 and Qwen2.5 heads, two runs each, read 10.6 s one after another against 8.4 s ahead (mean; the
-    launchers' builds still on the caller's thread then), the steps after it unchanged."""
+    Gemma-2, Llama-3 and Qwen2.5 heads, two runs each, read 10.6 s one after another against 8.4 s ahead (mean; the
+    launchers' builds still on the caller's thread then), the calls after it unchanged."""
 
     backward_plan: BackwardPlan | None = None
     """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
