@@ -21,7 +21,6 @@ off, for callers that reduce it themselves).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -120,10 +119,11 @@ def local_shard(name: str, tensor: Tensor | None) -> Tensor | None:
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Asked of every call's c: a DTensor's module is imported wherever one exists, and
-    importing it only to ask took 0.6 s of a first call."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def sharded_operands(
