@@ -724,33 +724,53 @@ def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, side_stream: bo
 
 
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}], ids=["plain", "smoothing_softcap"])
-def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path) -> None:
     """The fused forward's first call of its kind (3000 x 896 x 20000: four token chunks, the
-    last ragged) starts compiling every kernel it and its backward launch, on threads, before
-    its first launch (ops/launch.py's AheadCompiler): each launch finds its kernel compiled
-    ahead, none binds through Triton's JIT (a stand-in argument of another class than the real
-    one's would), no compile started goes untaken, and the loss and gradients are those of a
-    call with nothing compiled ahead, bit for bit. Plain options take the Gluon chunk pass, the
-    others the tensor-descriptor one; both redo through the pointer kernel."""
+    last ragged), with Triton's caches empty, compiles every kernel it and its backward launch
+    on the compile threads before its first launch (ops/launch.py's AheadCompiler): each launch
+    finds its kernel compiled ahead, none binds through Triton's JIT (a stand-in argument of
+    another class than the real one's would), no compile started goes untaken, and the loss and
+    gradients are those of a call with nothing compiled ahead, bit for bit. Plain options take
+    the Gluon chunk pass, the others the tensor-descriptor one; both redo through pointers."""
+    import threading
+    from collections import defaultdict
+
+    import triton
+
     from cce_compile.ops import forward_fused, launch
 
     launchers: list[launch.KernelLauncher] = []
+    compiled_on: list[tuple[str, str]] = []
 
     class CountingLauncher(launch.KernelLauncher):
         def __init__(self, kernel, reuse: bool) -> None:
             super().__init__(kernel, reuse)
             launchers.append(self)
 
+    def after_compile(**hook) -> None:
+        compiled_on.append((hook["fn"].name, threading.current_thread().name))
+
     monkeypatch.setattr(forward_fused, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(library, "KernelLauncher", CountingLauncher)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", after_compile)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=14)
+    plan = plan_launch(problem_of(e, c), options_of(None, None, options.get("softcap", 0.0),
+                                                    options.get("label_smoothing", 0.0), 0.0),
+                       config_for(e, c, False, active_policy()), active_policy())
+    kernels = {*forward_fused.fused_kernels(plan), forward_fused.scale_unless_one_kernel}
 
     def first_call(ahead: bool) -> tuple[list[torch.Tensor], list[tuple[str, int]], dict]:
+        """A first call as a fresh process makes it: nothing compiled, in memory or on disk."""
         launchers.clear()
+        compiled_on.clear()
         started: dict = {}
         monkeypatch.setattr(launch, "COMPILED", {})
         monkeypatch.setattr(launch, "AHEAD", started)
         monkeypatch.setattr(forward_fused, "CALLS_COMPILED_AHEAD", set())
+        monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / f"triton-{ahead}"))
+        for kernel in kernels:
+            monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
         leaves = [t.detach().clone().requires_grad_() for t in (e, c)]
         with override_policy(Policy(cuda_graphs=False, compile_ahead=ahead)):
             loss = cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, **options)
@@ -758,10 +778,12 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
         return ([loss.detach(), *(t.grad for t in leaves)], [(it.kernel.fn.__name__, it.jit_launches) for it in launchers],
                 started)
 
-    expected, bound, _ = first_call(ahead=False)
-    assert len({name for name, jit in bound if jit}) == 5, bound  # the counting sees the JIT compile all five kernels
     got, bound, started = first_call(ahead=True)
     assert started == {} and all(jit == 0 for _, jit in bound), (bound, started)  # every compile started was taken
+    assert {name for name, _ in compiled_on} == {kernel.fn.__name__ for kernel in kernels}, compiled_on
+    assert all(thread.startswith("cce-compile") for _, thread in compiled_on), compiled_on
+    expected, bound, _ = first_call(ahead=False)
+    assert {name for name, jit in bound if jit} == {kernel.fn.__name__ for kernel in kernels}, bound
     for value, reference in zip(got, expected):
         assert torch.equal(value, reference)
 

@@ -37,7 +37,7 @@ from ..plan.launch import LaunchPlan
 from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
-from .launch import AheadCompiler, KernelLauncher
+from .launch import AheadCompiler, KernelLauncher, integer_class
 from .loss_terms import grad_coefficients, target_weight, token_loss
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
@@ -50,8 +50,9 @@ pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how 
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
 
 CALLS_COMPILED_AHEAD: set[tuple] = set()
-"""The kinds of call (FusedForward.compile_ahead) whose kernels were compiled ahead: a later
-call of the kind finds them compiled and skips the bookkeeping."""
+"""The kinds of call (FusedForward.compile_ahead's key) whose kernels were compiled ahead: a
+later call of the kind finds them compiled and skips the bookkeeping. One entry per N where N
+varies: a small tuple each."""
 SCALE_BLOCK = 8192
 """Elements per program of scale_unless_one_kernel."""
 
@@ -130,8 +131,9 @@ class FusedForward:
 
     def compile_ahead(self) -> None:
         """On the first call of its kind (what picks the kernels' variants: plan, config, shape,
-        dtype, options), start compiling what the chunk loop will launch, side by side, before
-        it launches the first: the first call pays the longest compile, not their sum."""
+        dtype, options), start compiling what the chunk loop and the backward's scaling will
+        launch, side by side, before the first launch: the first call pays the longest compile,
+        not their sum."""
         kind = (self.plan, self.config, tuple(self.e.shape), self.e.dtype, self.e.device, self.bias is not None,
                 self.weight is not None, self.softcap > 0.0, self.smoothing, self.z_loss > 0.0, self.need_grad_e,
                 self.need_grad_c)
@@ -331,13 +333,13 @@ class FusedKernels:
         self.launch_all(self.launchers, row_start, rows, shift, scale, losses)
 
     def compile_ahead(self, scale: Tensor, losses: Tensor) -> None:
-        """Start compiling every kernel the chunk loop will launch, side by side on threads: the
-        first two chunks' and the last's launches (the rest repeat the second's integer classes),
-        with the row statistics' buffer standing in for the shift (an fp32 vector as well)."""
+        """Start compiling every kernel the chunk loop will launch, side by side on threads: one
+        chunk's launches per distinct (row_start's integer class, rows), which is what their
+        launch keys differ by, with the lse buffer standing in for the shift (fp32, aligned)."""
         n, rows = self.e.shape[0], self.plan.workspace_rows
         compilers = FusedLaunches(*(AheadCompiler(launcher.kernel) for launcher in self.launchers))
-        for row_start in sorted({0, (n - 1) // rows * rows} | ({rows} if n > rows else set())):
-            chunk_rows = min(rows, n - row_start)
+        chunks = {(integer_class(start), min(rows, n - start)): start for start in range(0, n, rows)}
+        for (_, chunk_rows), row_start in chunks.items():
             self.launch_all(compilers, row_start, chunk_rows, self.lse[:chunk_rows], scale, losses)
 
     def launch_all(self, launches: FusedLaunches, row_start: int, rows: int, shift: Tensor, scale: Tensor,

@@ -14,11 +14,13 @@ start all their compiles before the first; each launch then waits only for its o
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
 import torch
+from triton.runtime import driver
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -81,33 +83,48 @@ def compile_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cce-compile")
 
 
-def compile_on_thread(kernel: Any, device: int, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The compiled kernel, ready to launch: compiled (Triton's warmup), its launcher built (a C
-    module gcc compiles for each signature) and its binary loaded, all of which the first launch
-    would otherwise do on the caller's thread."""
+LAUNCHER_BUILDS: dict[Any, threading.Lock] = {}
+"""One lock per kernel around its launcher's build: its variants (a ragged chunk's) mostly
+share the launcher's C source, which the second then finds in Triton's cache, not in gcc."""
+
+
+def compile_on_thread(kernel: Any, device: int, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any],
+                      launcher_build: threading.Lock) -> Any:
+    """The compiled kernel (Triton's warmup: into the kernel's own cache too), its launcher's
+    C module built into Triton's file cache (gcc, per signature), both of which the first
+    launch would otherwise do on the caller's thread. The launch still makes the launcher and
+    loads the binary there, from the caches: nothing of the compiled kernel's state is set here."""
     with torch.cuda.device(device):
         compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        compiled._init_handles()
-        return compiled
+    with launcher_build:
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    return compiled
 
 
 class AheadCompiler:
     """Called as a KernelLauncher of `kernel` is, it launches nothing: it starts compiling, on
-    a thread, the kernel that launch would need, unless that is compiled or started already."""
+    a thread, the kernel that launch would need, unless that is compiled or started already.
+    Triton's driver and the kernel's binder are made here, on the caller's thread: making them
+    is not thread-safe (the Gluon kernels' binder swaps a class attribute while it is made)."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         key = (self.kernel, launch_key(args, kwargs))
-        if key not in COMPILED and key not in AHEAD:
-            AHEAD[key] = compile_threads().submit(
-                compile_on_thread, self.kernel, torch.cuda.current_device(), grid, args, kwargs)
+        if key in COMPILED or key in AHEAD:
+            return
+        device = torch.cuda.current_device()
+        self.kernel.device_caches[device]  # makes the binder (and the driver) where none is yet
+        launcher_build = LAUNCHER_BUILDS.setdefault(self.kernel, threading.Lock())
+        AHEAD[key] = compile_threads().submit(compile_on_thread, self.kernel, device, grid, args, kwargs,
+                                              launcher_build)
 
 
 def compiled_ahead(key: tuple) -> Any | None:
     """The kernel an AheadCompiler compiled for `key` (waiting for it), or None where none
-    was started or it failed (the launch then compiles it and raises what went wrong)."""
+    was started or it failed: the launch then compiles it (or builds its launcher) through
+    Triton's JIT and raises what went wrong on the caller's thread."""
     future = AHEAD.pop(key, None)
     if future is None or future.exception() is not None:
         return None
