@@ -20,8 +20,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from triton.runtime import driver
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 INT32 = range(-(2**31), 2**31)
