@@ -1,0 +1,44 @@
+"""The GPU benchmark scripts in benchmarks/ run end to end on CPU (their smoke modes), so a
+change to the op or its options cannot break one unnoticed until a device call, where a
+failed script costs the session's GPU minutes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_train_step_repeats_each_run_and_compares_with_hf(tmp_path: Path) -> None:
+    """Each run in two fresh processes; the patched model trains the same losses as HF's (a
+    tiny Llama on CPU) and the table sets its first step against HF's."""
+    out = tmp_path / "train-step.json"
+    run_script("benchmarks/train_step.py", "--small", "--steps", "3", "--repeats", "2",
+               "--runs", "hf eager", "patched eager", "--out", str(out))
+    repeats = json.loads(out.read_text())["repeats"]
+    assert {name: len(runs) for name, runs in repeats.items()} == {"hf eager": 2, "patched eager": 2}
+    assert not [run["error"] for runs in repeats.values() for run in runs if "error" in run]
+    for hf, patched in zip(repeats["hf eager"], repeats["patched eager"]):
+        assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(patched["losses"], hf["losses"]))
+    table = out.with_suffix(".md").read_text().splitlines()
+    patched_row = next(line for line in table if line.startswith("| patched eager |")).split("|")
+    assert float(patched_row[6]) > 0  # first step x HF's
+
+
+def test_first_call_times_both_settings_in_fresh_processes(tmp_path: Path) -> None:
+    """A first call (imports, kernels or not) takes longer than a warm one, with the kernels
+    compiled ahead or not."""
+    out = tmp_path / "first-call.json"
+    run_script("benchmarks/first_call.py", "--shapes", "quick-aligned", "--rounds", "1", "--out", str(out))
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted(run["ahead"] for run in runs) == [False, True]
+    assert all(run["first_s"] > run["warm_s"] > 0 for run in runs), runs
