@@ -723,7 +723,7 @@ def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, side_stream: bo
     assert not torch.equal(results["halved"][1], results["eager"][1])
 
 
-@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "softcap": 30.0}], ids=["plain", "smoothing_softcap"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4}], ids=["plain", "smoothing"])
 def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path) -> None:
     """The fused forward's first call of its kind (3000 x 896 x 20000: four token chunks, the
@@ -755,8 +755,7 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
     monkeypatch.setattr(library, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", after_compile)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=14)
-    plan = plan_launch(problem_of(e, c), options_of(None, None, options.get("softcap", 0.0),
-                                                    options.get("label_smoothing", 0.0), 0.0),
+    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, options.get("label_smoothing", 0.0), 0.0),
                        config_for(e, c, False, active_policy()), active_policy())
     kernels = {*forward_fused.fused_kernels(plan), forward_fused.scale_unless_one_kernel}
 
