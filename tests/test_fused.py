@@ -141,3 +141,45 @@ def test_the_workspace_stays_within_its_share_of_the_gradients(n: int, d: int, v
     assert rows % 128 == 0 and 128 <= rows <= -(-n // 128) * 128
     assert rows * (v * 2 + d * 6) <= policy.workspace_fraction * grad_bytes or rows == 128
     assert workspace_rows(n, v, d, 2, KernelConfig(workspace_rows=256), policy) == min(256, -(-n // 128) * 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"softcap": 20.0}],
+                         ids=["plain", "smoothing", "softcap"])
+def test_compile_ahead_starts_the_launches_the_chunk_loop_makes(dtype: torch.dtype, options: dict,
+                                                                monkeypatch: pytest.MonkeyPatch, use_policy) -> None:
+    """FusedKernels.compile_ahead starts exactly the compiles the chunk loop's launches need:
+    the same (kernel, launch_key) pairs, with its stand-in shift and one chunk per distinct
+    integer class (1000 rows in chunks of 128, the last ragged at 104). Compiling needs a GPU
+    (tests/test_gpu.py); here both sides record what each launch would need compiled."""
+    from cce_compile.ops import forward_fused
+    from cce_compile.ops.launch import launch_key
+    from cce_compile.ops.problem import options_of, problem_of
+    from cce_compile.plan.launch import plan_launch
+
+    needed: dict[str, set] = {"ahead": set(), "launched": set()}
+
+    def recorder(side: str) -> type:
+        class Recording:
+            def __init__(self, kernel, reuse: bool = True) -> None:
+                self.kernel = kernel
+
+            def __call__(self, grid, *args, **kwargs) -> None:
+                needed[side].add((self.kernel.fn.__name__, launch_key(args, kwargs)))
+
+        return Recording
+
+    policy = use_policy(triton_on_cpu=True)
+    monkeypatch.setattr(forward_fused, "KernelLauncher", recorder("launched"))
+    monkeypatch.setattr(forward_fused, "AheadCompiler", recorder("ahead"))
+    e, c, targets = make_inputs("zipf", (1000,), 500, 32, dtype, seed=4)
+    smoothing, softcap = options.get("label_smoothing", 0.0), options.get("softcap", 0.0)
+    plan = plan_launch(problem_of(e, c), options_of(None, None, softcap, smoothing, 0.0), SMALL_CHUNKS, policy)
+    assert plan.fused == ("tma" if dtype == torch.bfloat16 else "pointer")
+    fused = forward_fused.FusedForward(plan, SMALL_CHUNKS, e, c, targets, None, None, -100, smoothing, softcap,
+                                       options.get("z_loss", 0.0), "mean", True, True)
+    fused.kernels.compile_ahead(fused.scale, fused.losses)
+    fused.chunk_loop()
+    assert needed["ahead"] == needed["launched"]
+    assert len({name for name, _ in needed["launched"]}) == (4 if plan.fused == "tma" else 3)  # the chunk pass is the redo's kernel
+    assert len(needed["launched"]) > len({name for name, _ in needed["launched"]})  # the ragged chunk's variants
