@@ -16,6 +16,7 @@ Without CUDA it runs a small shape on CPU (a smoke run of this script, no kernel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -60,25 +61,21 @@ def run_child(spec: str, ahead: bool, profile: str) -> dict:
     torch.mm(e[:256].detach(), c[:256].detach().T)
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = []
+    seconds, profiler = [], cProfile.Profile()
     with override_policy(replace(active_policy(), compile_ahead=ahead)):
         for call in range(3):
-            profiler = cProfile.Profile() if profile and call == 0 else None
             start = time.perf_counter()
-            if profiler:
-                profiler.enable()
-            cce_compile.linear_cross_entropy(e, c, targets).backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if profiler:
-                profiler.disable()
+            with profiler if profile and call == 0 else contextlib.nullcontext():
+                cce_compile.linear_cross_entropy(e, c, targets).backward()
+                if device == "cuda":
+                    torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
             e.grad = c.grad = None
-            if profiler:
-                with open(profile, "w") as out:
-                    stats = pstats.Stats(profiler, stream=out)
-                    stats.sort_stats("cumulative").print_stats(50)
-                    stats.sort_stats("tottime").print_stats(30)
+    if profile:
+        with open(profile, "w") as out:
+            stats = pstats.Stats(profiler, stream=out)
+            stats.sort_stats("cumulative").print_stats(50)
+            stats.sort_stats("tottime").print_stats(30)
     return {"shape": shape.name, "ahead": ahead, "first_s": seconds[0], "warm_s": seconds[2], "device": device}
 
 

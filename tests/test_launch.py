@@ -95,6 +95,7 @@ def test_a_launch_takes_a_compile_started_ahead_once_and_compiles_itself_after_a
     compiled.set_result("the compiled kernel")
     failed.set_exception(RuntimeError("ptxas ran out of registers"))
     monkeypatch.setattr(launch, "AHEAD", {"key": compiled, "failed key": failed})
+    monkeypatch.setattr(launch, "COMPILED", {})
     assert launch.compiled_ahead("key") == "the compiled kernel"
     assert launch.compiled_ahead("key") is None  # taken
     assert launch.compiled_ahead("failed key") is None

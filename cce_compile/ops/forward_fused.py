@@ -137,7 +137,7 @@ class FusedForward:
         kind = (self.plan, self.config, tuple(self.e.shape), self.e.dtype, self.e.device, self.bias is not None,
                 self.weight is not None, self.softcap > 0.0, self.smoothing, self.z_loss > 0.0, self.need_grad_e,
                 self.need_grad_c)
-        if kind not in CALLS_COMPILED_AHEAD and self.e.shape[0] > 0:
+        if kind not in CALLS_COMPILED_AHEAD:
             CALLS_COMPILED_AHEAD.add(kind)
             self.kernels.compile_ahead(self.scale, self.losses)
             for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own

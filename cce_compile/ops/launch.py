@@ -122,13 +122,14 @@ class AheadCompiler:
 
 
 def compiled_ahead(key: tuple) -> Any | None:
-    """The kernel an AheadCompiler compiled for `key` (waiting for it), or None where none
-    was started or it failed: the launch then compiles it (or builds its launcher) through
-    Triton's JIT and raises what went wrong on the caller's thread."""
+    """The kernel an AheadCompiler compiled for `key` (waiting for it), moved into COMPILED, or
+    None where none was started or it failed: the launch then compiles it (or builds its
+    launcher) through Triton's JIT and raises what went wrong on the caller's thread."""
     future = AHEAD.pop(key, None)
     if future is None or future.exception() is not None:
         return None
-    return future.result()
+    COMPILED[key] = compiled = future.result()
+    return compiled
 
 
 class KernelLauncher:
@@ -162,7 +163,6 @@ class KernelLauncher:
                 COMPILED[key] = compiled = self.kernel[grid](*args, **kwargs)
                 self.by_identity[identity] = (compiled, args)
                 return
-            COMPILED[key] = compiled
             self.by_identity[identity] = entry = (compiled, args)
         # The compiled kernel takes a 3-D grid and every parameter in order, constexprs
         # included (it skips them).
