@@ -115,3 +115,17 @@ def test_tilt_of_a_vocabulary_under_one_tile_is_zero() -> None:
     c = torch.randn(20, 8)
     tilt = Tilt.estimate(c, torch.randn(20), torch.arange(20), torch.ones(1), 32, 20, tensor_cores=False)
     assert torch.equal(tilt.rows(), torch.zeros(9, 8))
+
+
+def test_tilt_counts_a_ruled_out_token_as_bias_zero() -> None:
+    """A -inf bias (a sampler's mask) rules a token out: the tilt's covariance of c and bias
+    counts it as bias 0 instead of turning dE's put-back non-finite."""
+    g = torch.Generator().manual_seed(4)
+    c, bias = torch.randn(64, 6, generator=g), torch.randn(64, generator=g)
+    ruled_out = bias.clone()
+    ruled_out[::5] = float("-inf")
+    zeroed = torch.where(torch.isfinite(ruled_out), ruled_out, 0.0)
+    args = (torch.arange(64), torch.ones(4), 16, 64)
+    tilt = Tilt.estimate(c, ruled_out, *args, tensor_cores=False)
+    assert torch.isfinite(tilt.rows()).all()
+    torch.testing.assert_close(tilt.rows(), Tilt.estimate(c, zeroed, *args, tensor_cores=False).rows())

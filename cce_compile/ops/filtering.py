@@ -285,6 +285,8 @@ class Tilt:
         bias_covariance = None
         if bias is not None:
             bias_rows = bias.float()[ids]
+            # A token a -inf bias rules out holds no mass to lean towards: it counts as bias 0.
+            bias_rows = torch.where(torch.isfinite(bias_rows), bias_rows, 0.0)
             bias_means = bias_rows.view(tiles, width).mean(dim=1)
             bias_covariance = c_rows.float().T @ bias_rows / (tiles * width) - means.T @ bias_means / tiles
         return Tilt(covariance, bias_covariance)
