@@ -236,6 +236,7 @@ def linear_log_probs(
     softcap: float | None = None,
     ignore_index: int = -100,
     shift: bool = False,
+    filter_eps: float | str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log_softmax(z)[token] per token, z = e @ c.T + bias (soft-capped as
     softcap * tanh(z / softcap)) divided by `temperature`, without materializing the logits:
@@ -247,12 +248,22 @@ def linear_log_probs(
     scores token t+1 (the last of each sequence ignored). Both outputs are differentiable
     w.r.t. e, c and bias under any upstream gradients (the backward recomputes the logits:
     a frozen policy's call under torch.no_grad() is one forward pass, one GEMM's work).
+
+    filter_eps ("auto" or a float, as in linear_cross_entropy): the backward skips the
+    vocabulary tiles where every softmax entry stays under it and puts back their sums (the
+    entropy's term too), for a backward of a fraction of the work; the outputs stay exact, the
+    gradients within 1.2-3.3e-3 of exact mode's on LM-like heads under an entropy gradient of
+    up to a tenth of the log-prob's (docs/notes/filtered-log-probs.md). Under no_grad it does
+    nothing.
     """
     e, c, bias = _autocast_operands(e, c, bias)
     _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", targets_name="tokens")
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    eps = _resolve_filter_eps(filter_eps, e.dtype)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (e, c, bias))):
+        eps = 0.0  # the filter is the backward's: a pass without one skips its bookkeeping
     if shift:
         if tokens.dim() < 1:
             raise ValueError("shift=True needs tokens with a sequence dimension")
@@ -261,7 +272,7 @@ def linear_log_probs(
     _check_target_range(flat_tokens, c.shape[0], ignore_index, name="tokens")
     with torch.autocast(e.device.type, enabled=False):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
-            e.reshape(-1, c.shape[1]), c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy)
+            e.reshape(-1, c.shape[1]), c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps)
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
     return log_probs.reshape(tokens.shape)

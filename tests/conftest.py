@@ -56,6 +56,13 @@ def _cpu_dispatch(request: pytest.FixtureRequest, use_policy: Callable[..., Poli
 
 
 @pytest.fixture
+def no_scratch_floor(use_policy: Callable[..., Policy]) -> None:
+    """Shapes this small fit the scratch floor whole; without it the 10% budget splits them
+    into token chunks and slabs, the paths big problems take."""
+    use_policy(scratch_floor_bytes=0)
+
+
+@pytest.fixture
 def block_sparse_always(use_policy: Callable[..., Policy]) -> None:
     """Filtered mode's block-sparse backward however many tiles are kept: tests of that path
     on small or dense shapes, where the dense fallback (Policy.dense_fraction) would run."""

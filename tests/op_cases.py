@@ -157,3 +157,9 @@ def check_frozen_operands(e: Tensor, c: Tensor, targets: Tensor, options: dict, 
     assert torch.equal(hidden_frozen[1], both[1])
     if bias is not None:
         assert torch.equal(head_frozen[2], both[2]) and torch.equal(hidden_frozen[2], both[2])
+
+
+def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
+    wide = torch.empty(t.shape[0], stride, dtype=t.dtype)
+    return wide[:, : t.shape[1]].copy_(t)

@@ -152,3 +152,26 @@ def test_no_grad_pass_peaks_at_its_per_tile_buffers(launch_plans: list) -> None:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     assert peak <= 2 * per_tile + 64 * n * 4 + 2**20, f"peak {peak / 2**20:.0f} MiB, per tile {per_tile / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(("n", "d", "v"), [(8192, 896, 151936), (8192, 2304, 256000)])
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
+def test_filtered_on_lm_like_heads_against_fp32(n: int, d: int, v: int, entropy_weight: float) -> None:
+    """filter_eps="auto" on LM-like heads (the benchmark's inputs, Qwen2.5's and Gemma-2's
+    shapes): outputs and both gradients within the bound under random log-prob upstream
+    gradients and entropy ones `entropy_weight` their size: the filtered backward and its
+    put-back of the skipped tiles, the entropy's from each tile's mean logit."""
+    from cce_compile.bench.inputs import lm_like_inputs
+
+    e, c, tokens = lm_like_inputs(n, d, v, torch.bfloat16, "cuda", seed=0)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    up_lp = torch.randn(n, device="cuda", generator=g)
+    up_h = entropy_weight * torch.randn(n, device="cuda", generator=g)
+    leaves = [t.clone().requires_grad_() for t in (e, c)]
+    log_probs, entropies = cce_compile.linear_log_probs(*leaves, tokens, entropy=True, filter_eps="auto")
+    ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
+    ref_lp, ref_h, ref_grads = fp32_reference(e, c, tokens, None, 1.0, None, up_lp, up_h)
+    assert relative_error(log_probs, ref_lp) <= TARGET and relative_error(entropies, ref_h) <= TARGET
+    for name, leaf, ref in zip(("e", "c"), leaves, ref_grads):
+        err = relative_error(leaf.grad, ref)
+        assert err <= TARGET, f"d{name}: {err:.2e} > {TARGET:.0e}"

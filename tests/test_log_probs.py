@@ -16,12 +16,15 @@ import torch._dynamo.testing
 import cce_compile
 from cce_compile import ops
 from cce_compile.api import shift_targets
+from cce_compile.bench.inputs import lm_like_inputs
+from cce_compile.config.kernel_config import KernelConfig, TileConfig
+from cce_compile.ops import forward as forward_ops
 from cce_compile.ops import log_probs as log_probs_ops
 from cce_compile.ops.library import config_to_json
 from cce_compile.ops.problem import config_for
 from cce_compile.plan.policy import active_policy, policy_to_json
 
-from .op_cases import TOLERANCE, make_inputs, on_kernels, relative_error
+from .op_cases import TOLERANCE, make_inputs, on_kernels, relative_error, with_row_stride
 from .reference import reference_log_probs, reference_loss
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -166,12 +169,15 @@ def test_frozen_head_skips_its_gradient() -> None:
 def test_no_grad_is_one_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """The old and reference policies' pass: one forward over the vocabulary, no backward, no graph."""
     calls = []
-    row_stats = log_probs_ops.row_stats
-    monkeypatch.setattr(log_probs_ops, "row_stats", lambda *args: calls.append(1) or row_stats(*args))
+    row_stats = forward_ops.row_stats
+    monkeypatch.setattr(forward_ops, "row_stats", lambda *args: calls.append(1) or row_stats(*args))
     monkeypatch.setattr(log_probs_ops, "backward_from_coefficients", lambda *args: pytest.fail("backward ran"))
+    # filter_eps is the backward's: without one, no vocabulary order nor tile statistics either
+    monkeypatch.setattr(forward_ops, "vocab_order", lambda *args: pytest.fail("filtered forward ran"))
     e, c, tokens, _, _ = _case(15, torch.float32, {})
     with torch.no_grad():
-        lp, h = cce_compile.linear_log_probs(e.requires_grad_(), c.requires_grad_(), tokens, entropy=True)
+        lp, h = cce_compile.linear_log_probs(e.requires_grad_(), c.requires_grad_(), tokens, entropy=True,
+                                             filter_eps="auto")
     assert calls == [1] and lp.grad_fn is None and h.grad_fn is None
     ref_lp, ref_h = reference_log_probs(e, c, tokens, entropy=True)
     assert relative_error(lp, ref_lp) <= 2e-5 and relative_error(h, ref_h) <= 2e-5
@@ -216,6 +222,8 @@ def test_loss_module_takes_a_temperature() -> None:
     ({"temperature": True}, ValueError, "temperature"),
     ({"entropy": 1}, TypeError, "entropy must be a bool"),
     ({"softcap": 0.0}, ValueError, "softcap"),
+    ({"filter_eps": 1.5}, ValueError, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
+    ({"filter_eps": "fast"}, ValueError, "filter_eps"),
 ])
 def test_bad_options_raise(kwargs: dict, error: type, match: str) -> None:
     e, c, tokens, _, _ = _case(18, torch.float32, {})
@@ -247,15 +255,16 @@ def test_opcheck_forward_and_backward() -> None:
     bias = (torch.randn(97) * 0.1).requires_grad_()
     e.requires_grad_()
     c.requires_grad_()
-    for entropy in (False, True):
-        torch.library.opcheck(ops.linear_log_probs_forward, (e, c, tokens, bias, -100, 3.0, entropy))
-    _, _, lse, mean_logit = ops.linear_log_probs_forward(e, c, tokens, bias, -100, 3.0, True)
+    for entropy, filter_eps in itertools.product((False, True), (0.0, 2.0**-6)):
+        torch.library.opcheck(ops.linear_log_probs_forward, (e, c, tokens, bias, -100, 3.0, entropy, filter_eps))
     policy = active_policy()
-    config, policy_json = config_to_json(config_for(e, c, False, policy)), policy_to_json(policy)
-    for grad_entropy, need_c in ((torch.randn(33), True), (None, False)):
-        args = (torch.randn(33), grad_entropy, e.detach(), c.detach(), tokens, bias.detach(), lse.detach(),
-                mean_logit.detach(), -100, 3.0, True, need_c, config, policy_json)
-        torch.library.opcheck(ops.linear_log_probs_backward, args)
+    for filter_eps in (0.0, 2.0**-6):
+        _, _, *kept = ops.linear_log_probs_forward(e, c, tokens, bias, -100, 3.0, True, filter_eps)
+        config, policy_json = config_to_json(config_for(e, c, filter_eps > 0.0, policy)), policy_to_json(policy)
+        for grad_entropy, need_c in ((torch.randn(33), True), (None, False)):
+            args = (torch.randn(33), grad_entropy, e.detach(), c.detach(), tokens, bias.detach(),
+                    *(t.detach() for t in kept), -100, 3.0, filter_eps, True, need_c, config, policy_json)
+            torch.library.opcheck(ops.linear_log_probs_backward, args)
 
 
 def _policy_step(hidden: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -263,10 +272,22 @@ def _policy_step(hidden: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor)
     return (log_probs * 0.3).sum() + (entropy * 0.01).sum()
 
 
-def test_fullgraph_compile_with_dynamic_n_matches_eager() -> None:
+def _filtered_policy_step(hidden: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    log_probs, entropy = cce_compile.linear_log_probs(hidden, head, tokens, temperature=0.9, entropy=True, shift=True,
+                                                      filter_eps=2.0**-6)
+    return (log_probs * 0.3).sum() + (entropy * 0.01).sum()
+
+
+POLICY_STEPS = {"exact": _policy_step, "filtered": _filtered_policy_step}
+"""Module functions, not partials: Dynamo compiles a functools.partial twice."""
+
+
+@pytest.mark.parametrize("mode", POLICY_STEPS)
+def test_fullgraph_compile_with_dynamic_n_matches_eager(mode: str) -> None:
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    compiled = torch.compile(_policy_step, backend=counter, fullgraph=True, dynamic=True)
+    step = POLICY_STEPS[mode]
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
     head = torch.randn(83, 16, requires_grad=True)
     for n in (70, 90, 127):
         hidden = torch.randn(1, n, 16, requires_grad=True)
@@ -274,7 +295,7 @@ def test_fullgraph_compile_with_dynamic_n_matches_eager() -> None:
         compiled(hidden, head, tokens).backward()
         got = (hidden.grad.clone(), head.grad.clone())
         hidden.grad = head.grad = None
-        _policy_step(hidden, head, tokens).backward()
+        step(hidden, head, tokens).backward()
         torch.testing.assert_close(got[0], hidden.grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got[1], head.grad, rtol=1e-4, atol=1e-6)
         head.grad = None
@@ -282,14 +303,17 @@ def test_fullgraph_compile_with_dynamic_n_matches_eager() -> None:
 
 
 @pytest.mark.interpreter
-def test_compiled_graph_runs_the_interpreted_kernels() -> None:
+@pytest.mark.parametrize("mode", POLICY_STEPS)
+def test_compiled_graph_runs_the_interpreted_kernels(mode: str) -> None:
+    """Filtered, the fake gives the kernels' filter statistics their shapes."""
     hidden = torch.randn(1, 45, 16, requires_grad=True)
     head = torch.randn(83, 16, requires_grad=True)
     tokens = torch.randint(0, 83, (1, 45))
-    torch.compile(_policy_step, fullgraph=True)(hidden, head, tokens).backward()
+    step = POLICY_STEPS[mode]
+    torch.compile(step, fullgraph=True)(hidden, head, tokens).backward()
     got = (hidden.grad.clone(), head.grad.clone())
     hidden.grad = head.grad = None
-    _policy_step(hidden, head, tokens).backward()
+    step(hidden, head, tokens).backward()
     torch.testing.assert_close(got[0], hidden.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(got[1], head.grad, rtol=1e-4, atol=1e-6)
 
@@ -367,6 +391,8 @@ def test_bench_contenders_agree_on_cpu() -> None:
     torch.testing.assert_close(results[0][0], expected)
     for got, want in zip(results[0], results[1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    filtered = try_load(IMPLS["cce_log_probs_filtered"]).fn(e, c, tokens)  # filtering leaves the value exact
+    torch.testing.assert_close(filtered, expected)
     verl = try_load(IMPLS["verl_log_probs"])
     if isinstance(verl, str):
         assert "verl" in verl
@@ -393,3 +419,127 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
     finally:
         for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
             del sys.modules[name]
+
+
+@pytest.mark.interpreter
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("entropy", [False, True])
+def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
+        entropy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """filter_eps: where the skipped tiles hold real mass (an LM-like head, a coarse 2^-7),
+    the kernels put back each skipped tile's row sums and dE's tilt from the forward's tile
+    statistics (for the entropy, its tile mean logits: filtering.SkippedEntropy), the CPU path
+    from the recomputed softmax, and the two agree under random upstream gradients of both
+    outputs, bias included; without the entropy's put-back, or its tilt term, they do not.
+    The outputs stay exact."""
+    from cce_compile.ops import filtering
+
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
+    tokens[::9] = -100
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(4000, generator=g) * 0.1
+    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
+
+    def run(interpret: bool, filter_eps: float | None = 2.0**-7):
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(config), on_kernels(interpret):
+            out = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], entropy=entropy,
+                                               filter_eps=filter_eps)
+        log_probs, entropies = out if entropy else (out, torch.zeros(()))
+        ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
+        return [log_probs.detach(), entropies.detach()] + [t.grad for t in leaves]
+
+    kernels, cpu, exact = run(True), run(False), run(False, None)
+    for got, want in zip(kernels[:2], exact[:2]):  # the kernels sum in vocab order: the entropy's lse - mu cancels
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert relative_error(cpu[2], exact[2]) > 1e-2, "the filter skipped little: the test shows nothing"
+    for kernel_grad, cpu_grad in zip(kernels[2:], cpu[2:]):
+        # fp16 tile log-sum-exps and mean logits on the kernels' side
+        assert relative_error(kernel_grad, cpu_grad) < 1e-4, relative_error(kernel_grad, cpu_grad)
+    if not entropy:
+        return
+    skipped_sums = filtering.SkippedEntropy.skipped_sums
+
+    def without_tilt_term(self, *args):
+        sums, _ = skipped_sums(self, *args)
+        return sums, sums.sum(dim=1)
+
+    def without_entropy(self, tile_lse, coef_softmax, computed):
+        sums = filtering.SkippedTiles._skipped_mass(tile_lse, coef_softmax, computed)
+        return sums, sums.sum(dim=1)
+
+    monkeypatch.setattr(filtering.SkippedEntropy, "skipped_sums", without_tilt_term)
+    assert relative_error(run(True)[2], kernels[2]) > 5e-3, "the entropy's tilt term moved dE little"
+    monkeypatch.setattr(filtering.SkippedEntropy, "skipped_sums", without_entropy)
+    without = run(True)
+    for corrected, dropped in zip(kernels[2:], without[2:]):
+        assert relative_error(dropped, corrected) > 5e-3, "the entropy's put-back moved the gradients little"
+
+
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
+def test_filtered_gradients_on_an_lm_like_head_against_float64(entropy_weight: float) -> None:
+    """filter_eps="auto" on bf16 inputs of an LM-like head (a Zipfian, sparse softmax): dE and
+    dC within 5e-3 of float64 under random log-prob upstream gradients (an RL policy loss) and
+    entropy ones `entropy_weight` their size (an entropy bonus), where exact mode's bf16
+    rounding alone is ~1.7e-3; and the filter did skip tiles."""
+    e, c, tokens = lm_like_inputs(256, 64, 16384, torch.bfloat16, "cpu", seed=3)
+    g = torch.Generator().manual_seed(1)
+    up_lp = torch.randn(256, generator=g, dtype=torch.float64)
+    up_h = entropy_weight * torch.randn(256, generator=g, dtype=torch.float64)
+
+    def grads(fn, dtype: torch.dtype, **options) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (e, c)]
+        log_probs, entropies = fn(*leaves, tokens, entropy=True, **options)
+        ((log_probs.double() * up_lp).sum() + (entropies.double() * up_h).sum()).backward()
+        return [t.grad for t in leaves]
+
+    reference = grads(reference_log_probs, torch.float64)
+    filtered = grads(cce_compile.linear_log_probs, torch.bfloat16, filter_eps="auto")
+    exact = grads(cce_compile.linear_log_probs, torch.bfloat16)
+    for name, got, want, unfiltered in zip(("dE", "dC"), filtered, reference, exact):
+        assert relative_error(got, want) <= 5e-3, f"{name}: {relative_error(got, want):.2e}"
+        assert relative_error(got, unfiltered) > 1e-3, "the filter skipped little: the test shows nothing"
+
+
+@pytest.mark.interpreter
+@pytest.mark.usefixtures("descriptor_kernels")
+def test_filtered_forward_statistics_through_descriptors_and_pointers(launch_plans: list) -> None:
+    """The persistent forward (lse_forward_tma_kernel, walking a copy of c in vocab order) and
+    the pointer forward (lse_forward_kernel, odd row strides) record the same filter
+    statistics for the entropy, tile mean logits included (each tile's, less lse, in fp16)."""
+    e, c, tokens = make_inputs("zipf", (253,), 1031, 104, torch.bfloat16, seed=7)
+    tokens[::7] = -100
+    bias = (torch.randn(1031, generator=torch.Generator().manual_seed(8)) * 0.5).bfloat16()
+
+    options = (tokens, bias, -100, 0.0, True, 2.0**-10)
+    through_descriptors = ops.linear_log_probs_forward(e, c, *options)
+    through_pointers = ops.linear_log_probs_forward(with_row_stride(e, 105), with_row_stride(c, 105), *options)
+    assert [plan.forward for plan in launch_plans] == ["tma", "split"]
+    tile_lse, tile_mean_logit = through_descriptors[5:7]
+    assert tile_mean_logit.dtype == torch.float16 and tile_mean_logit.shape == tile_lse.shape
+    assert (tile_mean_logit <= 1e-2).all() and (tile_mean_logit < -1.0).any()  # a tile's mean logit is under lse
+    for got, expected in zip(through_descriptors, through_pointers):  # the entropy's lse - mu cancels: 1e-4
+        tolerance = {"rtol": 2e-3, "atol": 2e-3} if got.dtype == torch.float16 else {"rtol": 1e-4, "atol": 1e-4}
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["cpu", "kernels"])
+def test_filtered_with_tokens_a_minus_inf_bias_rules_out(kernels: bool) -> None:
+    """Filtered, the ruled-out tokens (p = 0, logit -inf) sit in skipped tiles: their p * logit
+    in the put-back and its tilt counts 0, so the gradients stay finite and near exact mode's."""
+    e, c, tokens, bias, _ = _case(23, torch.float32, {"bias": True, "ruled_out": True}, lead=(70,), v=190, d=48)
+    e = e * 3.0  # sharper rows: the filter skips tiles
+    up = torch.randn(70, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for filter_eps in (2.0**-7, None):
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        with on_kernels(kernels):
+            log_probs, entropies = cce_compile.linear_log_probs(*leaves, tokens, bias=bias, entropy=True,
+                                                                filter_eps=filter_eps)
+        ((log_probs + entropies) * up).sum().backward()
+        grads.append([leaf.grad for leaf in leaves])
+    for filtered, exact in zip(*grads):
+        assert torch.isfinite(filtered).all()
+        assert 0.0 < relative_error(filtered, exact) < 5e-2

@@ -15,19 +15,14 @@ from cce_compile.ops.problem import config_for
 from cce_compile.plan.backward import plan_backward
 from cce_compile.plan.policy import active_policy
 
-from .op_cases import FROZEN_MODES, check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error
+from .op_cases import (
+    FROZEN_MODES, check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error, with_row_stride,
+)
 from .test_op_options import make_case
 
 pytestmark = pytest.mark.interpreter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture
-def no_scratch_floor(use_policy) -> None:
-    """Shapes this small fit the scratch floor whole; without it the 10% budget splits them
-    into token chunks and slabs, the paths big problems take."""
-    use_policy(scratch_floor_bytes=0)
 
 
 @pytest.mark.parametrize("seed", range(9))
@@ -114,12 +109,6 @@ def test_exact_mode_through_tensor_descriptors(seed: int, launch_plans: list) ->
     e, c, targets, options, bias, weight = make_case(seed, dtype, lead=(253,), v=1031, d=104)
     check_against_reference(e, c, targets, options, bias=bias, weight=weight)
     assert [(plan.forward, plan.recompute) for plan in launch_plans[:2]] == [("tma", "tma")] * 2
-
-
-def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
-    wide = torch.empty(t.shape[0], stride, dtype=t.dtype)
-    return wide[:, : t.shape[1]].copy_(t)
 
 
 @pytest.mark.usefixtures("descriptor_kernels")

@@ -26,10 +26,10 @@ def as_loss(log_probs: Tensor, entropy: Tensor) -> Tensor:
     return -log_probs.float().mean() + 0.0 * entropy.float().mean()
 
 
-def _load_cce_log_probs() -> Loaded:
+def _load_cce_log_probs(filter_eps: str | None = None) -> Loaded:
     from cce_compile import linear_log_probs
 
-    return Loaded(lambda e, c, targets: as_loss(*linear_log_probs(e, c, targets, entropy=True)))
+    return Loaded(lambda e, c, targets: as_loss(*linear_log_probs(e, c, targets, entropy=True, filter_eps=filter_eps)))
 
 
 def materialized_log_probs(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
@@ -88,6 +88,7 @@ def _load_verl() -> Loaded:
 
 LOG_PROB_LOADERS: dict[str, Callable[[], Loaded]] = {
     "cce_log_probs": _load_cce_log_probs,
+    "cce_log_probs_filtered": lambda: _load_cce_log_probs("auto"),
     "torch_compile_log_probs": _load_compiled_log_probs,
     "verl_log_probs": _load_verl,
 }

@@ -149,6 +149,8 @@ IMPLS: dict[str, Impl] = {
         Impl("liger", "Liger FLCE", _load_liger, on_uniform=False),
         Impl("cce_log_probs", "cce_compile linear_log_probs (+entropy)", lambda: _load_log_probs("cce_log_probs"),
              on_uniform=False, compilable=True),
+        Impl("cce_log_probs_filtered", "cce_compile linear_log_probs (+entropy), filtered (auto: 2^-10)",
+             lambda: _load_log_probs("cce_log_probs_filtered"), on_uniform=False, compilable=True),
         Impl("torch_compile_log_probs", "torch.compile log-probs (+entropy)",
              lambda: _load_log_probs("torch_compile_log_probs"), on_uniform=False),
         Impl("verl_log_probs", "verl LinearCrossEntropy (+entropy)", lambda: _load_log_probs("verl_log_probs"),

@@ -52,8 +52,10 @@ def lse_forward_kernel(
     (entropy). Out-of-range targets match no column, so nothing is ever read at a target index.
     With FILTER (filtered mode), columns are positions in `vocab_order`, and each row's
     largest logit per vocab tile goes to tile_max[0, row, tile], its log-sum-exp over the tile
-    to tile_max[1, row, tile]: the backward skips the tiles where the largest is far below the
-    row's lse, and restores the mass of those it skips from the second.
+    to tile_max[1, row, tile], with NEED_MEAN_LOGIT its softmax-weighted mean logit over the
+    tile to tile_max[2, row, tile]: the backward skips the tiles where the largest is far below
+    the row's lse, and restores the mass of those it skips from the second (the entropy's
+    term from the third).
     """
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,6 +98,9 @@ def lse_forward_kernel(
             at = tile_max_ptr + rows.to(tl.int64) * stride_tile_max + tile
             tl.store(at, tile_row_max, mask=live)
             tl.store(at + tl.cast(N, tl.int64) * stride_tile_max, shift + tl.log(tile_sumexp), mask=live)
+            if NEED_MEAN_LOGIT:  # 0 / 0 where the tile's exponentials all underflow: a tile of no mass
+                tl.store(at + 2 * tl.cast(N, tl.int64) * stride_tile_max,
+                         tile_exp_logit_sum(logits, exps) / tile_sumexp, mask=live)
         row_sumexp = row_sumexp * tl.exp2((row_max - shift) * LOG2E) + tile_sumexp
         row_max = new_max
 
@@ -141,7 +146,9 @@ def lse_forward_tma_kernel(
     STORE_TILE_MAX (filtered mode, whose op hands it the vocabulary already in vocab order)
     the rows' largest logit goes to tile_max[0, row, tile column] and their tile log-sum-exp
     to tile_max[1, row, tile column] instead of tile_lse (one (N, tiles) fp32 buffer less in
-    the forward: 78 MB at Qwen2.5's shape).
+    the forward: 78 MB at Qwen2.5's shape), and with NEED_MEAN_LOGIT their tile mean logit to
+    tile_max[2, row, tile column] instead of tile_mean_logit (what filtered mode's backward
+    puts back for the entropy's skipped tiles).
     """
     num_m = tl.cdiv(rows_in_launch, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -177,15 +184,17 @@ def lse_forward_tma_kernel(
         exps = exp_shifted(logits, shift)
         tile_sumexp = tl.sum(exps, axis=1)
         tile_lse = shift + tl.log(tile_sumexp)
-        if NEED_MEAN_LOGIT:
-            tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps) / tile_sumexp,
-                     mask=row_mask)
         if STORE_TILE_MAX:
             at = tile_max_ptr + rows.to(tl.int64) * num_n + pid_n
+            plane = tl.cast(N, tl.int64) * num_n
             tl.store(at, tile_max, mask=row_mask)
-            tl.store(at + tl.cast(N, tl.int64) * num_n, tile_lse, mask=row_mask)
+            tl.store(at + plane, tile_lse, mask=row_mask)
+            if NEED_MEAN_LOGIT:
+                tl.store(at + 2 * plane, tile_exp_logit_sum(logits, exps) / tile_sumexp, mask=row_mask)
         else:
             tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
+            if NEED_MEAN_LOGIT:
+                tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps) / tile_sumexp, mask=row_mask)
 
 
 @triton.jit

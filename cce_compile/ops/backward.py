@@ -14,6 +14,7 @@ from .backward_call import BackwardCall, Gradients
 from .backward_dense import DenseBackward
 from .backward_filtered import FilteredBackward
 from .cpu_path import backward_cpu
+from .filtering import FilterStats
 from .loss_terms import grad_coefficients
 from .problem import kernel_flags
 
@@ -37,20 +38,21 @@ def run_backward(
     """-> (grad_e, grad_c, grad_bias or None) of the loss; a gradient not needed comes back empty."""
     coefficients = Coefficients(*grad_coefficients(
         grad_loss, grad_lse, targets, weight, c.shape[0], ignore_index, label_smoothing))
+    filter_stats = FilterStats(kept_tiles, tile_lse, tile_lse.new_empty((0, 0)), vocab_order)
     return backward_from_coefficients(
-        plan, config, coefficients, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
-        label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
+        plan, config, coefficients, e, c, targets, bias, weight, lse, filter_stats, label_smoothing, softcap, filter_eps,
+        need_grad_e, need_grad_c,
     )
 
 
 def backward_from_coefficients(
     plan: LaunchPlan, config: KernelConfig, coefficients: Coefficients, e: Tensor, c: Tensor, targets: Tensor,
-    bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
-    vocab_order: Tensor, label_smoothing: float, softcap: float, filter_eps: float,
-    need_grad_e: bool, need_grad_c: bool,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, filter_stats: FilterStats, label_smoothing: float,
+    softcap: float, filter_eps: float, need_grad_e: bool, need_grad_c: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """-> (grad_e, grad_c, grad_bias or None) for d-logits of the given coefficients."""
     v = c.shape[0]
+    vocab_order = filter_stats.vocab_order
     coef_softmax, coef_target, coef_smooth, coef_entropy = coefficients
     if plan.filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
@@ -76,7 +78,7 @@ def backward_from_coefficients(
         softcap, label_smoothing, need_grad_e, need_grad_c, config, plan, kernel_flags(e), coef_entropy,
     )
     if plan.filtered:
-        runner = FilteredBackward(call, kept_tiles, tile_lse)  # before the gradients exist: see its doc
+        runner = FilteredBackward(call, filter_stats)  # before the gradients exist: see its doc
         gradients = Gradients.allocate(call)
         grad_bias = runner.run(gradients)
     else:

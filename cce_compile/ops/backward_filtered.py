@@ -16,7 +16,9 @@ from ..kernels.backward import grad_logits_kernel, sparse_matmul_kernel
 from ..kernels.dropped_tiles import add_tile_rows_kernel, tile_row_sums_kernel
 from .backward_call import BackwardCall, Gradients
 from .backward_dense import DenseBackward
-from .filtering import Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size
+from .filtering import (
+    FilterStats, SkippedEntropy, Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size,
+)
 from .launch import KernelLauncher
 from .problem import cdiv
 from .recompute import launch_pointer_recompute
@@ -27,9 +29,14 @@ class FilteredBackward:
     on the device first, so their temporaries never add to the peak); `run(gradients)` then
     fills them and returns dbias (or None)."""
 
-    def __init__(self, call: BackwardCall, kept_tiles: Tensor, tile_lse: Tensor) -> None:
+    def __init__(self, call: BackwardCall, filter_stats: FilterStats) -> None:
         self.call = call
+        kept_tiles, tile_lse = filter_stats.kept_tiles, filter_stats.tile_lse
         self.tile_lse = tile_lse
+        self.tile_mean_logit = filter_stats.tile_mean_logit
+        if call.coef_entropy is not None and self.tile_mean_logit.shape != tile_lse.shape:
+            raise ValueError("tile_mean_logit: filtered mode's entropy needs the forward's (N, vocab tiles) "
+                             "tile mean logits")
         e, v, d = call.e, call.v, call.d
         tile, forward_n = call.config.grad_logits, call.config.forward.block_n
         self.vocab_tiles = cdiv(v, tile.block_n)
@@ -142,8 +149,10 @@ class FilteredBackward:
         call, gradients = self.call, self.gradients
         row_end = row_start + rows
         coef_smooth = call.coef_smooth[row_start:row_end] if call.label_smoothing > 0.0 else None
+        entropy = None if call.coef_entropy is None else SkippedEntropy(
+            call.coef_entropy[row_start:row_end], call.lse[row_start:row_end], self.tile_mean_logit[row_start:row_end])
         d_logits, row_mass = self.skipped.d_logits(
-            self.tile_lse[row_start:row_end], call.coef_softmax[row_start:row_end], coef_smooth, row_start)
+            self.tile_lse[row_start:row_end], call.coef_softmax[row_start:row_end], coef_smooth, row_start, entropy)
         e_rows = call.e[row_start:row_end]
         on_cuda = call.e.is_cuda
         if call.need_grad_e:

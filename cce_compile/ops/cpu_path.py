@@ -131,6 +131,8 @@ def backward_cpu(
             grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), forward_block_n), grad)
             skipped_mass = torch.where(skipped, softmax, 0.0)
             row_mass += coef_softmax * skipped_mass.sum(dim=1)
+            if coef_entropy is not None:  # the entropy's tilt (filtering.SkippedEntropy); p = 0 counts 0
+                row_mass -= coef_entropy * torch.where(skipped & (softmax > 0), softmax * (logits + 1.0), 0.0).sum(dim=1)
             tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
             tile_mass.index_add_(0, tile_of_column, coef_softmax[sample].abs() @ skipped_mass[sample])
         if need_grad_e:

@@ -5,7 +5,8 @@ The forward walks the vocabulary in `vocab_order`, records each row's largest lo
 log-sum-exp per vocab tile (`tile_stats`) and, as it ends, decides the tiles the backward
 keeps (backward_tile_stats): those where some row's softmax reaches filter_eps (tile_max -
 lse >= log eps) or a row's target falls; the backward never recomputes the rest, and adds
-back their row sums (SkippedTiles) and their tilt (Tilt). The CPU path
+back their row sums (SkippedTiles; linear_log_probs' entropy term from each tile's mean
+logit, SkippedEntropy) and their tilt (Tilt). The CPU path
 decides from the recomputed softmax, the same test. The backward's steps (filtered_steps) and its
 kernels' work lists (step_lists) come from the kept tiles.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -92,20 +94,49 @@ def kept_tile_mask(
     return keep.reshape(-1, block_m, keep.shape[1]).amax(dim=1).contiguous()  # the fake says contiguous
 
 
+class FilterStats(NamedTuple):
+    """What filtered mode's backward filters with, made by the forward: kept_tiles (row blocks
+    x backward tiles, int8), tile_lse (N, forward tiles, fp16, less lse), tile_mean_logit (the
+    same for each tile's softmax-weighted mean logit: linear_log_probs' entropy; else empty),
+    vocab_order (V,). All empty in exact mode; on the plain-PyTorch path all but vocab_order."""
+
+    kept_tiles: Tensor
+    tile_lse: Tensor
+    tile_mean_logit: Tensor
+    vocab_order: Tensor
+
+    @staticmethod
+    def empty(device: torch.device, vocab_order: Tensor | None = None) -> "FilterStats":
+        """Exact mode's (all empty), or the plain-PyTorch path's filtered mode's (`vocab_order`
+        alone): each tensor its own, since a custom op's outputs may not alias."""
+        return FilterStats(
+            torch.empty((0, 0), dtype=torch.int8, device=device), torch.empty((0, 0), dtype=torch.float16, device=device),
+            torch.empty((0, 0), dtype=torch.float16, device=device),
+            torch.empty((0,), dtype=torch.int64, device=device) if vocab_order is None else vocab_order,
+        )
+
+
 def backward_tile_stats(
     tile_stats: Tensor, lse: Tensor, targets: Tensor, order: Tensor, filter_eps: float,
     forward_block_n: int, block_m: int, block_n: int,
-) -> tuple[Tensor, Tensor]:
-    """(kept_tiles, tile_lse): what the backward needs of the forward kernel's tile statistics
-    (2, N, forward tiles fp32: tile maxima, tile log-sum-exps), decided as the forward ends so
-    that only these live until the backward. kept_tiles is kept_tile_mask's (row blocks x
-    backward tiles, int8); tile_lse is each row's log-sum-exp per forward tile less its lse, in
-    fp16 (what SkippedTiles puts back is exp of it: off by under 1% where a tile holds 1e-7 of
-    a row's mass or more). A quarter of the statistics' bytes: on Qwen2.5's 16384 x 151936
-    head, 39 MB instead of 156 (docs/notes/filtered-tile-statistics.md)."""
+) -> FilterStats:
+    """What the backward needs of the forward kernel's tile statistics (N, forward tiles fp32:
+    tile maxima, tile log-sum-exps and, for the entropy, tile mean logits, stacked), decided as
+    the forward ends so that only these live until the backward. kept_tiles is
+    kept_tile_mask's; tile_lse is each row's log-sum-exp per forward tile less its lse, in fp16
+    (what SkippedTiles puts back is exp of it: off by under 1% where a tile holds 1e-7 of a
+    row's mass or more): a quarter of the statistics' bytes, on Qwen2.5's 16384 x 151936 head
+    39 MB instead of 156 (docs/notes/filtered-tile-statistics.md). tile_mean_logit is stored
+    the same way, a tile of no mass (whose mean is 0 / 0) and fp16's overflow made finite."""
     kept = kept_tile_mask(tile_stats[0], lse, targets, order, filter_eps, forward_block_n, block_m, block_n)
-    tile_lse = torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device)
-    return kept, torch.sub(tile_stats[1], lse[:, None], out=tile_lse)  # in fp32, stored in fp16: one pass
+    relative = [torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device) for _ in tile_stats[1:]]
+    for plane, out in zip(tile_stats[1:], relative):
+        torch.sub(plane, lse[:, None], out=out)  # in fp32, stored in fp16: one pass
+    tile_lse, *tile_mean_logit = relative
+    if tile_mean_logit:
+        tile_mean_logit[0].nan_to_num_(nan=0.0)
+    empty = tile_lse.new_empty((0, 0))
+    return FilterStats(kept, tile_lse, tile_mean_logit[0] if tile_mean_logit else empty, order)
 
 
 def flat_rows(reaches_eps: Tensor, counted: Tensor) -> Tensor:
@@ -148,18 +179,23 @@ class SkippedTiles:
     block_m: int
 
     def d_logits(
-        self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row
+        self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row,
+        entropy: "SkippedEntropy | None" = None,
     ) -> tuple[Tensor, Tensor]:
         """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m), from
         their tile log-sum-exps less lse (backward_tile_stats): the d-logit each column of a
-        skipped tile stands in for, 0 where the tile is computed; and (rows,) the rows' softmax
-        mass in skipped tiles times coef_softmax, the tilt's weight (Tilt)."""
+        skipped tile stands in for, 0 where the tile is computed; and (rows,) the tilt's weight
+        (Tilt): the rows' softmax mass in skipped tiles times coef_softmax, with `entropy` the
+        SkippedEntropy's."""
         rows = tile_lse.shape[0]
         first_block = first_row // self.block_m
         computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
         computed = computed.repeat_interleave(self.block_m, dim=0)[:rows]
-        sums = self._skipped_mass(tile_lse, coef_softmax, computed)
-        row_mass = sums.sum(dim=1)
+        if entropy is None:
+            sums = self._skipped_mass(tile_lse, coef_softmax, computed)
+            row_mass = sums.sum(dim=1)
+        else:
+            sums, row_mass = entropy.skipped_sums(tile_lse, coef_softmax, computed)
         if coef_smooth is not None:
             sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
         return sums.div_(self.columns), row_mass
@@ -172,11 +208,34 @@ class SkippedTiles:
         return self._skipped_mass(tile_lse[picked], coef_softmax[picked].abs(), computed).sum(dim=0)
 
     @staticmethod
-    def _skipped_mass(tile_lse: Tensor, coef: Tensor, computed: Tensor) -> Tensor:
-        """(rows, tiles) fp32: coef times each row's softmax mass per forward tile, 0 where
-        `computed` (rows, tiles). In place: a chunk's (rows, tiles) fp32 is the put-back's largest
-        temporary."""
-        return tile_lse.float().exp_().mul_(coef[:, None]).masked_fill_(computed, 0.0)
+    def _skipped_mass(tile_lse: Tensor, coef: Tensor | None, computed: Tensor) -> Tensor:
+        """(rows, tiles) fp32: coef (None: 1) times each row's softmax mass per forward tile, 0
+        where `computed` (rows, tiles). In place: a chunk's (rows, tiles) fp32 is the put-back's
+        largest temporary (the entropy's put-back holds two, SkippedEntropy)."""
+        mass = tile_lse.float().exp_()
+        return (mass if coef is None else mass.mul_(coef[:, None])).masked_fill_(computed, 0.0)
+
+
+class SkippedEntropy(NamedTuple):
+    """The entropy's term in a token chunk's skipped tiles (linear_log_probs): there d l_j =
+    (coef_softmax - h l_j) p_j, h the entropy's coefficient, so a skipped tile's row sum is its
+    mass m_T times (coef_softmax - h mu_T), mu_T the tile's softmax-weighted mean logit. Its
+    tilt (Tilt), to first order with the tile's c rows Gaussian about their mean: sum_T m_T
+    (coef_softmax - h (mu_T + 1)) S e, the extra -h m_T S e being the covariance of the logit
+    with c under the tile's softmax (docs/notes/filtered-log-probs.md)."""
+
+    coef_entropy: Tensor  # (rows,) fp32: h
+    lse: Tensor  # (rows,) fp32
+    tile_mean_logit: Tensor  # (rows, forward tiles) fp16: mu_T less lse (backward_tile_stats)
+
+    def skipped_sums(self, tile_lse: Tensor, coef_softmax: Tensor, computed: Tensor) -> tuple[Tensor, Tensor]:
+        """(rows, tiles) each skipped tile's d-logit row sum, 0 where computed; (rows,) the tilt's weight."""
+        h = self.coef_entropy[:, None]
+        mass = SkippedTiles._skipped_mass(tile_lse, None, computed)
+        row_mass = mass.sum(dim=1)
+        coef = self.tile_mean_logit.float().mul_(-h).add_((coef_softmax - self.coef_entropy * self.lse)[:, None])
+        sums = coef.mul_(mass)
+        return sums, sums.sum(dim=1) - self.coef_entropy * row_mass
 
 
 def skipped_tiles(
@@ -250,8 +309,8 @@ class Tilt:
     of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker unigram prior,
     where the tail holds 27% of the mass; weighting the tiles by their mass changed nothing).
     dE gains m_i (S e_i + K), m_i being coef_softmax times row i's softmax mass in skipped
-    tiles: the put-back's GEMM takes m_i e_i (and m_i) as more columns (`columns`) against S
-    (and K) as more rows (`rows`)."""
+    tiles (with linear_log_probs' entropy, SkippedEntropy's weight): the put-back's GEMM takes
+    m_i e_i (and m_i) as more columns (`columns`) against S (and K) as more rows (`rows`)."""
 
     covariance: Tensor  # (D, D) fp32: S
     bias_covariance: Tensor | None  # (D,) fp32: K

@@ -14,7 +14,7 @@ from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel, merge_
 from ..kernels.warp_specialized import lse_forward_ws_kernel
 from ..plan.launch import LaunchPlan
 from .cpu_path import forward_cpu
-from .filtering import backward_tile_stats, in_vocab_order, vocab_order
+from .filtering import FilterStats, backward_tile_stats, in_vocab_order, vocab_order
 from .gluon import launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import KernelLauncher
 from .loss_terms import token_loss
@@ -35,25 +35,34 @@ def run_forward(
     weight: Tensor | None, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, lse, kept_tiles, tile_lse, vocab_order), as the forward op returns them."""
+    (lse, target_logit, weighted_sum, _), filter_stats = row_and_filter_stats(
+        plan, config, e, c, targets, bias, weight, softcap, label_smoothing > 0.0, False, filter_eps)
+    loss = token_loss(lse, target_logit, weighted_sum, targets, weight, c.shape[0], ignore_index, label_smoothing)
+    return loss, lse, filter_stats.kept_tiles, filter_stats.tile_lse, filter_stats.vocab_order
+
+
+def row_and_filter_stats(
+    plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, filter_eps: float,
+) -> tuple[RowStats, FilterStats]:
+    """row_stats and, in filtered mode, what the backward filters with: the vocabulary's
+    order, and on the Triton path the tile statistics the kernel records walking it, turned
+    into kept tiles (filtering.backward_tile_stats)."""
     n, v = e.shape[0], c.shape[0]
-    tile = config.forward
     order = vocab_order(e, c, bias) if plan.filtered else targets.new_empty((0,))
     on_triton = plan.forward != "cpu"
-    # Filtered mode's tile maxima and log-sum-exps (2, N, vocab tiles), by position in `order`.
-    tile_stats = torch.empty((2, n, cdiv(v, tile.block_n)) if plan.filtered and on_triton else (0, 0),
+    # Filtered mode's tile maxima, log-sum-exps and (entropy) mean logits, by position in `order`.
+    planes = 2 + need_mean_logit
+    tile_stats = torch.empty((planes, n, cdiv(v, config.forward.block_n)) if plan.filtered and on_triton else (0, 0),
                              dtype=torch.float32, device=e.device)
-    lse, target_logit, weighted_sum, _ = row_stats(
-        plan, config, e, c, targets, bias, weight, softcap, label_smoothing > 0.0, False, order, tile_stats)
-    loss = token_loss(lse, target_logit, weighted_sum, targets, weight, v, ignore_index, label_smoothing)
+    stats = row_stats(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit, order,
+                      tile_stats)
     if plan.filtered and on_triton:
-        kept_tiles, tile_lse = backward_tile_stats(
-            tile_stats, lse, targets, order, filter_eps, tile.block_n, config.grad_logits.block_m,
+        return stats, backward_tile_stats(
+            tile_stats, stats[0], targets, order, filter_eps, config.forward.block_n, config.grad_logits.block_m,
             config.grad_logits.block_n,
         )
-    else:
-        kept_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
-        tile_lse = torch.empty((0, 0), dtype=torch.float16, device=e.device)
-    return loss, lse, kept_tiles, tile_lse, order
+    return stats, FilterStats.empty(e.device, order if plan.filtered else None)
 
 
 def row_stats(
@@ -104,7 +113,8 @@ def forward_tma(
     rows: a grid over all of N lets its programs drift apart along their tiles until the
     operands they hold at once outgrow L2. Filtered mode walks the vocabulary in `order` (a
     copy of c, freed when this returns: the copy engine cannot gather rows) and writes each
-    tile's maximum and log-sum-exp into tile_stats; other calls merge lse from per-tile ones."""
+    tile's maximum, log-sum-exp and (entropy) mean logit into tile_stats; other calls merge lse
+    from per-tile ones."""
     n, v = e.shape[0], c.shape[0]
     tile = config.forward
     vocab_tiles = cdiv(v, tile.block_n)
@@ -116,9 +126,10 @@ def forward_tma(
     tile_weighted_sum = (
         torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else lse_by_tile
     )
-    tile_mean_logit = (
-        torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_mean_logit else lse_by_tile
-    )
+    tile_mean_logit = lse_by_tile  # an unread stand-in without the mean logit
+    if need_mean_logit:
+        tile_mean_logit = (tile_stats[2].T if plan.filtered
+                           else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device))
     sms = device_limits(e.device)[0]
     launch = KernelLauncher(lse_forward_tma_kernel, plan.direct_launch)
     e_desc = TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k])

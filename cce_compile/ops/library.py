@@ -28,6 +28,7 @@ from ..kernels.fused_forward import scale_unless_one_kernel
 from ..plan.launch import plan_launch, runs_triton
 from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import run_backward
+from .filtering import FilterStats
 from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
 from .launch import KernelLauncher
@@ -58,23 +59,29 @@ def linear_cross_entropy_forward(
     return launch_with_config(e, c, filtered, policy, launch)
 
 
-@linear_cross_entropy_forward.register_fake
-def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps) -> ForwardOutputs:
+def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool) -> FilterStats:
+    """The shapes forward.filtered_row_stats gives its FilterStats, for the fake functions."""
     n, v = e.shape[0], c.shape[0]
     policy = active_policy()
     filtered = filter_eps > 0.0
-    kept_shape = tile_lse_shape = (0, 0)
+    kept_shape = tile_shape = (0, 0)
     if filtered and runs_triton(problem_of(e, c), policy):
         config = config_for(e, c, filtered, policy)
         kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
-        tile_lse_shape = (n, cdiv(v, config.forward.block_n))
-    return (
-        e.new_empty((n,), dtype=torch.float32),
-        e.new_empty((n,), dtype=torch.float32),
+        tile_shape = (n, cdiv(v, config.forward.block_n))
+    return FilterStats(
         e.new_empty(kept_shape, dtype=torch.int8),
-        e.new_empty(tile_lse_shape, dtype=torch.float16),
+        e.new_empty(tile_shape, dtype=torch.float16),
+        e.new_empty(tile_shape if entropy else (0, 0), dtype=torch.float16),
         targets.new_empty((v,) if filtered else (0,), dtype=torch.int64),
     )
+
+
+@linear_cross_entropy_forward.register_fake
+def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps) -> ForwardOutputs:
+    n = e.shape[0]
+    kept_tiles, tile_lse, _, order = fake_filter_stats(e, c, targets, filter_eps, False)
+    return e.new_empty((n,), dtype=torch.float32), e.new_empty((n,), dtype=torch.float32), kept_tiles, tile_lse, order
 
 
 @torch.library.custom_op("cce::linear_cross_entropy_backward", mutates_args=())

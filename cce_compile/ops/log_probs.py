@@ -2,11 +2,13 @@
 entropies of softmax(e @ c.T + bias) (soft-capped), a forward and a backward op and the
 autograd that joins them, opaque to torch.compile as the loss's ops are (ops/library.py).
 
-The forward is the loss forward's kernels (ops/forward.row_stats, exact mode): one GEMM's
-work, each row's log-sum-exp and target logit and, for entropy, its softmax-weighted mean
-logit. The backward is the loss's recompute backward (ops/backward.backward_from_coefficients)
-with coefficients for arbitrary upstream gradients of both outputs
-(loss_terms.log_prob_coefficients), the entropy's p_j * l_j term a flag of the d-logits kernel.
+The forward is the loss forward's kernels (ops/forward.row_and_filter_stats): one GEMM's work,
+each row's log-sum-exp and target logit and, for entropy, its softmax-weighted mean logit. The
+backward is the loss's recompute backward (ops/backward.backward_from_coefficients) with
+coefficients for arbitrary upstream gradients of both outputs (loss_terms.log_prob_coefficients),
+the entropy's p_j * l_j term a flag of the d-logits kernel. With filter_eps > 0 both take the
+loss's filtered mode (ops/filtering.py): the backward skips the tiles whose softmax stays under
+it and puts back their sums, the entropy's from each tile's mean logit (SkippedEntropy).
 """
 
 from __future__ import annotations
@@ -17,66 +19,68 @@ from torch import Tensor
 from ..plan.launch import Options, plan_launch
 from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import Coefficients, backward_from_coefficients
-from .forward import row_stats
-from .library import config_from_json, config_to_json
+from .filtering import FilterStats
+from .forward import row_and_filter_stats
+from .library import config_from_json, config_to_json, fake_filter_stats
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .problem import config_for, problem_of
 
-LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor]
+LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _options(bias: Tensor | None, softcap: float, entropy: bool) -> Options:
-    return Options(has_bias=bias is not None, has_softcap=softcap > 0.0, has_entropy=entropy)
+def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float) -> Options:
+    return Options(has_bias=bias is not None, has_softcap=softcap > 0.0, has_entropy=entropy, filtered=filter_eps > 0.0)
 
 
 @torch.library.custom_op("cce::linear_log_probs_forward", mutates_args=())
 def linear_log_probs_forward(
     e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None, ignore_index: int, softcap: float, entropy: bool,
+    filter_eps: float,
 ) -> LogProbOutputs:
-    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, mean_logit), fp32 (N,);
-    entropy and mean_logit (sum_j p_j l_j, what the entropy's backward needs) are empty
-    without `entropy`. `softcap` 0 means none."""
+    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, mean_logit, kept_tiles,
+    tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and mean_logit
+    (sum_j p_j l_j, what the entropy's backward needs) empty without `entropy`; the last four
+    what filtered mode's backward filters with (filtering.FilterStats; empty with
+    `filter_eps` 0, exact mode). `softcap` 0 means none."""
     policy = active_policy()
-    config = config_for(e, c, False, policy)
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy), config, policy)
-    empty = tokens.new_empty((0,))
-    lse, target_logit, _, mean_logit = row_stats(
-        plan, config, e, c, tokens, bias, None, softcap, False, entropy, empty,
-        torch.empty((0, 0), dtype=torch.float32, device=e.device),
-    )
+    config = config_for(e, c, filter_eps > 0.0, policy)
+    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), config, policy)
+    (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(
+        plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
     log_probs, entropies = log_prob_terms(lse, target_logit, mean_logit, tokens, c.shape[0], ignore_index)
     if entropies is None or mean_logit is None:  # two empties: a custom op's outputs may not alias
         entropies, mean_logit = lse.new_empty((0,)), lse.new_empty((0,))
-    return log_probs, entropies, lse, mean_logit
+    return log_probs, entropies, lse, mean_logit, *filter_stats
 
 
 @linear_log_probs_forward.register_fake
-def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy) -> LogProbOutputs:
+def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps) -> LogProbOutputs:
     n = e.shape[0]
     per_row = e.new_empty((n,), dtype=torch.float32)
     maybe = e.new_empty((n,) if entropy else (0,), dtype=torch.float32)
-    return per_row, maybe, e.new_empty((n,), dtype=torch.float32), e.new_empty(maybe.shape, dtype=torch.float32)
+    return (per_row, maybe, e.new_empty((n,), dtype=torch.float32), e.new_empty(maybe.shape, dtype=torch.float32),
+            *fake_filter_stats(e, c, tokens, filter_eps, entropy))
 
 
 @torch.library.custom_op("cce::linear_log_probs_backward", mutates_args=())
 def linear_log_probs_backward(
     grad_log_probs: Tensor, grad_entropy: Tensor | None, e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None,
-    lse: Tensor, mean_logit: Tensor, ignore_index: int, softcap: float, need_grad_e: bool, need_grad_c: bool,
+    lse: Tensor, mean_logit: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
+    vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, need_grad_e: bool, need_grad_c: bool,
     config: str, policy: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
-    None) the entropies, with the forward's `config` and `policy` (JSON). A gradient not
-    needed comes back empty, grad_bias empty without a bias."""
+    None) the entropies, with the forward's filter statistics, `config` and `policy` (JSON).
+    A gradient not needed comes back empty, grad_bias empty without a bias."""
     kernel_config, launch_policy = config_from_json(config), policy_from_json(policy)
     entropy = grad_entropy is not None
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy), kernel_config, launch_policy)
+    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), kernel_config, launch_policy)
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
         grad_log_probs, grad_entropy, mean_logit, tokens, ignore_index)
-    empty = tokens.new_empty((0,))
-    no_tiles = torch.empty((0, 0), dtype=torch.int8, device=e.device)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_target, coef_entropy), e, c, tokens, bias,
-        None, lse, no_tiles, no_tiles, empty, 0.0, softcap, 0.0, need_grad_e, need_grad_c,
+        None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
+        need_grad_e, need_grad_c,
     )
     if grad_bias is None:
         return grad_e, grad_c, c.new_empty((0,))
@@ -84,8 +88,9 @@ def linear_log_probs_backward(
 
 
 @linear_log_probs_backward.register_fake
-def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, ignore_index, softcap,
-                   need_grad_e, need_grad_c, config, policy):
+def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, kept_tiles, tile_lse,
+                   tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, need_grad_e, need_grad_c, config,
+                   policy):
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
@@ -94,19 +99,19 @@ def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_l
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, tokens, bias, ignore_index, softcap, entropy = inputs
-    _, _, lse, mean_logit = output
-    ctx.save_for_backward(e, c, tokens, bias, lse, mean_logit)
-    ctx.mark_non_differentiable(lse, mean_logit)
-    ctx.options = (ignore_index, softcap)
+    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps = inputs
+    _, _, *kept = output  # lse, mean_logit and the filter statistics
+    ctx.save_for_backward(e, c, tokens, bias, *kept)
+    ctx.mark_non_differentiable(*kept)
+    ctx.options = (ignore_index, softcap, filter_eps)
     ctx.entropy = entropy
     policy = active_policy()
-    ctx.config = config_to_json(config_for(e, c, False, policy))
+    ctx.config = config_to_json(config_for(e, c, filter_eps > 0.0, policy))
     ctx.policy = policy_to_json(policy)
 
 
-def _backward(ctx, grad_log_probs, grad_entropy, _grad_lse, _grad_mean_logit):
-    e, c, tokens, bias, lse, mean_logit = ctx.saved_tensors
+def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
+    e, c, tokens, bias, lse, mean_logit, *filter_stats = ctx.saved_tensors
     grad_log_probs = torch.zeros_like(lse) if grad_log_probs is None else grad_log_probs
     if not ctx.entropy:
         grad_entropy = None  # no entropy term in the d-logits at all
@@ -115,11 +120,11 @@ def _backward(ctx, grad_log_probs, grad_entropy, _grad_lse, _grad_mean_logit):
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
     with torch.autocast(e.device.type, enabled=False):  # the op's fp32 math is its own
         grad_e, grad_c, grad_bias = linear_log_probs_backward(
-            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, *ctx.options,
+            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, *filter_stats, *ctx.options,
             need_grad_e, need_grad_c, ctx.config, ctx.policy,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None)
 
 
 linear_log_probs_forward.register_autograd(_backward, setup_context=_setup_context)

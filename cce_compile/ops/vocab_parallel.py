@@ -23,6 +23,7 @@ from torch import Tensor
 from ..plan.launch import plan_launch
 from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import Coefficients, backward_from_coefficients
+from .filtering import FilterStats
 from .forward import row_stats
 from .library import config_from_json, config_to_json
 from .problem import config_for, options_of, problem_of
@@ -77,11 +78,9 @@ def shard_row_stats_backward(
     coef_target = grad_target_logit.to(torch.float32).neg().contiguous()
     # without smoothing no runner reads coef_smooth: coef_target stands in for it
     coef_smooth = grad_weighted_sum.to(torch.float32).neg().contiguous() if has_smoothing else coef_target
-    empty = targets.new_empty((0,))
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_smooth), e, c, targets, bias, weight, lse,
-        empty.new_empty((0, 0), dtype=torch.int8), empty.new_empty((0, 0), dtype=torch.float16), empty,
-        1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,
+        FilterStats.empty(e.device), 1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,
     )
     if grad_bias is None:
         return grad_e, grad_c, c.new_empty((0,))
