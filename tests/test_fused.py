@@ -12,7 +12,7 @@ from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.plan.launch import Options, gradients_in_forward, workspace_rows
 from cce_compile.plan.policy import Policy
 
-from .op_cases import make_inputs, relative_error
+from .op_cases import TOLERANCE, make_inputs, relative_error
 from .reference import reference_loss
 
 PATHS = [  # the interpreter mark runs the Triton kernels (tests/conftest.py)
@@ -46,6 +46,64 @@ def test_several_chunks_match_float64(path: bool) -> None:
     assert relative_error(loss, expected) < 1e-6
     for got, want in zip(ours, ref):
         assert relative_error(got.grad, want.grad) < 1e-5
+
+
+FUSED_OPTIONS = {
+    "plain": {},
+    "softcap": {"softcap": 4.0},
+    "bias and softcap": {"bias": True, "softcap": 3.0},
+    "weights, smoothing, z-loss": {"weight": True, "label_smoothing": 0.1, "z_loss": 1e-3},
+    "sum, ignore_index": {"reduction": "sum", "ignore_index": 7},
+    "shift, temperature": {"shift": True, "temperature": 0.8},
+    "frozen head": {"frozen": "c"},
+    "frozen hidden states": {"frozen": "e", "bias": True},
+    "autocast": {"autocast": True},
+}
+"""Every option the fused forward takes (plan.launch.gradients_in_forward), one at a time or
+as users combine them."""
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FUSED_OPTIONS)
+def test_every_option_on_the_fused_path_matches_float64(case: str, dtype: torch.dtype, path: bool,
+                                                       launch_plans: list) -> None:
+    """The fused forward's loss and gradients against float64, per option, on the plain-PyTorch
+    path and the interpreted kernels (bf16's on tensor descriptors, fp32's on pointers), over
+    several token chunks; the call did take the fused forward. Autocast runs fp32 inputs in bf16."""
+    options = dict(FUSED_OPTIONS[case])
+    frozen, autocast = options.pop("frozen", None), options.pop("autocast", False)
+    temperature = options.pop("temperature", 1.0)
+    e, c, targets = make_inputs("zipf", (2, 75), 301, 40, torch.float32 if autocast else dtype, seed=31)
+    if "ignore_index" in options:
+        targets[targets == 3] = options["ignore_index"]
+    g = torch.Generator().manual_seed(32)
+    bias = (torch.randn(301, generator=g) * 0.3).to(e.dtype) if options.pop("bias", False) else None
+    weight = torch.rand(301, generator=g) + 0.5 if options.pop("weight", False) else None
+    tensors = (e, c) + ((bias,) if bias is not None else ())
+    ours, ref = leaves(*tensors), leaves(*(t.double() for t in tensors))
+    for name, ours_leaf, ref_leaf in zip("ec", ours, ref):
+        if name == frozen:
+            ours_leaf.requires_grad_(False)
+            ref_leaf.requires_grad_(False)
+    with cce_compile.override_config(SMALL_CHUNKS), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = cce_compile.linear_cross_entropy(*ours[:2], targets, bias=ours[2] if bias is not None else None,
+                                                weight=weight, temperature=temperature, **options)
+    assert loss.grad_fn.name().startswith("GeneratedBackwardFor_cce_linear_cross_entropy_fused")
+    kernel = "tma" if autocast or dtype == torch.bfloat16 else "pointer"
+    assert [plan.fused for plan in launch_plans] == [kernel if path else "cpu"]
+    scaled = [t / temperature for t in ref[:1] + ref[2:]]  # logits / T: e and bias divided
+    expected = reference_loss(scaled[0], ref[1], targets, bias=scaled[1] if bias is not None else None,
+                              weight=weight, **options)
+    (loss * 1.5).backward()
+    (expected * 1.5).backward()
+    tol = TOLERANCE[torch.bfloat16 if autocast else dtype]
+    assert relative_error(loss, expected) < tol
+    for got, want in zip(ours, ref):
+        if not want.requires_grad:
+            assert got.grad is None
+            continue
+        assert got.grad.dtype == got.dtype and relative_error(got.grad, want.grad) < tol, relative_error(got.grad, want.grad)
 
 
 @pytest.mark.interpreter
@@ -101,6 +159,17 @@ def test_double_backward_is_a_clear_error() -> None:
     loss = cce_compile.linear_cross_entropy(ee, cc, targets)
     with pytest.raises(RuntimeError, match="double backward.*memory='low'"):
         torch.autograd.grad(loss, ee, create_graph=True)
+
+
+def test_a_second_backward_without_retain_graph_is_a_clear_error() -> None:
+    """The gradients were handed to the first backward (scaled in place): a second one says so
+    and how to keep them, instead of scaling them again."""
+    e, c, targets = make_inputs("zipf", (40,), 100, 16, torch.float32, seed=1)
+    ee, cc = leaves(e, c)
+    loss = cce_compile.linear_cross_entropy(ee, cc, targets)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="already backpropagated.*retain_graph=True"):
+        loss.backward()
 
 
 def test_a_forward_without_grad_runs_the_plain_forward(fused_outputs: list) -> None:

@@ -126,6 +126,81 @@ def test_dynamic_n_does_not_recompile_within_a_bucket(memory: str) -> None:
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one bucket"
 
 
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_dynamic_true_with_inductor_does_not_recompile_within_a_bucket(memory: str) -> None:
+    """torch.compile(dynamic=True) through Inductor: the frames the first call compiles (the
+    step's, and the restart that makes z_loss's default a graph input) serve every N of the
+    bucket, with eager's gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RMSNormHead(16, 64, memory)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for n in (70, 90, 127):
+        hidden = torch.randn(1, n, 16, requires_grad=True)
+        targets = torch.randint(0, 64, (1, n))
+        compiled(hidden, targets).backward()
+        got = hidden.grad.clone()
+        hidden.grad = None
+        model(hidden, targets).backward()
+        torch.testing.assert_close(got, hidden.grad, rtol=1e-4, atol=1e-6)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], f"recompiled within the bucket: frames after each call {frames}"
+
+
+def test_max_autotune_matches_eager() -> None:
+    """mode="max-autotune": Inductor may benchmark its own kernels around the op; the op is
+    an extern call there as in the default mode, and the step's gradients are eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RMSNormHead(32, 211)
+    hidden = torch.randn(2, 40, 32, requires_grad=True)
+    targets = torch.randint(0, 211, (2, 40))
+    compiled = torch.compile(model, fullgraph=True, mode="max-autotune")
+    compiled(hidden, targets).backward()
+    got = [p.grad.clone() for p in model.parameters()] + [hidden.grad.clone()]
+    for p in list(model.parameters()) + [hidden]:
+        p.grad = None
+    model(hidden, targets).backward()
+    for g, want in zip(got, [p.grad for p in model.parameters()] + [hidden.grad]):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_a_whole_compiled_training_step_matches_eager(memory: str) -> None:
+    """torch.compile of a whole step (forward, backward() under compiled autograd, AdamW's
+    step): three steps land on eager's parameters, and the later steps compile nothing new."""
+
+    def train(compile_step: bool) -> tuple[list[torch.Tensor], list[int]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = RMSNormHead(32, 211, memory)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        hidden, targets = torch.randn(2, 40, 32), torch.randint(0, 211, (2, 40))
+
+        def step() -> torch.Tensor:
+            loss = model(hidden, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+        run = torch.compile(step, backend=counter) if compile_step else step
+        frames = []
+        with torch._dynamo.config.patch(compiled_autograd=compile_step):
+            for _ in range(3):
+                run()
+                frames.append(counter.frame_count)
+        return [p.detach().clone() for p in model.parameters()], frames
+
+    (compiled, frames), (eager, _) = train(True), train(False)
+    assert frames[0] > 0 and frames[1] == frames[2] == frames[0], f"frames after each step: {frames}"
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.interpreter
 def test_compiled_graph_runs_the_interpreted_kernels() -> None:
     """Inductor calls the op, opaque, and the real Triton kernels run on CPU."""
