@@ -375,8 +375,9 @@ def test_grpo_recipe_against_float64(dtype: torch.dtype) -> None:
 
 def test_bench_contenders_agree_on_cpu() -> None:
     """The bench's log-probs rows: cce's and the materialized one give the cross-entropy the
-    harness checks them against, with the same gradients; verl's, absent here, is reported
-    unavailable with its reason rather than failing the run."""
+    harness checks them against, with the same gradients, and so do verl's and TRL's kernels
+    where installed; where not, each is reported unavailable with its reason rather than
+    failing the run."""
     from cce_compile.bench import log_probs as bench_log_probs
     from cce_compile.bench.peers import IMPLS, try_load
 
@@ -393,9 +394,16 @@ def test_bench_contenders_agree_on_cpu() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     filtered = try_load(IMPLS["cce_log_probs_filtered"]).fn(e, c, tokens)  # filtering leaves the value exact
     torch.testing.assert_close(filtered, expected)
-    verl = try_load(IMPLS["verl_log_probs"])
-    if isinstance(verl, str):
-        assert "verl" in verl
+    for peer in ("verl", "trl"):  # where installed (TRL's kernel folds its tiles in torch on CPU), as the others
+        loaded = try_load(IMPLS[f"{peer}_log_probs"])
+        if isinstance(loaded, str):
+            assert peer in loaded
+            continue
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        loss = loaded.fn(*leaves, tokens)
+        loss.backward()
+        for got, want in zip((loss, *(leaf.grad for leaf in leaves)), results[1]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

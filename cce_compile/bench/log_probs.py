@@ -6,6 +6,7 @@ The no-grad forward it times is the old and reference policies' pass."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -20,6 +21,13 @@ from .peers import ImplUnavailable, Loaded
 
 VERL_KERNEL_MODULE = "verl.utils.kernel.linear_cross_entropy"
 """verl's fused log-probs + entropy kernel (`LinearCrossEntropy`, an autograd.Function)."""
+
+TRL_KERNEL_MODULE = "trl.kernels.chunked_logprob"
+"""TRL's chunked log-probs (`ChunkedLogProbFunction`: cuBLAS tiles folded by a Triton kernel,
+the backward recomputing them), behind its trainers' fused LM head since TRL 1.x."""
+
+TRL_VOCAB_CHUNK = 32768
+"""The vocabulary chunk TRL's fused LM head passes (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)."""
 
 
 def as_loss(log_probs: Tensor, entropy: Tensor) -> Tensor:
@@ -66,17 +74,21 @@ def _kernel_module_alone(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def _peer_kernel_module(name: str) -> ModuleType:
+    """_kernel_module_alone, a broken install reported as unavailable with its reason."""
+    try:
+        return _kernel_module_alone(name)
+    except ImplUnavailable:
+        raise
+    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
+        raise ImplUnavailable(f"{name} does not import: {type(err).__name__}: {err}") from err
+
+
 def _load_verl() -> Loaded:
     """verl's kernel where its wheel is installed (the GPU machine): `LinearCrossEntropy.apply(
     hidden, weight, labels[, temperature], reduction)` -> (log_probs, entropy); releases before
     the temperature argument take none."""
-    try:
-        module = _kernel_module_alone(VERL_KERNEL_MODULE)
-    except ImplUnavailable:
-        raise
-    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
-        raise ImplUnavailable(f"{VERL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
-    function = module.LinearCrossEntropy
+    function = _peer_kernel_module(VERL_KERNEL_MODULE).LinearCrossEntropy
     takes_temperature = "temperature" in inspect.signature(function.forward).parameters
 
     def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
@@ -86,10 +98,37 @@ def _load_verl() -> Loaded:
     return Loaded(loss, "temperature argument" if takes_temperature else "no temperature argument")
 
 
+def _load_trl() -> Loaded:
+    """TRL's kernel where its wheel is installed: `ChunkedLogProbFunction.apply(hidden, weight,
+    bias, targets, temperature, vocab chunk, softcap, logit scale, outputs)` -> (log_probs,
+    entropy, and three outputs not asked for), as its fused LM head calls it. Its backward
+    imports trl.trainer.utils (the trainers and their dependencies) for one helper,
+    maybe_gather_lm_head_ctx, that gathers DeepSpeed ZeRO-3 shards and is a null context
+    otherwise: where that module does not import (no datasets, accelerate, pandas), the
+    helper is given as that null context."""
+    function = _peer_kernel_module(TRL_KERNEL_MODULE).ChunkedLogProbFunction
+    try:
+        importlib.import_module("trl.trainer.utils")
+    except Exception:  # noqa: BLE001 - any missing dependency of the trainers
+        trainer = sys.modules.setdefault("trl.trainer", ModuleType("trl.trainer"))
+        trainer.__path__ = []
+        utils = ModuleType("trl.trainer.utils")
+        utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = trainer.utils = utils
+
+    def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+        log_probs, entropy, *_ = function.apply(e, c, None, targets, 1.0, TRL_VOCAB_CHUNK, None, 1.0,
+                                                ("log_probs", "entropy"))
+        return as_loss(log_probs, entropy)
+
+    return Loaded(loss)
+
+
 LOG_PROB_LOADERS: dict[str, Callable[[], Loaded]] = {
     "cce_log_probs": _load_cce_log_probs,
     "cce_log_probs_filtered": lambda: _load_cce_log_probs("auto"),
     "torch_compile_log_probs": _load_compiled_log_probs,
     "verl_log_probs": _load_verl,
+    "trl_log_probs": _load_trl,
 }
 """The loaders of peers.IMPLS' log-probs rows."""

@@ -155,6 +155,8 @@ IMPLS: dict[str, Impl] = {
              lambda: _load_log_probs("torch_compile_log_probs"), on_uniform=False),
         Impl("verl_log_probs", "verl LinearCrossEntropy (+entropy)", lambda: _load_log_probs("verl_log_probs"),
              on_uniform=False),
+        Impl("trl_log_probs", "TRL ChunkedLogProbFunction (+entropy)", lambda: _load_log_probs("trl_log_probs"),
+             on_uniform=False),
     )
 }
 """In benchmark order: this project first, so a run cut short by its time budget still

@@ -36,7 +36,8 @@ def bench(
     kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, heavy_tail, uniform [default: lm_like, uniform]")] = None,
     impls: Annotated[Optional[list[str]], typer.Option(
         help="cce_exact, cce_exact_low, cce_filtered, torch, apple_cce, apple_cce_exact, liger; the log-probs rows "
-             "cce_log_probs, cce_log_probs_filtered, torch_compile_log_probs, verl_log_probs [default: all]")] = None,
+             "cce_log_probs, cce_log_probs_filtered, torch_compile_log_probs, verl_log_probs, trl_log_probs "
+             "[default: all]")] = None,
     compile_modes: Annotated[Optional[list[str]], typer.Option(
         "--compile", help="eager, default, reduce-overhead: how each impl is called; the compiled modes apply to "
                           "cce_* and torch [default: all three]")] = None,

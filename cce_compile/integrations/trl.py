@@ -1,0 +1,114 @@
+"""TRL's RL trainers (GRPO, RLOO; TRL 1.x) with linear_log_probs behind their fused LM head.
+
+Those trainers score completions through a head they add to the policy and reference models,
+`trl.trainer.utils.add_fused_lm_head`: `model(..., labels=labels, fused_lm_head=True)` runs the
+decoder and returns per-token log-probs (and entropy) without the (tokens, vocab) logits.
+`add_fused_lm_head` here adds a head with the same call and output fields, computed by
+linear_log_probs. The trainers look the function up in their own modules, so
+
+    import trl.trainer.grpo_trainer
+    from cce_compile.integrations.trl import add_fused_lm_head
+    trl.trainer.grpo_trainer.add_fused_lm_head = add_fused_lm_head  # before GRPOTrainer(...)
+
+makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optional outputs
+only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1 are refused), and a
+model whose config scales its logits or asks for an MoE router loss is refused, each with a
+clear error: nothing is silently computed differently. TRL itself is never imported here;
+import this module only where transformers is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..api import linear_log_probs
+
+SUPPORTED_OUTPUTS = ("log_probs", "entropy")
+LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+"""Config fields by which some families scale their logits before the softmax: refused."""
+
+
+@dataclass
+class FusedLogProbsOutput(ModelOutput):
+    """What `model(..., labels=labels, fused_lm_head=True)` returns, with the fields TRL's
+    trainers read: per-token fields (batch, seq_len - 1), or (batch, seq_len) with
+    shift_labels, 0 where the label is -100; loss the mean negative log-likelihood over the
+    labeled tokens (or their sum over num_items_in_batch)."""
+
+    loss: Tensor | None = None
+    log_probs: Tensor | None = None
+    entropy: Tensor | None = None
+    log_sum_sq_probs: Tensor | None = None
+    mean_logits: Tensor | None = None
+    is_top1: Tensor | None = None
+    label_mask: Tensor | None = None
+    aux_loss: Tensor | None = None
+
+
+def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
+    unsupported = [name for name in outputs if name not in SUPPORTED_OUTPUTS]
+    if unsupported:
+        raise ValueError(f"outputs: cce_compile's fused LM head computes {SUPPORTED_OUTPUTS}, not {unsupported}")
+    config = model.config.get_text_config()
+    scaled = [name for name in LOGIT_SCALE_FIELDS if getattr(config, name, None) not in (None, 1.0)]
+    if scaled:
+        raise ValueError(f"model: its config scales the logits ({', '.join(scaled)}), which linear_log_probs does not")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
+
+
+def add_fused_lm_head(
+    model: PreTrainedModel, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+) -> None:
+    """Patch `model.forward` (this instance) as TRL's add_fused_lm_head does: with
+    fused_lm_head=True it runs the decoder and returns FusedLogProbsOutput from
+    linear_log_probs over the labeled positions only (logits / temperature, Gemma-2's final
+    soft-cap included); without it, the original forward (generation unchanged). Add it
+    before wrapping the model with PEFT."""
+    _check_supported(model, outputs)
+    original_forward = model.forward
+    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    entropy = "entropy" in outputs
+
+    @functools.wraps(type(model).forward)  # generate validates its kwargs against this signature
+    def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                      **kwargs):
+        if not fused_lm_head:
+            passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return original_forward(*args, **{name: value for name, value in passed.items() if value is not None},
+                                    **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        mask = labels != -100
+        hidden = hidden.to(weight.device)[mask.to(weight.device)]
+        cast = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+            cast = torch.autocast(hidden.device.type, enabled=False)
+        with cast:
+            scored = linear_log_probs(hidden, weight, labels[mask].to(weight.device), bias=bias,
+                                      temperature=temperature, softcap=softcap, entropy=entropy)
+        log_probs, entropies = scored if entropy else (scored, None)
+        # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero
+        log_probs, entropies = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
+                                for x in (log_probs, entropies))
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedLogProbsOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
+                                   label_mask=mask)
+
+    model.forward = types.MethodType(fused_forward, model)

@@ -1,0 +1,106 @@
+"""cce_compile.integrations.trl: the fused LM head TRL's RL trainers call, on real tiny
+transformers models, against the model's own logits in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from cce_compile.integrations.trl import add_fused_lm_head
+
+from .op_cases import relative_error
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=211, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def tiny_gemma2() -> Gemma2ForCausalLM:
+    config = Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=211, max_position_embeddings=64,
+                          final_logit_softcapping=5.0)
+    return Gemma2ForCausalLM(config)
+
+
+def reference(model, input_ids, attention_mask, labels, temperature: float):
+    """Per-token log-probs and entropies of the next-token labels from the model's own (soft-capped)
+    logits, in float64, 0 where the label is -100."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].double() / temperature
+    labels = labels[:, 1:]
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    mask = labels != -100
+    log_probs = log_softmax.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * mask
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1) * mask
+    return log_probs, entropy
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma2], ids=["llama", "gemma2-softcap"])
+def test_fused_head_matches_the_models_own_logits(build) -> None:
+    """Log-probs, entropy, loss and every parameter's gradient under random upstream gradients,
+    the prompt's positions and the padding masked out as TRL's trainers mask them."""
+    torch.manual_seed(0)
+    model = build().float()
+    ref_model = copy.deepcopy(model).double()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    input_ids = torch.randint(0, 211, (3, 20))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 15:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :8] = -100  # the prompt: only the completion is scored
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_h = torch.randn(3, 19, generator=g, dtype=torch.float64), torch.randn(3, 19, generator=g, dtype=torch.float64)
+
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    ((out.log_probs.double() * up_lp).sum() + (out.entropy.double() * up_h).sum()).backward()
+    ref_lp, ref_h = reference(ref_model, input_ids, attention_mask, labels, 0.7)
+    ((ref_lp * up_lp).sum() + (ref_h * up_h).sum()).backward()
+
+    mask = labels[:, 1:] != -100
+    assert torch.equal(out.label_mask, mask)
+    assert relative_error(out.log_probs, ref_lp) < 2e-5 and relative_error(out.entropy, ref_h) < 2e-5
+    assert torch.all(out.log_probs[~mask] == 0) and torch.all(out.entropy[~mask] == 0)
+    torch.testing.assert_close(out.loss.double(), -ref_lp.sum() / mask.sum(), rtol=2e-5, atol=1e-6)
+    for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
+        if ref_param.grad is not None and ref_param.grad.abs().max() > 0:
+            assert relative_error(param.grad, ref_param.grad) < 1e-4, name
+
+
+def test_without_the_flag_the_forward_is_the_models() -> None:
+    """fused_lm_head=False (generation, evaluation) runs the original forward: logits and HF's loss."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    input_ids = torch.randint(0, 211, (2, 12))
+    expected = model(input_ids=input_ids, labels=input_ids)
+    add_fused_lm_head(model)
+    got = model(input_ids=input_ids, labels=input_ids)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.loss, expected.loss)
+    assert model.generate(input_ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_an_all_masked_batch_is_a_differentiable_zero() -> None:
+    model = tiny_llama()
+    add_fused_lm_head(model)
+    input_ids = torch.randint(0, 211, (2, 10))
+    out = model(input_ids=input_ids, labels=torch.full_like(input_ids, -100), fused_lm_head=True)
+    assert out.loss == 0 and torch.all(out.log_probs == 0)
+    out.loss.backward()  # reaches the model, whose gradients are zero
+    assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"outputs": ("log_probs", "is_top1")}, r"outputs: .*not \['is_top1'\]"),
+    ({"config": {"logits_scaling": 8.0}}, "scales the logits"),
+    ({"config": {"output_router_logits": True}}, "MoE router loss"),
+])
+def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
+    model = tiny_llama()
+    for field, value in change.get("config", {}).items():
+        setattr(model.config, field, value)
+    with pytest.raises(ValueError, match=match):
+        add_fused_lm_head(model, outputs=change.get("outputs", ("log_probs",)))
