@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
+from torch._dynamo.utils import counters
 
 import cce_compile
 from cce_compile import ops
@@ -141,17 +142,20 @@ def test_dynamic_true_with_inductor_does_not_recompile_within_a_bucket(memory: s
         hidden = torch.randn(1, n, 16, requires_grad=True)
         targets = torch.randint(0, 64, (1, n))
         compiled(hidden, targets).backward()
-        got = hidden.grad.clone()
-        hidden.grad = None
+        got = [t.grad.clone() for t in (hidden, *model.parameters())]
+        for t in (hidden, *model.parameters()):
+            t.grad = None
         model(hidden, targets).backward()
-        torch.testing.assert_close(got, hidden.grad, rtol=1e-4, atol=1e-6)
+        for g, t in zip(got, (hidden, *model.parameters())):
+            torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-6)
+            t.grad = None
         frames.append(counter.frame_count)
     assert frames[0] == frames[-1], f"recompiled within the bucket: frames after each call {frames}"
 
 
-def test_max_autotune_matches_eager() -> None:
-    """mode="max-autotune": Inductor may benchmark its own kernels around the op; the op is
-    an extern call there as in the default mode, and the step's gradients are eager's."""
+def test_max_autotune_matches_eager(fused_outputs: list) -> None:
+    """mode="max-autotune": Inductor may benchmark its own kernels around the op; the step
+    goes through the op's fused forward and its gradients are eager's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = RMSNormHead(32, 211)
@@ -159,6 +163,7 @@ def test_max_autotune_matches_eager() -> None:
     targets = torch.randint(0, 211, (2, 40))
     compiled = torch.compile(model, fullgraph=True, mode="max-autotune")
     compiled(hidden, targets).backward()
+    assert fused_outputs, "the compiled step did not go through the op's fused forward"
     got = [p.grad.clone() for p in model.parameters()] + [hidden.grad.clone()]
     for p in list(model.parameters()) + [hidden]:
         p.grad = None
@@ -170,10 +175,12 @@ def test_max_autotune_matches_eager() -> None:
 @pytest.mark.parametrize("memory", ["workspace", "low"])
 def test_a_whole_compiled_training_step_matches_eager(memory: str) -> None:
     """torch.compile of a whole step (forward, backward() under compiled autograd, AdamW's
-    step): three steps land on eager's parameters, and the later steps compile nothing new."""
+    step): compiled autograd captures the backward, three steps land on eager's parameters,
+    and the later steps compile nothing new."""
 
     def train(compile_step: bool) -> tuple[list[torch.Tensor], list[int]]:
         torch._dynamo.reset()
+        counters.clear()
         torch.manual_seed(0)
         model = RMSNormHead(32, 211, memory)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -187,15 +194,17 @@ def test_a_whole_compiled_training_step_matches_eager(memory: str) -> None:
             return loss
 
         counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-        run = torch.compile(step, backend=counter) if compile_step else step
         frames = []
-        with torch._dynamo.config.patch(compiled_autograd=compile_step):
+        with torch._dynamo.config.patch(compiled_autograd=compile_step):  # read when torch.compile wraps
+            run = torch.compile(step, backend=counter) if compile_step else step
             for _ in range(3):
                 run()
                 frames.append(counter.frame_count)
         return [p.detach().clone() for p in model.parameters()], frames
 
-    (compiled, frames), (eager, _) = train(True), train(False)
+    (compiled, frames), captures = train(True), counters["compiled_autograd"]["captures"]
+    eager, _ = train(False)
+    assert captures >= 1, "compiled autograd did not capture the backward"
     assert frames[0] > 0 and frames[1] == frames[2] == frames[0], f"frames after each step: {frames}"
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -83,20 +83,46 @@ def test_without_the_flag_the_forward_is_the_models() -> None:
     assert model.generate(input_ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
+def test_shift_labels_count_and_fp32_head() -> None:
+    """Pre-shifted labels (context or sequence parallelism) are scored as they are, the loss is
+    summed over num_items_in_batch, and cast_lm_head_to_fp32 gives the fp32 result for a bf16
+    model under autocast."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model).double()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    input_ids = torch.randint(0, 211, (2, 12))
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    shifted = torch.cat([labels[:, 1:], labels.new_full((2, 1), -100)], dim=1)
+    out = model(input_ids=input_ids, shift_labels=shifted, num_items_in_batch=40, fused_lm_head=True)
+    ref_lp, ref_h = reference(ref_model, input_ids, None, labels, 1.0)
+    assert out.log_probs.shape == (2, 12) and relative_error(out.log_probs[:, :-1], ref_lp) < 2e-5
+    torch.testing.assert_close(out.loss.double(), -ref_lp.sum() / 40, rtol=2e-5, atol=1e-6)
+
+    bf16 = copy.deepcopy(ref_model).float().bfloat16()
+    add_fused_lm_head(bf16, cast_lm_head_to_fp32=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_head = bf16(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    assert fp32_head.log_probs.dtype == torch.float32
+    assert relative_error(fp32_head.log_probs, ref_lp) < 5e-2  # the decoder in bf16; the head's rounding off
+
+
 def test_an_all_masked_batch_is_a_differentiable_zero() -> None:
     model = tiny_llama()
     add_fused_lm_head(model)
     input_ids = torch.randint(0, 211, (2, 10))
     out = model(input_ids=input_ids, labels=torch.full_like(input_ids, -100), fused_lm_head=True)
     assert out.loss == 0 and torch.all(out.log_probs == 0)
-    out.loss.backward()  # reaches the model, whose gradients are zero
-    assert model.lm_head.weight.grad is not None
+    out.loss.backward()  # reaches the model, as a zero
+    assert model.lm_head.weight.grad is not None and torch.all(model.lm_head.weight.grad == 0)
 
 
 @pytest.mark.parametrize(("change", "match"), [
     ({"outputs": ("log_probs", "is_top1")}, r"outputs: .*not \['is_top1'\]"),
     ({"config": {"logits_scaling": 8.0}}, "scales the logits"),
-    ({"config": {"output_router_logits": True}}, "MoE router loss"),
+    ({"config": {"output_router_logits": True}}, "MoE model with a router loss"),
+    ({"config": {"router_aux_loss_coef": 0.001}}, "MoE model with a router loss"),
 ])
 def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
     model = tiny_llama()
@@ -104,3 +130,12 @@ def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
         setattr(model.config, field, value)
     with pytest.raises(ValueError, match=match):
         add_fused_lm_head(model, outputs=change.get("outputs", ("log_probs",)))
+
+
+def test_a_call_asking_for_router_logits_is_refused() -> None:
+    """TRL's trainers ask for router logits per call on MoE models: refused, not a missing loss."""
+    model = tiny_llama()
+    add_fused_lm_head(model)
+    input_ids = torch.randint(0, 211, (1, 6))
+    with pytest.raises(ValueError, match="output_router_logits"):
+        model(input_ids=input_ids, labels=input_ids, fused_lm_head=True, output_router_logits=True)

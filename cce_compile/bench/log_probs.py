@@ -74,21 +74,17 @@ def _kernel_module_alone(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
-def _peer_kernel_module(name: str) -> ModuleType:
-    """_kernel_module_alone, a broken install reported as unavailable with its reason."""
-    try:
-        return _kernel_module_alone(name)
-    except ImplUnavailable:
-        raise
-    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
-        raise ImplUnavailable(f"{name} does not import: {type(err).__name__}: {err}") from err
-
-
 def _load_verl() -> Loaded:
     """verl's kernel where its wheel is installed (the GPU machine): `LinearCrossEntropy.apply(
     hidden, weight, labels[, temperature], reduction)` -> (log_probs, entropy); releases before
     the temperature argument take none."""
-    function = _peer_kernel_module(VERL_KERNEL_MODULE).LinearCrossEntropy
+    try:
+        module = _kernel_module_alone(VERL_KERNEL_MODULE)
+    except ImplUnavailable:
+        raise
+    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
+        raise ImplUnavailable(f"{VERL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
+    function = module.LinearCrossEntropy
     takes_temperature = "temperature" in inspect.signature(function.forward).parameters
 
     def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
@@ -101,20 +97,23 @@ def _load_verl() -> Loaded:
 def _load_trl() -> Loaded:
     """TRL's kernel where its wheel is installed: `ChunkedLogProbFunction.apply(hidden, weight,
     bias, targets, temperature, vocab chunk, softcap, logit scale, outputs)` -> (log_probs,
-    entropy, and three outputs not asked for), as its fused LM head calls it. Its backward
-    imports trl.trainer.utils (the trainers and their dependencies) for one helper,
-    maybe_gather_lm_head_ctx, that gathers DeepSpeed ZeRO-3 shards and is a null context
-    otherwise: where that module does not import (no datasets, accelerate, pandas), the
-    helper is given as that null context."""
-    function = _peer_kernel_module(TRL_KERNEL_MODULE).ChunkedLogProbFunction
+    entropy, and three outputs not asked for), as its fused LM head calls it. TRL's package
+    loads lazily, so the kernel's module imports without the trainers' dependencies; its
+    backward imports trl.trainer.utils (the trainers) for one helper, maybe_gather_lm_head_ctx,
+    which gathers DeepSpeed ZeRO-3 shards and is a null context otherwise: where that module
+    does not import (no datasets, accelerate, pandas), it is registered as that helper alone."""
+    if importlib.util.find_spec("trl") is None:
+        raise ImplUnavailable("trl is not installed")
+    try:
+        function = importlib.import_module(TRL_KERNEL_MODULE).ChunkedLogProbFunction
+    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
+        raise ImplUnavailable(f"{TRL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
     try:
         importlib.import_module("trl.trainer.utils")
     except Exception:  # noqa: BLE001 - any missing dependency of the trainers
-        trainer = sys.modules.setdefault("trl.trainer", ModuleType("trl.trainer"))
-        trainer.__path__ = []
         utils = ModuleType("trl.trainer.utils")
         utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
-        sys.modules["trl.trainer.utils"] = trainer.utils = utils
+        sys.modules["trl.trainer.utils"] = utils
 
     def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
         log_probs, entropy, *_ = function.apply(e, c, None, targets, 1.0, TRL_VOCAB_CHUNK, None, 1.0,

@@ -11,10 +11,12 @@ linear_log_probs. The trainers look the function up in their own modules, so
     trl.trainer.grpo_trainer.add_fused_lm_head = add_fused_lm_head  # before GRPOTrainer(...)
 
 makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optional outputs
-only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1 are refused), and a
-model whose config scales its logits or asks for an MoE router loss is refused, each with a
-clear error: nothing is silently computed differently. TRL itself is never imported here;
-import this module only where transformers is installed.
+only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO
+and KTO trainers ask for, are refused), and a model whose config scales its logits, an MoE
+model with a router loss and a DeepSpeed ZeRO-3 partitioned head are refused, each with a
+clear error: nothing is silently computed differently. An FSDP2-sharded head is gathered, as
+TRL's is. cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
+TRL itself is never imported here; import this module only where transformers is installed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -61,8 +64,8 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
     scaled = [name for name in LOGIT_SCALE_FIELDS if getattr(config, name, None) not in (None, 1.0)]
     if scaled:
         raise ValueError(f"model: its config scales the logits ({', '.join(scaled)}), which linear_log_probs does not")
-    if getattr(config, "output_router_logits", False):
-        raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
+    if getattr(config, "output_router_logits", False) or getattr(config, "router_aux_loss_coef", 0.0):
+        raise ValueError("model: an MoE model with a router loss, which cce_compile's fused LM head does not add")
 
 
 def add_fused_lm_head(
@@ -86,6 +89,8 @@ def add_fused_lm_head(
             passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return original_forward(*args, **{name: value for name, value in passed.items() if value is not None},
                                     **kwargs)
+        if kwargs.get("output_router_logits"):
+            raise ValueError("output_router_logits: cce_compile's fused LM head adds no MoE router loss")
         kwargs["use_cache"] = False
         hidden = self.base_model(*args, **kwargs).last_hidden_state
         if shift_labels is None:
@@ -94,8 +99,14 @@ def add_fused_lm_head(
             labels = shift_labels
         head = self.get_output_embeddings()
         weight, bias = head.weight, head.bias
+        if hasattr(weight, "ds_id"):
+            raise ValueError("model: a DeepSpeed ZeRO-3 partitioned head, which cce_compile's fused LM head does not gather")
+        if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
+            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+        # With the model split across devices the decoder may end on another device than the head.
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
         mask = labels != -100
-        hidden = hidden.to(weight.device)[mask.to(weight.device)]
+        hidden = hidden[mask]
         cast = contextlib.nullcontext()
         if cast_lm_head_to_fp32:
             hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
