@@ -551,3 +551,36 @@ def test_filtered_with_tokens_a_minus_inf_bias_rules_out(kernels: bool) -> None:
     for filtered, exact in zip(*grads):
         assert torch.isfinite(filtered).all()
         assert 0.0 < relative_error(filtered, exact) < 5e-2
+
+
+@pytest.mark.interpreter
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_filtered_16_bit_kernels_agree_with_the_cpu_path_to_rounding(dtype: torch.dtype, launch_plans: list) -> None:
+    """16-bit inputs through the kernels filtered mode takes (the persistent forward on tensor
+    descriptors, its tile mean logits included; the block-sparse backward, fp16's d-logits
+    scaled up) land as close to the CPU path as exact mode's kernels do (the dtype's rounding of
+    the d-logits tiles and the gradients), well inside what the filter itself moves (2^-7)."""
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, dtype, seed=11)
+    tokens[::9] = -100
+    g = torch.Generator().manual_seed(12)
+    bias = (torch.randn(4000, generator=g) * 0.1).to(dtype)
+    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
+
+    def grads(kernels: bool, filter_eps: float | None) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(config), on_kernels(kernels):
+            log_probs, entropies = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2],
+                                                                entropy=True, filter_eps=filter_eps)
+        ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
+        return [t.grad for t in leaves]
+
+    filtered_kernels = grads(True, 2.0**-7)
+    assert launch_plans[0].forward == "tma" and launch_plans[0].filtered
+    filtered_cpu, exact_kernels, exact_cpu = grads(False, 2.0**-7), grads(True, None), grads(False, None)
+    for name, fk, fc, ek, ec in zip(("e", "c", "bias"), filtered_kernels, filtered_cpu, exact_kernels, exact_cpu):
+        rounding = relative_error(ek, ec)
+        assert relative_error(fk, fc) <= 1.5 * rounding, f"d{name}: {relative_error(fk, fc):.1e} vs {rounding:.1e}"
+        assert relative_error(fc, ec) >= 3.0 * rounding, f"d{name}: the filter moved it little"
