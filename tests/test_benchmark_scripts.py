@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts in benchmarks/ run end to end on CPU (their smoke modes), so a
+"""The benchmark scripts in benchmarks/ run end to end on CPU (the GPU ones in their smoke modes), so a
 change to the op or its options cannot break one unnoticed until a device call, where a
 failed script costs the session's GPU minutes."""
 
@@ -42,3 +42,15 @@ def test_first_call_times_both_settings_in_fresh_processes(tmp_path: Path) -> No
     runs = json.loads(out.read_text())["runs"]
     assert sorted(run["ahead"] for run in runs) == [False, True]
     assert all(run["first_s"] > run["warm_s"] > 0 for run in runs), runs
+
+
+def test_filtered_log_probs_probe_prints_its_table() -> None:
+    """The CPU probe of filtered log-probs' accuracy (benchmarks/probe_filtered_log_probs.py)
+    on a small head: one row per entropy weight, each error finite, above 0 (the filter
+    skipped tiles) and small."""
+    out = run_script("benchmarks/probe_filtered_log_probs.py", "--shapes", "64x8192", "--entropy-weights", "0", "1",
+                     "--filter-eps", "0.015625", "--tile", "32x32", "--forward-block-n", "32")  # tiles small enough to skip
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 64 x 8192 |")]
+    assert [row[2].strip() for row in rows] == ["0", "1"]
+    for row in rows:
+        assert all(0.0 < float(cell) < 0.1 for cell in row[3:5]), row
