@@ -185,6 +185,9 @@ PERSISTENT = {
     "fused_forward_tma_kernel": (fused_forward_tma_kernel, FUSED_FORWARD_TMA, TMA_STAGES),
     "lse_forward_tma_kernel": (lse_forward_tma_kernel, LSE_FORWARD_TMA, 4),
     "lse_forward_tma_kernel, filtered": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE}, 4),
+    # filtered linear_log_probs with entropy: the tile mean logits' plane stored too
+    "lse_forward_tma_kernel, filtered, entropy": (
+        lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_MEAN_LOGIT": TRUE}, 4),
 }
 
 
@@ -194,6 +197,11 @@ SIZE_PRODUCTS = {
         [("N", "stride_tile_max"), ("stat_stride", "c2_i32"), ("stat_stride", "c3_i32")]),
     "offsets of lse_forward_tma_kernel, filtered": (
         lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered"][1], [("N", "num_n")]),
+    "offsets of lse_forward_kernel, filtered, entropy": (
+        lse_forward_kernel, {**LOGITS["lse_forward_kernel"][1], "FILTER": TRUE, "NEED_MEAN_LOGIT": TRUE},
+        [("N", "stride_tile_max"), ("stat_stride", "c3_i32")]),
+    "offsets of lse_forward_tma_kernel, filtered, entropy": (
+        lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered, entropy"][1], [("N", "num_n")]),
 }
 """Kernels whose offsets multiply sizes (N x vocab tiles, 2 and 3 x splits x N), and those
 products' operands as the TTIR names them: in 32 bits they wrap at sizes an H200 holds

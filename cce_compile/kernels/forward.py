@@ -192,9 +192,9 @@ def lse_forward_tma_kernel(
             if NEED_MEAN_LOGIT:
                 tl.store(at + 2 * plane, tile_exp_logit_sum(logits, exps) / tile_sumexp, mask=row_mask)
         else:
-            tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
             if NEED_MEAN_LOGIT:
                 tl.store(tile_mean_logit_ptr + out, tile_exp_logit_sum(logits, exps) / tile_sumexp, mask=row_mask)
+            tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
 
 
 @triton.jit
