@@ -6,8 +6,9 @@ and entropy ones `--entropy-weights` their size.
 
 The CPU path puts back the skipped tiles' exact row sums and the tilt from the recomputed
 softmax; the kernels do the same from the forward's tile statistics (tests/test_log_probs.py
-checks the two agree). The tilt's sample size is taken at N = 16384, the benchmark's bucket,
-since at 256 rows its cost bound would leave it out where the GPU run has it.
+checks the two agree). The tilt's sample is sized for the benchmark's N of the head
+(bench/shapes.py; 8192 for other heads), since at 256 rows its cost bound would leave it out
+where the GPU run has it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import math
 import torch
 
 from cce_compile.bench.inputs import lm_like_inputs
-from cce_compile.ops import cpu_path
+from cce_compile.bench.shapes import SHAPES
 from cce_compile.ops.cpu_path import backward_cpu, forward_cpu
 from cce_compile.ops.filtering import vocab_order
 from cce_compile.ops.loss_terms import log_prob_coefficients
 
 ROWS = 256
-BUCKET = 16384
 
 
 def main() -> None:
@@ -36,12 +36,12 @@ def main() -> None:
     parser.add_argument("--tile", default="128x256", help="the backward's d-logits tile (H200's bundled: 128x256)")
     args = parser.parse_args()
     filter_tile = tuple(int(x) for x in args.tile.split("x"))
-    cpu_path.n_bucket = lambda n: BUCKET  # the tilt as the benchmark's N has it
     print(f"filter_eps 2^{math.log2(args.filter_eps):.0f}, tiles {args.tile}, forward tiles {args.forward_block_n}")
     print("| D x V | entropy weight | dE vs exact | dC vs exact |")
     print("|---|---|---|---|")
     for shape in args.shapes:
         d, v = (int(x) for x in shape.split("x"))
+        batch_tokens = next((head.n for head in SHAPES.values() if (head.d, head.v) == (d, v)), 8192)  # the tilt's N
         e, c, tokens = lm_like_inputs(ROWS, d, v, torch.bfloat16, "cpu", seed=1)
         e, c = e.float(), c.float()  # bf16 values, fp32 math: what is measured is the filter alone
         lse, _, _, mean_logit = forward_cpu(e, c, tokens, None, None, 0.0, False, chunk_v=8192, need_mean_logit=True)
@@ -57,7 +57,7 @@ def main() -> None:
                 grad_e, grad_c, _ = backward_cpu(
                     e, c, tokens, None, None, lse, coef_softmax, coef_target, None, 0.0, filter_eps, chunk_v=8192,
                     filter_tile=filter_tile, vocab_order=order if filter_eps else None,
-                    forward_block_n=args.forward_block_n, coef_entropy=coef_entropy)
+                    forward_block_n=args.forward_block_n, coef_entropy=coef_entropy, tilt_tokens=batch_tokens)
                 return grad_e, grad_c
 
             errors = [((got - want).norm() / want.norm()).item()

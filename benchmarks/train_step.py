@@ -145,7 +145,8 @@ def median_run(repeats: list[dict]) -> dict:
 
 
 def summary(results: dict[str, dict]) -> list[str]:
-    """A markdown table: each run, and patched against HF's loss and first step in the same mode."""
+    """A markdown table: each run, and patched against HF's in the same mode: loss, the step's
+    own peak (and the same with the gradients taken from both), first step."""
     lines = ["| run | median step ms | peak MiB | step's own peak MiB | own peak x HF's (less the gradients) "
              "| first step s | first step x HF's | loss vs HF's (max rel. diff) |", "|---|---|---|---|---|---|---|---|"]
     for name, run in results.items():

@@ -19,6 +19,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 _MEMORY = ("workspace", "low")
 
 
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want gradients of this call's operands."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
     """0.0 is exact mode. "auto": the dtype's epsilon / 8 (2**-10 for bf16 and fp32), four times
     the paper's eps / 32: what is skipped comes back as each tile's row sums and tilt
@@ -199,7 +204,7 @@ def linear_cross_entropy(
             softcap=float(softcap or 0.0), filter_eps=eps)
         out = out.reshape(lead_shape) if reduction == "none" else out
         return (out, lse.reshape(lead_shape)) if return_lse else out
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (e, c, bias))
+    needs_grad = _needs_grad(e, c, bias)
     options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
     if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction != "none", memory):
         with torch.autocast(e.device.type, enabled=False):
@@ -262,7 +267,7 @@ def linear_log_probs(
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     eps = _resolve_filter_eps(filter_eps, e.dtype)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (e, c, bias))):
+    if not _needs_grad(e, c, bias):
         eps = 0.0  # the filter is the backward's: a pass without one skips its bookkeeping
     if shift:
         if tokens.dim() < 1:

@@ -161,5 +161,5 @@ def check_frozen_operands(e: Tensor, c: Tensor, targets: Tensor, options: dict, 
 
 def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
     """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
-    wide = torch.empty(t.shape[0], stride, dtype=t.dtype)
+    wide = torch.empty(t.shape[0], stride, dtype=t.dtype, device=t.device)
     return wide[:, : t.shape[1]].copy_(t)

@@ -14,7 +14,7 @@ from cce_compile.plan.backward import BackwardPlan
 from cce_compile.plan.launch import plan_launch
 from cce_compile.plan.policy import Policy, active_policy, override_policy, policy_to_json
 
-from .op_cases import make_inputs, relative_error, steady_peaks
+from .op_cases import make_inputs, relative_error, steady_peaks, with_row_stride
 from .reference import reference_loss
 
 pytestmark = pytest.mark.gpu
@@ -48,12 +48,6 @@ def backward_op(grad_loss, e, c, targets, lse, kept_tiles, tile_lse, order, filt
     return linear_cross_entropy_backward(
         grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
         label_smoothing, softcap, filter_eps, True, True, config, policy_to_json(policy))
-
-
-def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
-    wide = torch.empty(t.shape[0], stride, dtype=t.dtype, device=t.device)
-    return wide[:, : t.shape[1]].copy_(t)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

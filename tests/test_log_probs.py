@@ -429,6 +429,27 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
             del sys.modules[name]
 
 
+FILTER_CONFIG = KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2)
+"""Tiles the interpreter runs quickly, equal forward and backward widths: both paths skip the same tiles."""
+
+
+def run_filtered(dtype: torch.dtype, kernels: bool, filter_eps: float | None, entropy: bool = True) -> list:
+    """[log_probs, entropies (0 without), dE, dC, dbias] of an LM-like head whose skipped tiles hold
+    real mass at a coarse filter_eps (2^-7), under random upstream gradients of both outputs."""
+    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, dtype, seed=11)
+    tokens[::9] = -100
+    g = torch.Generator().manual_seed(12)
+    bias = (torch.randn(4000, generator=g) * 0.1).to(dtype)
+    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+    with cce_compile.override_config(FILTER_CONFIG), on_kernels(kernels):
+        out = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], entropy=entropy,
+                                           filter_eps=filter_eps)
+    log_probs, entropies = out if entropy else (out, torch.zeros(()))
+    ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
+    return [log_probs.detach(), entropies.detach()] + [t.grad for t in leaves]
+
+
 @pytest.mark.interpreter
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 @pytest.mark.parametrize("entropy", [False, True])
@@ -442,22 +463,8 @@ def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
     The outputs stay exact."""
     from cce_compile.ops import filtering
 
-    tile = TileConfig(32, 32, 16, 4, 4, 1)
-    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
-    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
-    tokens[::9] = -100
-    g = torch.Generator().manual_seed(12)
-    bias = torch.randn(4000, generator=g) * 0.1
-    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
-
-    def run(interpret: bool, filter_eps: float | None = 2.0**-7):
-        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-        with cce_compile.override_config(config), on_kernels(interpret):
-            out = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], entropy=entropy,
-                                               filter_eps=filter_eps)
-        log_probs, entropies = out if entropy else (out, torch.zeros(()))
-        ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
-        return [log_probs.detach(), entropies.detach()] + [t.grad for t in leaves]
+    def run(kernels: bool, filter_eps: float | None = 2.0**-7) -> list:
+        return run_filtered(torch.float32, kernels, filter_eps, entropy)
 
     kernels, cpu, exact = run(True), run(False), run(False, None)
     for got, want in zip(kernels[:2], exact[:2]):  # the kernels sum in vocab order: the entropy's lse - mu cancels
@@ -561,21 +568,8 @@ def test_filtered_16_bit_kernels_agree_with_the_cpu_path_to_rounding(dtype: torc
     descriptors, its tile mean logits included; the block-sparse backward, fp16's d-logits
     scaled up) land as close to the CPU path as exact mode's kernels do (the dtype's rounding of
     the d-logits tiles and the gradients), well inside what the filter itself moves (2^-7)."""
-    tile = TileConfig(32, 32, 16, 4, 4, 1)
-    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
-    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, dtype, seed=11)
-    tokens[::9] = -100
-    g = torch.Generator().manual_seed(12)
-    bias = (torch.randn(4000, generator=g) * 0.1).to(dtype)
-    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
-
     def grads(kernels: bool, filter_eps: float | None) -> list[torch.Tensor]:
-        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-        with cce_compile.override_config(config), on_kernels(kernels):
-            log_probs, entropies = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2],
-                                                                entropy=True, filter_eps=filter_eps)
-        ((log_probs * up_lp).sum() + (entropies * up_h).sum()).backward()
-        return [t.grad for t in leaves]
+        return run_filtered(dtype, kernels, filter_eps)[2:]
 
     filtered_kernels = grads(True, 2.0**-7)
     assert launch_plans[0].forward == "tma" and launch_plans[0].filtered

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from cce_compile import linear_log_probs
+from cce_compile.integrations import trl as trl_integration
 from cce_compile.integrations.trl import add_fused_lm_head
 
 from .op_cases import relative_error
@@ -83,10 +85,10 @@ def test_without_the_flag_the_forward_is_the_models() -> None:
     assert model.generate(input_ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
-def test_shift_labels_count_and_fp32_head() -> None:
+def test_shift_labels_count_and_fp32_head(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pre-shifted labels (context or sequence parallelism) are scored as they are, the loss is
-    summed over num_items_in_batch, and cast_lm_head_to_fp32 gives the fp32 result for a bf16
-    model under autocast."""
+    summed over num_items_in_batch, and cast_lm_head_to_fp32 hands the op fp32 operands for a
+    bf16 model under autocast (bf16 ones without it)."""
     torch.manual_seed(0)
     model = tiny_llama()
     ref_model = copy.deepcopy(model).double()
@@ -100,12 +102,21 @@ def test_shift_labels_count_and_fp32_head() -> None:
     assert out.log_probs.shape == (2, 12) and relative_error(out.log_probs[:, :-1], ref_lp) < 2e-5
     torch.testing.assert_close(out.loss.double(), -ref_lp.sum() / 40, rtol=2e-5, atol=1e-6)
 
-    bf16 = copy.deepcopy(ref_model).float().bfloat16()
-    add_fused_lm_head(bf16, cast_lm_head_to_fp32=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        fp32_head = bf16(input_ids=input_ids, labels=labels, fused_lm_head=True)
-    assert fp32_head.log_probs.dtype == torch.float32
-    assert relative_error(fp32_head.log_probs, ref_lp) < 5e-2  # the decoder in bf16; the head's rounding off
+    operand_dtypes = []
+
+    def recording(hidden, weight, *args, **kwargs):
+        operand_dtypes.append((hidden.dtype, weight.dtype))
+        return linear_log_probs(hidden, weight, *args, **kwargs)
+
+    monkeypatch.setattr(trl_integration, "linear_log_probs", recording)
+    for cast in (True, False):
+        bf16 = copy.deepcopy(ref_model).float().bfloat16()
+        add_fused_lm_head(bf16, cast_lm_head_to_fp32=cast)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = bf16(input_ids=input_ids, labels=labels, fused_lm_head=True)
+        assert out.log_probs.dtype == torch.float32
+        assert relative_error(out.log_probs, ref_lp) < 5e-2  # the decoder in bf16
+    assert operand_dtypes == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
 
 def test_an_all_masked_batch_is_a_differentiable_zero() -> None:
@@ -121,8 +132,7 @@ def test_an_all_masked_batch_is_a_differentiable_zero() -> None:
 @pytest.mark.parametrize(("change", "match"), [
     ({"outputs": ("log_probs", "is_top1")}, r"outputs: .*not \['is_top1'\]"),
     ({"config": {"logits_scaling": 8.0}}, "scales the logits"),
-    ({"config": {"output_router_logits": True}}, "MoE model with a router loss"),
-    ({"config": {"router_aux_loss_coef": 0.001}}, "MoE model with a router loss"),
+    ({"config": {"output_router_logits": True}}, "asks for an MoE router loss"),
 ])
 def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
     model = tiny_llama()

@@ -101,7 +101,8 @@ def _load_trl() -> Loaded:
     loads lazily, so the kernel's module imports without the trainers' dependencies; its
     backward imports trl.trainer.utils (the trainers) for one helper, maybe_gather_lm_head_ctx,
     which gathers DeepSpeed ZeRO-3 shards and is a null context otherwise: where that module
-    does not import (no datasets, accelerate, pandas), it is registered as that helper alone."""
+    does not import (no datasets, accelerate, pandas), it is registered as that helper alone,
+    for the rest of the process (the trainers could not import there anyway)."""
     if importlib.util.find_spec("trl") is None:
         raise ImplUnavailable("trl is not installed")
     try:

@@ -13,7 +13,8 @@ linear_log_probs. The trainers look the function up in their own modules, so
 makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optional outputs
 only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO
 and KTO trainers ask for, are refused), and a model whose config scales its logits, an MoE
-model with a router loss and a DeepSpeed ZeRO-3 partitioned head are refused, each with a
+router loss asked for (by the config or the call) and a DeepSpeed ZeRO-3 partitioned head are
+refused, each with a
 clear error: nothing is silently computed differently. An FSDP2-sharded head is gathered, as
 TRL's is. cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
 TRL itself is never imported here; import this module only where transformers is installed.
@@ -64,8 +65,8 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
     scaled = [name for name in LOGIT_SCALE_FIELDS if getattr(config, name, None) not in (None, 1.0)]
     if scaled:
         raise ValueError(f"model: its config scales the logits ({', '.join(scaled)}), which linear_log_probs does not")
-    if getattr(config, "output_router_logits", False) or getattr(config, "router_aux_loss_coef", 0.0):
-        raise ValueError("model: an MoE model with a router loss, which cce_compile's fused LM head does not add")
+    if getattr(config, "output_router_logits", False):  # as TRL's head: the router loss only where asked for
+        raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
 
 
 def add_fused_lm_head(
@@ -112,7 +113,7 @@ def add_fused_lm_head(
             hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
             cast = torch.autocast(hidden.device.type, enabled=False)
         with cast:
-            scored = linear_log_probs(hidden, weight, labels[mask].to(weight.device), bias=bias,
+            scored = linear_log_probs(hidden, weight, labels[mask], bias=bias,
                                       temperature=temperature, softcap=softcap, entropy=entropy)
         log_probs, entropies = scored if entropy else (scored, None)
         # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero

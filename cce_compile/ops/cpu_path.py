@@ -80,7 +80,7 @@ def backward_cpu(
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
     forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
-    coef_entropy: Tensor | None = None,
+    coef_entropy: Tensor | None = None, tilt_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
     back empty, its GEMMs skipped.
@@ -92,7 +92,8 @@ def backward_cpu(
     tile's d-logits are replaced by their row means over it, as the kernels' path puts their
     row sums back (ops/filtering.SkippedTiles), and dE gains their tilt (filtering.Tilt, from
     the skipped softmax mass per row and per forward tile); flat rows (filtering.flat_rows)
-    keep every tile."""
+    keep every tile. `tilt_tokens` sizes the tilt's sample (tilt_sample_size) for that many
+    tokens instead of the call's: a probe of a few rows, as a full batch's call has it."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
     if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
@@ -141,7 +142,8 @@ def backward_cpu(
             grad_c[ids] = grad.T @ e32
         if grad_bias is not None:
             grad_bias[ids] = grad.sum(dim=0)
-    sample_size = tilt_sample_size(n_bucket(e.shape[0]), v, e.shape[1]) if filter_eps > 0.0 else 0
+    tokens = e.shape[0] if tilt_tokens is None else tilt_tokens
+    sample_size = tilt_sample_size(n_bucket(tokens), v, e.shape[1]) if filter_eps > 0.0 else 0
     if sample_size and need_grad_e:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
         tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False)

@@ -60,7 +60,7 @@ def linear_cross_entropy_forward(
 
 
 def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool) -> FilterStats:
-    """The shapes forward.filtered_row_stats gives its FilterStats, for the fake functions."""
+    """The shapes forward.row_and_filter_stats gives its FilterStats, for the fake functions."""
     n, v = e.shape[0], c.shape[0]
     policy = active_policy()
     filtered = filter_eps > 0.0
