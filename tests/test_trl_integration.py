@@ -142,6 +142,25 @@ def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
         add_fused_lm_head(model, outputs=change.get("outputs", ("log_probs",)))
 
 
+def test_a_default_moe_model_is_taken() -> None:
+    """Mixtral's config sets a router loss coefficient but leaves output_router_logits off, as
+    TRL's trainers leave it: its head is taken and scores as the model's own logits do."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=211,
+                           max_position_embeddings=64)
+    assert config.router_aux_loss_coef > 0 and not config.output_router_logits
+    model = MixtralForCausalLM(config)
+    ref_model = copy.deepcopy(model)  # fp32: the experts' grouped GEMM takes no float64
+    add_fused_lm_head(model)
+    input_ids = torch.randint(0, 211, (2, 10))
+    out = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
+    assert relative_error(out.log_probs, ref_lp) < 2e-5
+
+
 def test_a_call_asking_for_router_logits_is_refused() -> None:
     """TRL's trainers ask for router logits per call on MoE models: refused, not a missing loss."""
     model = tiny_llama()
