@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import cce_compile
+from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.plan.policy import active_policy, override_policy
 from cce_compile.bench.inputs import lm_like_inputs
 
@@ -163,3 +164,8 @@ def with_row_stride(t: torch.Tensor, stride: int) -> torch.Tensor:
     """`t` (2-D) in rows `stride` elements apart: an odd stride no tensor descriptor takes."""
     wide = torch.empty(t.shape[0], stride, dtype=t.dtype, device=t.device)
     return wide[:, : t.shape[1]].copy_(t)
+
+
+SMALL_TILES = KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2)
+"""Tiles the interpreter runs quickly, equal in every kernel: the forward's and the backward's
+filter the same vocabulary tiles."""

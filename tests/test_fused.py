@@ -3,21 +3,23 @@ loss, scaled by the backward; what autograd users do with it, and when it applie
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import cce_compile
-from cce_compile.config.kernel_config import KernelConfig, TileConfig
+from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.plan.launch import Options, gradients_in_forward, workspace_rows
 from cce_compile.plan.policy import Policy
 
-from .op_cases import TOLERANCE, make_inputs, relative_error
+from .op_cases import SMALL_TILES, TOLERANCE, make_inputs, relative_error
 from .reference import reference_loss
 
 PATHS = [  # the interpreter mark runs the Triton kernels (tests/conftest.py)
     pytest.param(False, id="cpu"), pytest.param(True, id="interpreter", marks=pytest.mark.interpreter)]
-SMALL_CHUNKS = KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2, workspace_rows=128)
+SMALL_CHUNKS = replace(SMALL_TILES, workspace_rows=128)
 """Tiles the interpreter runs quickly, and token chunks of 128 rows: several per call."""
 
 

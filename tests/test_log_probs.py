@@ -17,14 +17,13 @@ import cce_compile
 from cce_compile import ops
 from cce_compile.api import shift_targets
 from cce_compile.bench.inputs import lm_like_inputs
-from cce_compile.config.kernel_config import KernelConfig, TileConfig
 from cce_compile.ops import forward as forward_ops
 from cce_compile.ops import log_probs as log_probs_ops
 from cce_compile.ops.library import config_to_json
 from cce_compile.ops.problem import config_for
 from cce_compile.plan.policy import active_policy, policy_to_json
 
-from .op_cases import TOLERANCE, make_inputs, on_kernels, relative_error, with_row_stride
+from .op_cases import SMALL_TILES, TOLERANCE, make_inputs, on_kernels, relative_error, with_row_stride
 from .reference import reference_log_probs, reference_loss
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -429,10 +428,6 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
             del sys.modules[name]
 
 
-FILTER_CONFIG = KernelConfig(*(TileConfig(32, 32, 16, 4, 4, 1),) * 4, slab_v=128, vocab_splits=2)
-"""Tiles the interpreter runs quickly, equal forward and backward widths: both paths skip the same tiles."""
-
-
 def run_filtered(dtype: torch.dtype, kernels: bool, filter_eps: float | None, entropy: bool = True) -> list:
     """[log_probs, entropies (0 without), dE, dC, dbias] of an LM-like head whose skipped tiles hold
     real mass at a coarse filter_eps (2^-7), under random upstream gradients of both outputs."""
@@ -442,7 +437,7 @@ def run_filtered(dtype: torch.dtype, kernels: bool, filter_eps: float | None, en
     bias = (torch.randn(4000, generator=g) * 0.1).to(dtype)
     up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
     leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-    with cce_compile.override_config(FILTER_CONFIG), on_kernels(kernels):
+    with cce_compile.override_config(SMALL_TILES), on_kernels(kernels):
         out = cce_compile.linear_log_probs(leaves[0], leaves[1], tokens, bias=leaves[2], entropy=entropy,
                                            filter_eps=filter_eps)
     log_probs, entropies = out if entropy else (out, torch.zeros(()))

@@ -107,13 +107,14 @@ def add_fused_lm_head(
         # With the model split across devices the decoder may end on another device than the head.
         hidden, labels = hidden.to(weight.device), labels.to(weight.device)
         mask = labels != -100
-        hidden = hidden[mask]
+        rows = mask.nonzero(as_tuple=True)  # one host sync for both selections
+        hidden = hidden[rows]
         cast = contextlib.nullcontext()
         if cast_lm_head_to_fp32:
             hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
             cast = torch.autocast(hidden.device.type, enabled=False)
         with cast:
-            scored = linear_log_probs(hidden, weight, labels[mask], bias=bias,
+            scored = linear_log_probs(hidden, weight, labels[rows], bias=bias,
                                       temperature=temperature, softcap=softcap, entropy=entropy)
         log_probs, entropies = scored if entropy else (scored, None)
         # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero

@@ -134,9 +134,8 @@ def backward_tile_stats(
         torch.sub(plane, lse[:, None], out=out)  # in fp32, stored in fp16: one pass
     tile_lse, *tile_mean_logit = relative
     if tile_mean_logit:
-        tile_mean_logit[0].nan_to_num_(nan=0.0)
-    empty = tile_lse.new_empty((0, 0))
-    return FilterStats(kept, tile_lse, tile_mean_logit[0] if tile_mean_logit else empty, order)
+        return FilterStats(kept, tile_lse, tile_mean_logit[0].nan_to_num_(nan=0.0), order)
+    return FilterStats(kept, tile_lse, tile_lse.new_empty((0, 0)), order)
 
 
 def flat_rows(reaches_eps: Tensor, counted: Tensor) -> Tensor:

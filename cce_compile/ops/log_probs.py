@@ -13,6 +13,8 @@ it and puts back their sums, the entropy's from each tile's mean logit (SkippedE
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -23,13 +25,13 @@ from .filtering import FilterStats
 from .forward import row_and_filter_stats
 from .library import config_from_json, config_to_json, fake_filter_stats
 from .loss_terms import log_prob_coefficients, log_prob_terms
-from .problem import config_for, problem_of
+from .problem import config_for, options_of, problem_of
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float) -> Options:
-    return Options(has_bias=bias is not None, has_softcap=softcap > 0.0, has_entropy=entropy, filtered=filter_eps > 0.0)
+    return replace(options_of(bias, None, softcap, 0.0, filter_eps), has_entropy=entropy)
 
 
 @torch.library.custom_op("cce::linear_log_probs_forward", mutates_args=())
