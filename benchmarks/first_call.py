@@ -19,18 +19,16 @@ import argparse
 import contextlib
 import cProfile
 import json
-import os
 import pstats
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cce_compile.bench.fresh_process import alternating, run_fresh  # noqa: E402
 from cce_compile.bench.shapes import parse_shape  # noqa: E402
 
 
@@ -81,13 +79,8 @@ def run_child(spec: str, ahead: bool, profile: str) -> dict:
 
 def spawn(spec: str, ahead: bool, profile: Path | None) -> dict:
     """One run in a fresh process with empty Triton and Inductor caches; a failure is recorded."""
-    with tempfile.TemporaryDirectory() as caches:
-        env = {**os.environ, "TRITON_CACHE_DIR": f"{caches}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor"}
-        command = [sys.executable, __file__, "--child", spec, str(int(ahead)), str(profile or "")]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"shape": spec, "ahead": ahead, "error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_fresh(__file__, ["--child", spec, str(int(ahead)), str(profile or "")])
+    return {"shape": spec, "ahead": ahead, **result} if "error" in result else result
 
 
 def main() -> None:
@@ -98,11 +91,9 @@ def main() -> None:
         return
     specs = [spec.strip() for spec in args.shapes.split(",") if spec.strip()]
     runs = []
-    for round_index in range(args.rounds):
-        for spec in specs:
-            for ahead in (False, True) if round_index % 2 == 0 else (True, False):
-                runs.append(spawn(spec, ahead, None))
-                print(json.dumps(runs[-1]), flush=True)
+    for _, (spec, ahead) in alternating([(spec, ahead) for spec in specs for ahead in (False, True)], args.rounds):
+        runs.append(spawn(spec, ahead, None))
+        print(json.dumps(runs[-1]), flush=True)
     if args.profile:
         runs.append({**spawn(specs[0], True, args.profile), "profiled": True})
     print("shape | compiled one after another: first call s | ahead: first call s | warm call s")

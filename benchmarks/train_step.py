@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cce_compile.bench.fresh_process import alternating, run_fresh  # noqa: E402
 
 RUNS = {
     "hf eager": (None, None),
@@ -119,15 +120,7 @@ def run_child(name: str, steps: int, small: bool) -> dict:
 
 def spawn(name: str, args: argparse.Namespace) -> dict:
     """`name` in a fresh process with empty compile caches; a failure is recorded, not raised."""
-    with tempfile.TemporaryDirectory() as caches:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                            os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)] + (["--small"] * args.small)
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_fresh(__file__, ["--child", name, "--steps", str(args.steps)] + ["--small"] * args.small)
 
 
 def median_run(repeats: list[dict]) -> dict:
@@ -176,10 +169,9 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.steps, args.small)))
         return
     repeats: dict[str, list[dict]] = {name: [] for name in args.runs}
-    for repeat in range(args.repeats):
-        for name in args.runs if repeat % 2 == 0 else reversed(args.runs):
-            repeats[name].append(spawn(name, args))
-            print(summary({name: repeats[name][-1]})[-1], flush=True)
+    for _, name in alternating(args.runs, args.repeats):
+        repeats[name].append(spawn(name, args))
+        print(summary({name: repeats[name][-1]})[-1], flush=True)
     results = {name: median_run(runs) for name, runs in repeats.items()}
     table = summary(results)
     print("\n".join(table))

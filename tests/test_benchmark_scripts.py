@@ -54,3 +54,15 @@ def test_filtered_log_probs_probe_prints_its_table() -> None:
     assert [row[2].strip() for row in rows] == ["0", "1"]
     for row in rows:
         assert all(0.0 < float(cell) < 0.1 for cell in row[3:5]), row
+
+
+def test_fresh_process_runs_alternate_and_record_failures() -> None:
+    """Every other round runs in reverse, and a child that fails comes back as an error
+    carrying its stderr, not as an exception that would lose the other runs."""
+    from cce_compile.bench.fresh_process import alternating, run_fresh
+
+    assert list(alternating(["a", "b", "c"], 3)) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                     (2, "a"), (2, "b"), (2, "c")]
+    assert "cache" in run_fresh("-c", ["import json, os; print(json.dumps({'cache': os.environ['TRITON_CACHE_DIR']}))"])
+    failed = run_fresh("-c", ["raise SystemExit('no such run')"])
+    assert "no such run" in failed["error"]

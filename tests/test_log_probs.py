@@ -407,8 +407,10 @@ def test_bench_contenders_agree_on_cpu() -> None:
 
 def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verl's kernel module loads without its package's __init__ (which imports the whole
-    framework), and a second load (the bench's next shape) returns the same module."""
-    from cce_compile.bench.log_probs import _kernel_module_alone
+    framework), and a second load (the bench's next shape) returns the same module; a module
+    that does not import, or a package not installed, is unavailable with the reason."""
+    from cce_compile.bench.log_probs import import_kernel_module
+    from cce_compile.bench.peers import ImplUnavailable
 
     package = tmp_path / "heavy_framework" / "utils"
     package.mkdir(parents=True)
@@ -416,13 +418,18 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
     (package / "__init__.py").write_text("raise ImportError('the whole framework')\n")
     (package / "helpers.py").write_text("FACTOR = 3\n")
     (package / "kernel.py").write_text("from .helpers import FACTOR\n\ndef apply(x):\n    return FACTOR * x\n")
+    (package / "broken.py").write_text("import a_dependency_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
         monkeypatch.delitem(sys.modules, name)
-    first = _kernel_module_alone("heavy_framework.utils.kernel")
+    first = import_kernel_module("heavy_framework.utils.kernel", alone=True)
     try:
         assert first.apply(2) == 6
-        assert _kernel_module_alone("heavy_framework.utils.kernel") is first
+        assert import_kernel_module("heavy_framework.utils.kernel", alone=True) is first
+        with pytest.raises(ImplUnavailable, match="broken does not import: ModuleNotFoundError"):
+            import_kernel_module("heavy_framework.utils.broken", alone=True)
+        with pytest.raises(ImplUnavailable, match="no_such_framework is not installed"):
+            import_kernel_module("no_such_framework.kernel")
     finally:
         for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
             del sys.modules[name]

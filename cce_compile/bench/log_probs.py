@@ -52,25 +52,36 @@ def _load_compiled_log_probs() -> Loaded:
     return Loaded(torch.compile(materialized_log_probs, dynamic=False))
 
 
-def _kernel_module_alone(name: str) -> ModuleType:
-    """Import `name` without running its parent packages' __init__ (verl's imports the whole
-    framework): the parents become bare packages over their directories, so the module and
-    its own relative imports load from the installed files. A second call returns the module
-    the first loaded (its bare parents have no spec to look up again)."""
+def import_kernel_module(name: str, alone: bool = False) -> ModuleType:
+    """A peer's kernel module; ImplUnavailable, with the reason, where its package is not
+    installed or the module does not import. `alone`: without running its parent packages'
+    __init__ (verl's imports the whole framework). A second call returns the module the first
+    loaded (bare parents have no spec to look up again)."""
     if name in sys.modules:
         return sys.modules[name]
-    top = importlib.util.find_spec(name.split(".")[0])
-    if top is None or not top.submodule_search_locations:
-        raise ImplUnavailable(f"{name.split('.')[0]} is not installed")
+    package = name.split(".")[0]
+    if package not in sys.modules and importlib.util.find_spec(package) is None:
+        raise ImplUnavailable(f"{package} is not installed")
+    try:
+        return _module_alone(name) if alone else importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
+        raise ImplUnavailable(f"{name} does not import: {type(err).__name__}: {err}") from err
+
+
+def _module_alone(name: str) -> ModuleType:
+    """`name`'s parents become bare packages over their directories, so the module and its own
+    relative imports load from the installed files."""
     parts = name.split(".")
-    path = list(top.submodule_search_locations)
     for depth in range(1, len(parts)):
         package = ".".join(parts[:depth])
         if package not in sys.modules:
+            if depth == 1:
+                path = list(importlib.util.find_spec(package).submodule_search_locations or [])
+            else:
+                path = [f"{sys.modules['.'.join(parts[:depth - 1])].__path__[0]}/{parts[depth - 1]}"]
             module = ModuleType(package)
             module.__path__ = path
             sys.modules[package] = module
-        path = [f"{path[0]}/{parts[depth]}"]
     return importlib.import_module(name)
 
 
@@ -78,13 +89,7 @@ def _load_verl() -> Loaded:
     """verl's kernel where its wheel is installed (the GPU machine): `LinearCrossEntropy.apply(
     hidden, weight, labels[, temperature], reduction)` -> (log_probs, entropy); releases before
     the temperature argument take none."""
-    try:
-        module = _kernel_module_alone(VERL_KERNEL_MODULE)
-    except ImplUnavailable:
-        raise
-    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
-        raise ImplUnavailable(f"{VERL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
-    function = module.LinearCrossEntropy
+    function = import_kernel_module(VERL_KERNEL_MODULE, alone=True).LinearCrossEntropy
     takes_temperature = "temperature" in inspect.signature(function.forward).parameters
 
     def loss(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
@@ -103,12 +108,7 @@ def _load_trl() -> Loaded:
     which gathers DeepSpeed ZeRO-3 shards and is a null context otherwise: where that module
     does not import (no datasets, accelerate, pandas), it is registered as that helper alone,
     for the rest of the process (the trainers could not import there anyway)."""
-    if importlib.util.find_spec("trl") is None:
-        raise ImplUnavailable("trl is not installed")
-    try:
-        function = importlib.import_module(TRL_KERNEL_MODULE).ChunkedLogProbFunction
-    except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
-        raise ImplUnavailable(f"{TRL_KERNEL_MODULE} does not import: {type(err).__name__}: {err}") from err
+    function = import_kernel_module(TRL_KERNEL_MODULE).ChunkedLogProbFunction
     try:
         importlib.import_module("trl.trainer.utils")
     except Exception:  # noqa: BLE001 - any missing dependency of the trainers

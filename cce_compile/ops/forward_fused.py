@@ -23,6 +23,7 @@ loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
@@ -49,10 +50,12 @@ SHIFT_ROWS, FINISH_ROWS, TILE_BLOCK = 8, 16, 512
 pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how many SMs
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
 
-CALLS_COMPILED_AHEAD: set[tuple] = set()
-"""The kinds of call (FusedForward.compile_ahead's key) whose kernels were compiled ahead: a
-later call of the kind finds them compiled and skips the bookkeeping. One entry per N where N
-varies: a small tuple each."""
+CALLS_COMPILED_AHEAD: OrderedDict[tuple, None] = OrderedDict()
+"""The latest kinds of call (FusedForward.compile_ahead's key) whose kernels were compiled
+ahead: a later call of the kind skips the bookkeeping. A kind holds N, so where N varies from
+step to step (RL, packed batches) the oldest are forgotten past CALLS_COMPILED_AHEAD_CAPACITY;
+a forgotten kind's next call only walks its launch keys again, all compiled by then."""
+CALLS_COMPILED_AHEAD_CAPACITY = 256
 SCALE_BLOCK = 8192
 """Elements per program of scale_unless_one_kernel."""
 
@@ -137,12 +140,16 @@ class FusedForward:
         kind = (self.plan, self.config, tuple(self.e.shape), self.e.dtype, self.e.device, self.bias is not None,
                 self.weight is not None, self.softcap > 0.0, self.smoothing, self.z_loss > 0.0, self.need_grad_e,
                 self.need_grad_c)
-        if kind not in CALLS_COMPILED_AHEAD:
-            CALLS_COMPILED_AHEAD.add(kind)
-            self.kernels.compile_ahead(self.scale, self.losses)
-            for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own
-                if gradient.numel():
-                    scale_unless_one(AheadCompiler(scale_unless_one_kernel), gradient, self.scale.reshape(1))
+        if kind in CALLS_COMPILED_AHEAD:
+            CALLS_COMPILED_AHEAD.move_to_end(kind)
+            return
+        CALLS_COMPILED_AHEAD[kind] = None
+        if len(CALLS_COMPILED_AHEAD) > CALLS_COMPILED_AHEAD_CAPACITY:
+            CALLS_COMPILED_AHEAD.popitem(last=False)
+        self.kernels.compile_ahead(self.scale, self.losses)
+        for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own
+            if gradient.numel():
+                scale_unless_one(AheadCompiler(scale_unless_one_kernel), gradient, self.scale.reshape(1))
 
     def side_streams(self) -> tuple[torch.cuda.Stream, ...]:
         """The streams the chunk loop forks to besides the caller's (a capture must warm them)."""

@@ -121,7 +121,9 @@ def config_from_json(text: str) -> KernelConfig:
     return KernelConfig.from_dict(json.loads(text))
 
 
+@lru_cache(maxsize=64)
 def config_to_json(config: KernelConfig) -> str:
+    """Cached: every call's autograd context carries its config to the backward as JSON."""
     return json.dumps(config.to_dict(), sort_keys=True)
 
 

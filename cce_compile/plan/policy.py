@@ -159,8 +159,10 @@ def override_policy(policy: Policy) -> Iterator[None]:
         _local.policy = previous
 
 
+@lru_cache(maxsize=64)
 def policy_to_json(policy: Policy) -> str:
-    """The policy as a string: how the forward op hands its policy to the backward op."""
+    """The policy as a string: how the forward op hands its policy to the backward op (cached:
+    every call encodes one)."""
     return json.dumps(asdict(policy), sort_keys=True)
 
 
