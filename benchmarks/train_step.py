@@ -14,7 +14,9 @@ every other repeat, and the table gives the medians and the first step against H
 mode. The step's own peak is given against HF's in the same mode too, and in parentheses with
 the parameters' gradients (which no loss can save) taken from both; under reduce-overhead the
 CUDA graphs' pool keeps the activations allocated between steps, so the own peak there is
-little more than the gradients. Without CUDA it runs a small model on CPU (a smoke run: `--small`).
+little more than the gradients. AdamW's temporaries (the same whatever the loss) set the step's
+peak, so the table also gives the peak through forward and backward alone, where the loss's
+memory shows. Without CUDA it runs a small model on CPU (a smoke run: `--small`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def run_child(name: str, steps: int, small: bool) -> dict:
     input_ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=generator).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses, seconds, step_peaks, peak_total = [], [], [], 0
+    losses, seconds, step_peaks, loss_peaks, peak_total = [], [], [], [], 0
     for _ in range(steps):
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
@@ -96,6 +98,8 @@ def run_child(name: str, steps: int, small: bool) -> dict:
         start = time.perf_counter()
         loss = forward(input_ids, labels=input_ids).loss
         loss.backward()
+        if device.type == "cuda":
+            loss_peaks.append(torch.cuda.max_memory_allocated(device) - resident)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # synchronizes
@@ -111,7 +115,10 @@ def run_child(name: str, steps: int, small: bool) -> dict:
         "peak_mib": peak_total / 2**20 if device.type == "cuda" else None,
         # what a step adds to what stays allocated between steps (weights, AdamW state): activations, the loss
         "step_peak_mib": max(step_peaks[2:] or step_peaks) / 2**20 if device.type == "cuda" else None,
-        # the part of it no loss can save: the parameters' gradients (set to None between steps)
+        # the same through forward and backward only: where the loss's memory shows (AdamW's
+        # temporaries, the same for every loss, set the step's peak)
+        "fwdbwd_peak_mib": max(loss_peaks[2:] or loss_peaks) / 2**20 if device.type == "cuda" else None,
+        # the part of both no loss can save: the parameters' gradients (set to None between steps)
         "gradients_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -130,36 +137,45 @@ def median_run(repeats: list[dict]) -> dict:
     if not done:
         return repeats[0]
     merged = dict(done[0])
-    for key in ("step_ms", "first_step_s", "peak_mib", "step_peak_mib"):
+    for key in ("step_ms", "first_step_s", "peak_mib", "step_peak_mib", "fwdbwd_peak_mib"):
         if done[0].get(key) is not None:
             merged[key] = statistics.median(run[key] for run in done)
     merged["first_steps_s"] = [run["first_step_s"] for run in done]
     return merged
 
 
+def peak_ratio(run: dict, twin: dict, key: str) -> str:
+    """run's own peak `key` over HF's in the same mode, and in parentheses the same with the
+    parameters' gradients taken from both."""
+    if run.get(key) is None or not twin.get(key):
+        return ""
+    own, hf_own, grads = run[key], twin[key], run["gradients_mib"]
+    return f"{own / hf_own:.2f} ({(own - grads) / (hf_own - grads):.2f})"
+
+
 def summary(results: dict[str, dict]) -> list[str]:
     """A markdown table: each run, and patched against HF's in the same mode: loss, the step's
-    own peak (and the same with the gradients taken from both), first step."""
+    own peak and its forward+backward's (each also with the gradients taken from both), first step."""
     lines = ["| run | median step ms | peak MiB | step's own peak MiB | own peak x HF's (less the gradients) "
-             "| first step s | first step x HF's | loss vs HF's (max rel. diff) |", "|---|---|---|---|---|---|---|---|"]
+             "| fwd+bwd own peak MiB | fwd+bwd own peak x HF's (less the gradients) "
+             "| first step s | first step x HF's | loss vs HF's (max rel. diff) |", "|---|" * 10]
     for name, run in results.items():
         if "error" in run:
-            lines.append(f"| {name} | failed: {run['error'].splitlines()[-1][:120]} | | | | | | |")
+            lines.append(f"| {name} | failed: {run['error'].splitlines()[-1][:120]} |" + " |" * 8)
             continue
         mode = RUNS[name][1]
         twin = next((results[hf] for hf, (options, hf_mode) in RUNS.items()
                      if options is None and hf_mode == mode and hf in results), {})
-        agreement = first_ratio = peak_ratio = ""
+        agreement = first_ratio = step_ratio = loss_ratio = ""
         if RUNS[name][0] is not None and "losses" in twin:
             agreement = f"{max(abs(a - b) / abs(b) for a, b in zip(run['losses'], twin['losses'])):.1e}"
             first_ratio = f"{run['first_step_s'] / twin['first_step_s']:.2f}"
-            if run.get("step_peak_mib") is not None and twin.get("step_peak_mib"):
-                own, hf_own, grads = run["step_peak_mib"], twin["step_peak_mib"], run["gradients_mib"]
-                peak_ratio = f"{own / hf_own:.2f} ({(own - grads) / (hf_own - grads):.2f})"
-        peak, own = (f"{run[key]:.0f}" if run.get(key) is not None else "-" for key in ("peak_mib", "step_peak_mib"))
+            step_ratio, loss_ratio = (peak_ratio(run, twin, key) for key in ("step_peak_mib", "fwdbwd_peak_mib"))
+        peak, own, fwdbwd = (f"{run[key]:.0f}" if run.get(key) is not None else "-"
+                             for key in ("peak_mib", "step_peak_mib", "fwdbwd_peak_mib"))
         firsts = "/".join(f"{value:.1f}" for value in run.get("first_steps_s", [run["first_step_s"]]))
-        lines.append(f"| {name} | {run['step_ms']:.1f} | {peak} | {own} | {peak_ratio} | {firsts} | {first_ratio} "
-                     f"| {agreement} |")
+        lines.append(f"| {name} | {run['step_ms']:.1f} | {peak} | {own} | {step_ratio} | {fwdbwd} | {loss_ratio} "
+                     f"| {firsts} | {first_ratio} | {agreement} |")
     return lines
 
 
