@@ -91,7 +91,7 @@ def main() -> None:
         return
     specs = [spec.strip() for spec in args.shapes.split(",") if spec.strip()]
     runs = []
-    for _, (spec, ahead) in alternating([(spec, ahead) for spec in specs for ahead in (False, True)], args.rounds):
+    for spec, ahead in alternating([(spec, ahead) for spec in specs for ahead in (False, True)], args.rounds):
         runs.append(spawn(spec, ahead, None))
         print(json.dumps(runs[-1]), flush=True)
     if args.profile:

@@ -14,9 +14,9 @@ every other repeat, and the table gives the medians and the first step against H
 mode. The step's own peak is given against HF's in the same mode too, and in parentheses with
 the parameters' gradients (which no loss can save) taken from both; under reduce-overhead the
 CUDA graphs' pool keeps the activations allocated between steps, so the own peak there is
-little more than the gradients. AdamW's temporaries (the same whatever the loss) set the step's
-peak, so the table also gives the peak through forward and backward alone, where the loss's
-memory shows. Without CUDA it runs a small model on CPU (a smoke run: `--small`).
+little more than the gradients. AdamW's temporaries (the same whatever the loss) set the patched
+step's peak, so the table also gives the peak through forward and backward alone, where the
+loss's memory would show. Without CUDA it runs a small model on CPU (a smoke run: `--small`).
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def run_child(name: str, steps: int, small: bool) -> dict:
         "peak_mib": peak_total / 2**20 if device.type == "cuda" else None,
         # what a step adds to what stays allocated between steps (weights, AdamW state): activations, the loss
         "step_peak_mib": max(step_peaks[2:] or step_peaks) / 2**20 if device.type == "cuda" else None,
-        # the same through forward and backward only: where the loss's memory shows (AdamW's
-        # temporaries, the same for every loss, set the step's peak)
+        # the same through forward and backward only: where the loss's memory would show (AdamW's
+        # temporaries, the same for every loss, set the patched step's peak)
         "fwdbwd_peak_mib": max(loss_peaks[2:] or loss_peaks) / 2**20 if device.type == "cuda" else None,
         # the part of both no loss can save: the parameters' gradients (set to None between steps)
         "gradients_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
@@ -147,7 +147,7 @@ def median_run(repeats: list[dict]) -> dict:
 def peak_ratio(run: dict, twin: dict, key: str) -> str:
     """run's own peak `key` over HF's in the same mode, and in parentheses the same with the
     parameters' gradients taken from both."""
-    if run.get(key) is None or not twin.get(key):
+    if (run.get(key) or 0) < 1 or (twin.get(key) or 0) < 1:  # 0 MiB under reduce-overhead: the graphs' pool holds it
         return ""
     own, hf_own, grads = run[key], twin[key], run["gradients_mib"]
     if own <= grads or hf_own <= grads:  # under reduce-overhead the graphs' pool already holds them
@@ -187,7 +187,7 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.steps, args.small)))
         return
     repeats: dict[str, list[dict]] = {name: [] for name in args.runs}
-    for _, name in alternating(args.runs, args.repeats):
+    for name in alternating(args.runs, args.repeats):
         repeats[name].append(spawn(name, args))
         print(summary({name: repeats[name][-1]})[-1], flush=True)
     results = {name: median_run(runs) for name, runs in repeats.items()}

@@ -39,8 +39,9 @@ def test_train_step_repeats_each_run_and_compares_with_hf(tmp_path: Path) -> Non
 
 
 def test_first_call_times_both_settings_in_fresh_processes(tmp_path: Path) -> None:
-    """A first call (imports, kernels or not) takes longer than a warm one, with the kernels
-    compiled ahead or not."""
+    """A smoke run of the script (on CPU the op runs no kernels, so `ahead` changes nothing
+    here): both settings run in fresh processes, and a first call (its imports) takes longer
+    than a warm one."""
     out = tmp_path / "first-call.json"
     run_script("benchmarks/first_call.py", "--shapes", "quick-aligned", "--rounds", "1", "--out", str(out),
                interpreter=False)
@@ -62,12 +63,43 @@ def test_filtered_log_probs_probe_prints_its_table() -> None:
 
 
 def test_fresh_process_runs_alternate_and_record_failures() -> None:
-    """Every other round runs in reverse, and a child that fails comes back as an error
-    carrying its stderr, not as an exception that would lose the other runs."""
-    from cce_compile.bench.fresh_process import alternating, run_fresh
+    """Every other round runs in reverse; each child gets caches of its own, empty; and a child
+    that fails, or prints no result, comes back as an error, not as an exception that would
+    lose the other runs."""
+    from cce_compile.bench.fresh_process import REPO_ROOT, alternating, run_fresh
 
-    assert list(alternating(["a", "b", "c"], 3)) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
-                                                     (2, "a"), (2, "b"), (2, "c")]
-    assert "cache" in run_fresh("-c", ["import json, os; print(json.dumps({'cache': os.environ['TRITON_CACHE_DIR']}))"])
-    failed = run_fresh("-c", ["raise SystemExit('no such run')"])
-    assert "no such run" in failed["error"]
+    assert list(alternating(["a", "b", "c"], 3)) == list("abccbaabc")
+    show_env = ("import json, os; print(json.dumps({name: os.environ[name] for name in "
+                "('TRITON_CACHE_DIR', 'TORCHINDUCTOR_CACHE_DIR', 'PYTHONPATH')}))")
+    first, second = run_fresh("-c", [show_env]), run_fresh("-c", [show_env])
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert first[name] != second[name] and not Path(first[name]).exists()
+    assert str(REPO_ROOT) in first["PYTHONPATH"].split(os.pathsep)
+    assert "no such run" in run_fresh("-c", ["raise SystemExit('no such run')"])["error"]
+    assert "no JSON result" in run_fresh("-c", ["print('done')"])["error"]
+
+
+def test_train_step_table_sets_each_patched_run_against_hf_in_its_mode() -> None:
+    """The table's ratios from made-up runs: own peaks against HF's in the same mode, with and
+    without the gradients; no ratio where a peak reads 0 (the CUDA graphs' pool holds it all)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import train_step
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def run(step_ms: float, step_peak: float, fwdbwd_peak: float, first_s: float, losses: list[float]) -> dict:
+        return {"step_ms": step_ms, "peak_mib": 9000.0, "step_peak_mib": step_peak, "fwdbwd_peak_mib": fwdbwd_peak,
+                "gradients_mib": 1000.0, "first_step_s": first_s, "losses": losses}
+
+    table = train_step.summary({
+        "hf compiled": run(40.0, 7000.0, 6000.0, 10.0, [2.0, 1.0]),
+        "patched compiled": run(39.0, 2000.0, 2500.0, 12.0, [2.002, 1.0]),
+        "hf reduce-overhead": run(41.0, 2000.0, 2000.0, 10.0, [2.0, 1.0]),
+        "patched reduce-overhead": run(38.0, 1500.0, 0.0, 11.0, [2.0, 1.0]),
+    })
+    assert table[1] == "|" + "---|" * 10
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]] for line in table[2:]}
+    assert rows["patched compiled"][3:] == ["0.29 (0.17)", "2500", "0.42 (0.30)", "12.0", "1.20", "1.0e-03"]
+    assert rows["patched reduce-overhead"][3:6] == ["0.75 (0.50)", "0", ""]
+    assert rows["hf compiled"][3] == ""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import pytest
 import torch
 
@@ -762,7 +760,7 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
         started: dict = {}
         monkeypatch.setattr(launch, "COMPILED", {})
         monkeypatch.setattr(launch, "AHEAD", started)
-        monkeypatch.setattr(forward_fused, "CALLS_COMPILED_AHEAD", OrderedDict())
+        monkeypatch.setattr(forward_fused, "CALLS_COMPILED_AHEAD", launch.RecentKinds(capacity=256))
         monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / f"triton-{ahead}"))
         for kernel in kernels:
             monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from cce_compile.ops.launch import identity_key, launch_key
+from cce_compile.ops.launch import RecentKinds, identity_key, launch_key
 
 
 def test_integers_match_by_what_triton_specializes() -> None:
@@ -101,3 +101,32 @@ def test_a_launch_takes_a_compile_started_ahead_once_and_compiles_itself_after_a
     assert launch.compiled_ahead("failed key") is None
     assert launch.compiled_ahead("never started") is None
     assert launch.AHEAD == {}
+
+
+def test_recent_kinds_forget_the_oldest_past_capacity_and_survive_threads() -> None:
+    """A kind is first once until it is forgotten; the latest seen are kept, the oldest go; and
+    threads that see and evict kinds at once never lose one's answer to another's eviction."""
+    import threading
+
+    recent = RecentKinds(capacity=2)
+    assert [recent.first_of_kind(kind) for kind in "aab"] == [True, False, True]
+    assert recent.first_of_kind("a") is False  # seen again: now the most recent, b the oldest
+    assert recent.first_of_kind("c") is True  # evicts b
+    assert [recent.first_of_kind(kind) for kind in "acb"] == [False, False, True]
+    assert len(recent.kinds) == 2
+
+    shared, errors = RecentKinds(capacity=4), []
+
+    def churn(offset: int) -> None:
+        try:
+            for step in range(5000):
+                shared.first_of_kind((offset + step) % 9)
+        except Exception as err:  # noqa: BLE001 - what the test looks for
+            errors.append(err)
+
+    threads = [threading.Thread(target=churn, args=(offset,)) for offset in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(shared.kinds) == 4

@@ -4,6 +4,8 @@ on the plain-PyTorch path and the interpreted kernels; compile, no_grad, bad inp
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import re
 import sys
@@ -426,12 +428,32 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
     try:
         assert first.apply(2) == 6
         assert import_kernel_module("heavy_framework.utils.kernel", alone=True) is first
+        assert importlib.util.find_spec("heavy_framework.utils") is not None  # the bare parents have specs
         with pytest.raises(ImplUnavailable, match="broken does not import: ModuleNotFoundError"):
             import_kernel_module("heavy_framework.utils.broken", alone=True)
         with pytest.raises(ImplUnavailable, match="no_such_framework is not installed"):
             import_kernel_module("no_such_framework.kernel")
+        (tmp_path / "plain_module.py").write_text("VALUE = 1\n")
+        importlib.invalidate_caches()
+        with pytest.raises(ImplUnavailable, match="plain_module is not a package"):
+            import_kernel_module("plain_module.sub.kernel", alone=True)
+        assert "plain_module" not in sys.modules
     finally:
         for name in [m for m in sys.modules if m.startswith("heavy_framework")]:
+            del sys.modules[name]
+    # a first import that fails takes back the bare parents it made: the package imports as itself after
+    (tmp_path / "other_framework" / "utils").mkdir(parents=True)
+    (tmp_path / "other_framework" / "__init__.py").write_text("REAL = True\n")
+    (tmp_path / "other_framework" / "utils" / "__init__.py").write_text("")
+    (tmp_path / "other_framework" / "utils" / "broken.py").write_text("raise RuntimeError('half way')\n")
+    importlib.invalidate_caches()
+    try:
+        with pytest.raises(ImplUnavailable, match="RuntimeError: half way"):
+            import_kernel_module("other_framework.utils.broken", alone=True)
+        assert not [m for m in sys.modules if m.startswith("other_framework")]
+        assert importlib.import_module("other_framework").REAL
+    finally:
+        for name in [m for m in sys.modules if m.startswith("other_framework")]:
             del sys.modules[name]
 
 

@@ -33,12 +33,14 @@ def run_fresh(script: str, child_args: Sequence[str]) -> dict:
         done = subprocess.run([sys.executable, script, *child_args], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": f"no JSON result on the last line of stdout: {done.stdout[-500:]!r}"}
 
 
-def alternating(items: Sequence[Item], rounds: int) -> Iterator[tuple[int, Item]]:
-    """(round, item) over `rounds` rounds, every other round in reverse order, so that neither
-    the first nor the last place in a round (a cold or a warm machine) goes to one item."""
+def alternating(items: Sequence[Item], rounds: int) -> Iterator[Item]:
+    """`items` over `rounds` rounds, every other round in reverse order, so that neither the
+    first nor the last place in a round (a cold or a warm machine) goes to one item."""
     for round_index in range(rounds):
-        for item in items if round_index % 2 == 0 else reversed(items):
-            yield round_index, item
+        yield from items if round_index % 2 == 0 else reversed(items)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import sys
@@ -56,7 +57,7 @@ def import_kernel_module(name: str, alone: bool = False) -> ModuleType:
     """A peer's kernel module; ImplUnavailable, with the reason, where its package is not
     installed or the module does not import. `alone`: without running its parent packages'
     __init__ (verl's imports the whole framework). A second call returns the module the first
-    loaded (bare parents have no spec to look up again)."""
+    loaded."""
     if name in sys.modules:
         return sys.modules[name]
     package = name.split(".")[0]
@@ -69,20 +70,29 @@ def import_kernel_module(name: str, alone: bool = False) -> ModuleType:
 
 
 def _module_alone(name: str) -> ModuleType:
-    """`name`'s parents become bare packages over their directories, so the module and its own
-    relative imports load from the installed files."""
+    """`name`'s parents become bare packages over their directories (each with a spec, so
+    later lookups of them work), so the module and its own relative imports load from the
+    installed files. A failed import takes back the bare packages it made."""
     parts = name.split(".")
+    locations = importlib.util.find_spec(parts[0]).submodule_search_locations if parts[0] not in sys.modules else None
+    if parts[0] not in sys.modules and not locations:
+        raise ImportError(f"{parts[0]} is not a package")
+    made = []
     for depth in range(1, len(parts)):
         package = ".".join(parts[:depth])
         if package not in sys.modules:
-            if depth == 1:
-                path = list(importlib.util.find_spec(package).submodule_search_locations or [])
-            else:
-                path = [f"{sys.modules['.'.join(parts[:depth - 1])].__path__[0]}/{parts[depth - 1]}"]
-            module = ModuleType(package)
-            module.__path__ = path
-            sys.modules[package] = module
-    return importlib.import_module(name)
+            path = (list(locations) if depth == 1
+                    else [f"{sys.modules['.'.join(parts[:depth - 1])].__path__[0]}/{parts[depth - 1]}"])
+            spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+            spec.submodule_search_locations = path
+            sys.modules[package] = importlib.util.module_from_spec(spec)
+            made.append(package)
+    try:
+        return importlib.import_module(name)
+    except BaseException:
+        for package in made:
+            sys.modules.pop(package, None)
+        raise
 
 
 def _load_verl() -> Loaded:

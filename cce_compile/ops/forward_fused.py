@@ -23,7 +23,6 @@ loop's ~90 launches a chunk cost more host time than the GPU spends on them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
@@ -38,7 +37,7 @@ from ..plan.launch import LaunchPlan
 from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
-from .launch import AheadCompiler, KernelLauncher, integer_class
+from .launch import AheadCompiler, KernelLauncher, RecentKinds, integer_class
 from .loss_terms import grad_coefficients, target_weight, token_loss
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
@@ -50,12 +49,10 @@ SHIFT_ROWS, FINISH_ROWS, TILE_BLOCK = 8, 16, 512
 pass over the statistics, 2 x 4 bytes x 1187 tiles a row there, is bound by how many SMs
 read) and of row_finish_kernel, and vocab tiles per load: few dependent loads per program."""
 
-CALLS_COMPILED_AHEAD: OrderedDict[tuple, None] = OrderedDict()
-"""The latest kinds of call (FusedForward.compile_ahead's key) whose kernels were compiled
-ahead: a later call of the kind skips the bookkeeping. A kind holds N, so where N varies from
-step to step (RL, packed batches) the oldest are forgotten past CALLS_COMPILED_AHEAD_CAPACITY;
-a forgotten kind's next call only walks its launch keys again, all compiled by then."""
-CALLS_COMPILED_AHEAD_CAPACITY = 256
+CALLS_COMPILED_AHEAD = RecentKinds(capacity=256)
+"""The kinds of call (FusedForward.compile_ahead's key) whose kernels were compiled ahead: a
+later call of the kind skips the bookkeeping. A forgotten kind's next call only walks its
+launch keys again, all compiled by then."""
 SCALE_BLOCK = 8192
 """Elements per program of scale_unless_one_kernel."""
 
@@ -140,12 +137,8 @@ class FusedForward:
         kind = (self.plan, self.config, tuple(self.e.shape), self.e.dtype, self.e.device, self.bias is not None,
                 self.weight is not None, self.softcap > 0.0, self.smoothing, self.z_loss > 0.0, self.need_grad_e,
                 self.need_grad_c)
-        if kind in CALLS_COMPILED_AHEAD:
-            CALLS_COMPILED_AHEAD.move_to_end(kind)
+        if not CALLS_COMPILED_AHEAD.first_of_kind(kind):
             return
-        CALLS_COMPILED_AHEAD[kind] = None
-        if len(CALLS_COMPILED_AHEAD) > CALLS_COMPILED_AHEAD_CAPACITY:
-            CALLS_COMPILED_AHEAD.popitem(last=False)
         self.kernels.compile_ahead(self.scale, self.losses)
         for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own
             if gradient.numel():

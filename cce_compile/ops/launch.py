@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
@@ -76,6 +78,29 @@ backward's host sync held its next step back)."""
 AHEAD: dict[tuple, Future] = {}
 """Compiles started by AheadCompiler, by the same key as COMPILED; the launch that needs one
 takes it from here into COMPILED."""
+
+
+class RecentKinds:
+    """The latest `capacity` kinds of call seen, for work a call does once per kind (compiling
+    its kernels ahead): where a kind holds N and N varies from step to step (RL, packed
+    batches), the oldest are forgotten rather than kept for the process's life. Thread-safe:
+    autograd's threads call the op too."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.kinds: OrderedDict[Hashable, None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def first_of_kind(self, kind: Hashable) -> bool:
+        """Whether `kind` is new (or forgotten); either way it becomes the most recent."""
+        with self.lock:
+            if kind in self.kinds:
+                self.kinds.move_to_end(kind)
+                return False
+            self.kinds[kind] = None
+            if len(self.kinds) > self.capacity:
+                self.kinds.popitem(last=False)
+            return True
 
 
 @lru_cache(maxsize=1)
