@@ -236,6 +236,27 @@ def test_harness_times_the_op_compiled(cpu_harness: None, tmp_path: Path) -> Non
         ("cce_exact", "0"), ("cce_exact", "1"), ("cce_exact:reduce-overhead", "1"), ("torch", "1")]
 
 
+def test_reduce_overhead_takes_its_operands_as_static_inputs_per_draw() -> None:
+    """Under reduce-overhead e and c are static inputs, as a model's weights and in-graph hidden
+    states are (no copies into the graphs' buffers), guarded: a second draw gets its own graph,
+    and each draw's loss and gradients are its own."""
+    torch._dynamo.reset()
+    (variant,) = [v for v in with_compile_modes(resolve_impls(["torch"]), ["reduce-overhead"])]
+    fn = variant.load().fn
+    for seed in (0, 1, 0):
+        e, c, targets = lm_like_inputs(32, 16, 300, torch.float32, "cpu", seed=seed)
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        loss = fn(*leaves, targets)
+        loss.backward()
+        assert all(leaf._dynamo_static_input_type == "guarded" for leaf in leaves)
+        expected_leaves = [t.clone().requires_grad_() for t in (e, c)]
+        expected = F.cross_entropy(expected_leaves[0] @ expected_leaves[1].T, targets)
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        for leaf, expected_leaf in zip(leaves, expected_leaves):
+            torch.testing.assert_close(leaf.grad, expected_leaf.grad)
+
+
 def test_harness_with_a_frozen_head_asks_for_de_alone(cpu_harness: None, tmp_path: Path) -> None:
     """--frozen-head: memory over dE's bytes, no dC error, and the rows say which inputs."""
     settings = Settings(input_sets=1, frozen_head=True)

@@ -109,7 +109,10 @@ def _load_eager() -> Loaded:
 def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loaded]:
     """`load`'s function inside torch.compile (fullgraph, static shapes: each benchmark shape
     gets its own graph, as a training run would). Under reduce-overhead each call starts a new
-    CUDA-graph step, as a training loop's iteration does."""
+    CUDA-graph step, as a training loop's iteration does, and e and c are static inputs, as a
+    model's head weight (a parameter) and hidden states (made inside its graph) are: CUDA graph
+    trees would otherwise copy them into graph-owned buffers at every call, c being dC's size.
+    Guarded, so each input draw gets its own graph rather than a re-recording at every call."""
 
     def load_compiled() -> Loaded:
         loaded = load()
@@ -119,6 +122,8 @@ def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loa
             return Loaded(compiled, loaded.note)
 
         def stepped(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
+            for operand in (e, c):
+                torch._dynamo.mark_static_address(operand, guard=True)
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(e, c, targets)
 
