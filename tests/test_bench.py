@@ -236,6 +236,17 @@ def test_harness_times_the_op_compiled(cpu_harness: None, tmp_path: Path) -> Non
         ("cce_exact", "0"), ("cce_exact", "1"), ("cce_exact:reduce-overhead", "1"), ("torch", "1")]
 
 
+def test_each_compiled_impl_gets_its_own_recompile_budget(cpu_harness: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cce_exact and cce_filtered are loaded from one lambda, so their graphs sit on one code
+    object, whose recompile limit fullgraph=True turns into a failure: each compiled impl starts
+    with the budget empty (here a limit of 2: each takes two graphs, with and without grad)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    variants = [v for v in with_compile_modes(resolve_impls(["cce_exact", "cce_filtered"]), ["default"])]
+    (run,) = harness.run_benchmark([TINY], ["lm_like"], variants, Settings(input_sets=1))
+    assert [(result.impl, result.status) for result in run.impls] == [("cce_exact", "ok"), ("cce_filtered", "ok")], [
+        result.reason for result in run.impls]
+
+
 def test_reduce_overhead_takes_its_operands_as_static_inputs_per_draw() -> None:
     """Under reduce-overhead e and c are static inputs, as a model's weights and in-graph hidden
     states are (no copies into the graphs' buffers), guarded: a second draw gets its own graph,
