@@ -61,32 +61,34 @@ def import_kernel_module(name: str, alone: bool = False) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     package = name.split(".")[0]
-    if package not in sys.modules and importlib.util.find_spec(package) is None:
+    spec = None if package in sys.modules else importlib.util.find_spec(package)
+    if package not in sys.modules and spec is None:
         raise ImplUnavailable(f"{package} is not installed")
     try:
-        return _module_alone(name) if alone else importlib.import_module(name)
+        return _module_alone(name, spec) if alone else importlib.import_module(name)
     except Exception as err:  # noqa: BLE001 - a broken install is "unavailable", with its reason
         raise ImplUnavailable(f"{name} does not import: {type(err).__name__}: {err}") from err
 
 
-def _module_alone(name: str) -> ModuleType:
-    """`name`'s parents become bare packages over their directories (each with a spec, so
-    later lookups of them work), so the module and its own relative imports load from the
+def _module_alone(name: str, top_spec: importlib.machinery.ModuleSpec | None) -> ModuleType:
+    """`name`'s parents not yet imported become bare packages over their directories (each
+    with a spec, so later lookups of them work; the top one's from `top_spec`, the others'
+    under their parent's), so the module and its own relative imports load from the
     installed files. A failed import takes back the bare packages it made."""
+    if top_spec is not None and not top_spec.submodule_search_locations:
+        raise ImportError(f"{top_spec.name} is not a package")
     parts = name.split(".")
-    locations = importlib.util.find_spec(parts[0]).submodule_search_locations if parts[0] not in sys.modules else None
-    if parts[0] not in sys.modules and not locations:
-        raise ImportError(f"{parts[0]} is not a package")
     made = []
     for depth in range(1, len(parts)):
         package = ".".join(parts[:depth])
-        if package not in sys.modules:
-            path = (list(locations) if depth == 1
-                    else [f"{sys.modules['.'.join(parts[:depth - 1])].__path__[0]}/{parts[depth - 1]}"])
-            spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-            spec.submodule_search_locations = path
-            sys.modules[package] = importlib.util.module_from_spec(spec)
-            made.append(package)
+        if package in sys.modules:
+            continue
+        path = (list(top_spec.submodule_search_locations) if depth == 1
+                else [f"{sys.modules['.'.join(parts[:depth - 1])].__path__[0]}/{parts[depth - 1]}"])
+        spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        spec.submodule_search_locations = path
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        made.append(package)
     try:
         return importlib.import_module(name)
     except BaseException:
