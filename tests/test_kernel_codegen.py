@@ -104,8 +104,9 @@ GEMM = {
 SPARSE = {
     "a_ptr": "*bf16", "b_ptr": "*bf16", "b_offset": "i32", "b_index_ptr": "*i64", "out_ptr": "*fp32",
     "out_offset": "i32", "out_index_ptr": "*i64", "final_ptr": "*bf16", "final_offset": "i32",
-    "begin_ptr": "*i32", "count_ptr": "*i32", "lists_offset": "i32", "m_tile_offset": "i32", "m_tiles": "i32",
-    "m_end_ptr": "*i64", "m_end_index": "i32", "entry_slots_ptr": "*i32", "entry_tiles_ptr": "*i32", "entries_offset": "i32",
+    "begin_ptr": "*i32", "count_ptr": "*i32", "lists_offset": "i32", "m_tiles": "i32",
+    "step_bounds_ptr": "*i32", "step_index": "i32", "entry_slots_ptr": "*i32", "entry_tiles_ptr": "*i32",
+    "entries_offset": "i32",
     "scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_bk": "i32", "stride_bn": ONE,
     "FINAL": FALSE, "SCALED": FALSE, "BLOCK_N": constexpr(128), "BLOCK_K": constexpr(64),
     "GROUP_M": constexpr(8), **FLAGS,

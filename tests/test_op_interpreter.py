@@ -176,15 +176,15 @@ FILTER_CASES = {
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
-@pytest.mark.parametrize("steps", ["packed", "slabs"])
+@pytest.mark.parametrize("read_back", [True, False], ids=["read back", "device only"])
 @pytest.mark.parametrize("case", FILTER_CASES, ids=list(FILTER_CASES))
-def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, steps: str, use_policy) -> None:
+def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, read_back: bool, use_policy) -> None:
     """Filtered mode's sorted vocab, tile masks and block-sparse GEMMs (kernels) against the
     CPU path's dense arithmetic on the same tiles; and filtering really drops tiles. Calls
-    pack the steps; under a CUDA graph capture they take fixed slabs, forced here."""
+    read their packed steps back; under a CUDA graph capture they launch every step packing
+    may make, forced here."""
 
-    if steps == "slabs":
-        use_policy(filtered_packing=False)
+    use_policy(filtered_read_back=read_back)
 
     spec = FILTER_CASES[case]
     e, c, targets = make_inputs("zipf", spec["lead"], spec["v"], spec["d"], torch.float32, seed=4)
@@ -235,8 +235,8 @@ def test_flat_rows_are_computed_whole() -> None:
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
-@pytest.mark.parametrize("steps", ["packed", "slabs"])
-def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("read_back", [True, False], ids=["read back", "device only"])
+def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(read_back: bool, monkeypatch: pytest.MonkeyPatch,
                                                              use_policy) -> None:
     """Where the skipped tiles hold real mass (an LM-like head whose rows share a mean, and
     a coarse filter_eps, 2^-7: at this size 2^-12 skips nothing): the kernels put back each
@@ -246,8 +246,7 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(steps: str, monkey
     Equal forward and backward tile widths, so the two paths skip the same tiles."""
     from cce_compile.ops import backward_filtered, cpu_path, filtering
 
-    if steps == "slabs":
-        use_policy(filtered_packing=False)
+    use_policy(filtered_read_back=read_back)
     tile = TileConfig(32, 32, 16, 4, 4, 1)
     config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
     e, c, targets = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
@@ -300,14 +299,16 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize("steps", ["slabs", "packed"])
+@pytest.mark.parametrize("read_back", [True, False], ids=["read back", "device only"])
 @pytest.mark.parametrize("case", MASKS)
-def test_step_lists_match_the_mask(case: str, steps: str) -> None:
+def test_step_lists_match_the_mask(case: str, read_back: bool) -> None:
     """The filtered backward's work lists (step_lists_kernel), per (chunk, step), against the
     mask they come from: the step's kept tiles in column-major slots (grad_logits), each tile
     column's contiguous slots and their tile rows (dC), each tile row's slots and tile
-    columns in column order (dE); fixed slabs (under a CUDA graph capture) or packed steps, which
-    never hold more than their capacity and never split a column."""
+    columns in column order (dE). Packed steps never hold more than their capacity, never
+    split a column, and take fewer steps than slabs of that capacity; the steps the host
+    launches without reading them back (under a CUDA graph capture) past a chunk's last are
+    empty."""
     from cce_compile.ops.filtering import chunk_tile_mask, filtered_steps, step_lists
 
     tile_rows, tile_columns, n_chunks, rows, slab_tiles = MASKS[case]
@@ -318,15 +319,25 @@ def test_step_lists_match_the_mask(case: str, steps: str) -> None:
         tile_mask[(n_chunks - 1) * rows:] = 0  # a chunk with no kept tile
     mask = chunk_tile_mask(tile_mask, n_chunks, rows)
     capacity = rows * slab_tiles
-    plan = filtered_steps(mask, capacity, slab_tiles, packed=steps == "packed")
+    plan = filtered_steps(mask, capacity, read_back)
     lists = step_lists(mask, plan, capacity)
-    plan = plan.on_host()
-    assert max(map(len, plan.columns)) <= plan.n_steps, "lists sized for fewer steps than packing made"
-    if steps == "packed":
-        assert max(map(len, plan.columns)) < len(range(0, tile_columns, slab_tiles)), "packing saved no step"
+    if read_back:
+        plan = plan.on_host()
+        columns = plan.columns
+    else:
+        assert plan.on_host().columns is None
+        bounds = plan.step_bounds.tolist()
+        columns = [[(b[s], b[s + 1]) for s in range(plan.n_steps) if b[s] < tile_columns] for b in bounds]
+        for chunk in range(n_chunks):
+            for step in range(len(columns[chunk]), plan.n_steps):
+                assert bounds[chunk][step] == bounds[chunk][step + 1] == tile_columns
+                assert lists.step_counts[chunk, step] == 0 and not lists.de_count[chunk, step].any()
+    assert max(map(len, columns)) <= plan.n_steps, "lists sized for fewer steps than packing made"
+    if case == "lm-like":
+        assert max(map(len, columns)) < len(range(0, tile_columns, slab_tiles)), "packing saved no step"
     for chunk in range(n_chunks):
-        assert plan.columns[chunk][0][0] == 0 and plan.columns[chunk][-1][1] == tile_columns
-        for step, (first, end) in enumerate(plan.columns[chunk]):
+        assert columns[chunk][0][0] == 0 and columns[chunk][-1][1] == tile_columns
+        for step, (first, end) in enumerate(columns[chunk]):
             assert end > first, "an empty step"
             tiles = [(col, row) for col in range(first, end) for row in range(rows) if mask[chunk, row, col]]
             assert len(tiles) <= capacity and lists.step_counts[chunk, step] == len(tiles)

@@ -201,7 +201,7 @@ def matmul_kernel(
 @triton.jit
 def sparse_matmul_kernel(
     a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
-    begin_ptr, count_ptr, lists_offset, m_tile_offset, m_tiles, m_end_ptr, m_end_index,
+    begin_ptr, count_ptr, lists_offset, m_tiles, step_bounds_ptr, step_index,
     entry_slots_ptr, entry_tiles_ptr, entries_offset,
     scale_ptr, M, N, K,
     stride_bk, stride_bn,
@@ -213,9 +213,9 @@ def sparse_matmul_kernel(
     compactly by grad_logits_kernel (one BLOCK_M x BLOCK_N row-major tile per slot): filtered
     mode's two gradient GEMMs for one backward step (ops/filtering.py's StepLists).
 
-    The launch covers m_tiles m tiles from m_tile_offset (dC: those before m_end[m_end_index],
-    read here, so a launch enqueued before the host knows the step's columns can run past
-    them); m tile t walks the entries
+    The launch covers m_tiles m tiles (dE: from 0; dC: from the step's first tile column
+    step_bounds[step_index] and before the next step's, both read here, so a launch enqueued
+    while only the device knows the step's columns can run past them); m tile t walks the entries
     [begin[t], begin[t] + count[t]) (begin and count at lists_offset; the entries at
     entries_offset, the step's first), one per kept tile: its slot in `a` and its tile on K.
     - dE (BY_COLUMN false): m tiles are tile rows, an entry's slot and tile column come from
@@ -230,9 +230,10 @@ def sparse_matmul_kernel(
     PARTS: tl.constexpr = TILE_K // BLOCK_K
     TILE: tl.constexpr = TILE_M * TILE_K
     pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
-    m_tile = m_tile_offset + pid_m
+    m_tile = pid_m
     if BY_COLUMN:
-        if m_tile >= tl.load(m_end_ptr + m_end_index):
+        m_tile += tl.load(step_bounds_ptr + step_index)
+        if m_tile >= tl.load(step_bounds_ptr + step_index + 1):
             return
     in_tile_m = tl.arange(0, TILE_M)
     offs_m = m_tile * TILE_M + in_tile_m

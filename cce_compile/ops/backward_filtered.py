@@ -3,8 +3,9 @@ d-logits tiles the forward kept recomputed (grad_logits_kernel into one slot per
 the two gradient GEMMs block-sparse over the slots (sparse_matmul_kernel), from work lists
 built for all steps in one launch (ops/filtering.py). What the skipped tiles hold comes back
 as their row sums and tilt (filtering.SkippedTiles, Tilt): dE's accumulator starts from them,
-dC's rows get them by vocab tile. Packed steps span as many vocab tiles as their kept tiles
-fill the slots; where most tiles are kept (a flat softmax) the dense path runs instead."""
+dC's rows get them by vocab tile. Steps span as many vocab tiles as their kept tiles fill the
+slots; read back by the host, where most tiles are kept (a flat softmax) the dense path runs
+instead."""
 
 from __future__ import annotations
 
@@ -44,11 +45,9 @@ class FilteredBackward:
             raise ValueError("kept_tiles: filtered mode needs the forward's (row blocks, vocab tiles) kept tiles")
         if tile_lse.shape != (call.n, cdiv(v, forward_n)):
             raise ValueError("tile_lse: filtered mode needs the forward's (N, vocab tiles) tile log-sum-exps")
-        slab_tiles = cdiv(call.steps.slab_v, tile.block_n)
-        packed = call.plan.packed_steps
-        self.capacity = call.steps.slots if packed and call.steps.slots else call.chunk_tile_rows * slab_tiles
+        self.capacity = call.steps.slots or call.chunk_tile_rows * cdiv(call.steps.slab_v, tile.block_n)
         mask = chunk_tile_mask(kept_tiles, call.steps.n_chunks, call.chunk_tile_rows)
-        self.steps = filtered_steps(mask, self.capacity, slab_tiles, packed)
+        self.steps = filtered_steps(mask, self.capacity, call.plan.read_back_steps)
         self.lists = step_lists(mask, self.steps, self.capacity)
         self.skipped = skipped_tiles(kept_tiles, call.vocab_order, call.weight, call.label_smoothing > 0.0,
                                      forward_n, tile.block_m, tile.block_n)
@@ -90,32 +89,37 @@ class FilteredBackward:
             self.bias_sum = torch.zeros(self.vocab_tiles * tile.block_n, dtype=torch.float32, device=call.e.device)
             self.slot_ids = torch.arange(self.capacity, device=call.e.device)
             self.in_tile = torch.arange(tile.block_n, device=call.e.device)
-        # The first step is enqueued before the host sync (which waits only for the steps'
-        # copy, on a side stream: filtering.HostCopy), its kernels sized for any step (programs
-        # past its kept tiles or columns return at once): the GPU works on it while the host
-        # reads back the steps and enqueues the next.
-        _, first_row, first_rows, first_acc_offset = next(call.token_chunks())
-        self.recompute(self.capacity, first_row, first_rows, 0)
-        self.step_gemms(0, 0, first_row, first_rows, first_acc_offset, 0, self.vocab_tiles, last=False)
-        self.steps = self.steps.on_host()
-        if self.steps.dense_is_faster(cdiv(call.n, tile.block_m), self.vocab_tiles, call.plan.dense_fraction):
-            del self.grad_logits  # and with it the step computed ahead: the dense path rewrites all
-            return DenseBackward(call, gradients).run()
-        self.remaining_steps()
+        went_ahead = self.steps.unread is not None
+        if went_ahead:
+            # The first step is enqueued before the host sync (which waits only for the steps'
+            # copy, on a side stream: filtering.HostCopy), sized for any step: the GPU works on
+            # it while the host reads back the steps and enqueues the next.
+            _, first_row, first_rows, first_acc_offset = next(call.token_chunks())
+            self.recompute(self.capacity, first_row, first_rows, 0)
+            self.step_gemms(0, 0, first_row, first_rows, first_acc_offset, self.vocab_tiles, last=False)
+            self.steps = self.steps.on_host()
+            if self.steps.dense_is_faster(cdiv(call.n, tile.block_m), self.vocab_tiles, call.plan.dense_fraction):
+                del self.grad_logits  # and with it the step computed ahead: the dense path rewrites all
+                return DenseBackward(call, gradients).run()
+        self.launch_steps(went_ahead)
         return self.finish()
 
-    def remaining_steps(self) -> None:
+    def launch_steps(self, went_ahead: bool) -> None:
+        """Each chunk's steps: those read back, each at its size (its kept tiles and columns),
+        or, where only the device knows them, the most packing can make, each sized for any
+        step (programs past a step's kept tiles or columns return at once, so an empty step
+        costs its launches). `went_ahead`: chunk 0's first step ran before the sync."""
         call, steps = self.call, self.steps
         for chunk, row_start, rows, acc_offset in call.token_chunks():
-            chunk_steps = steps.columns[chunk]
-            for step, (first_column, end_column) in enumerate(chunk_steps):
-                if chunk == step == 0:
-                    continue  # went ahead of the sync
+            spans = steps.columns[chunk] if steps.columns is not None else [(0, self.vocab_tiles)] * steps.n_steps
+            for step, (first_column, end_column) in enumerate(spans):
+                if went_ahead and chunk == step == 0:
+                    continue
                 programs = self.capacity if steps.counts is None else steps.counts[chunk][step]
                 self.recompute(programs, row_start, rows, chunk * steps.n_steps + step)
-                self.step_gemms(chunk, step, row_start, rows, acc_offset, first_column, end_column - first_column,
-                                last=step == len(chunk_steps) - 1)
-            if chunk == 0 and len(chunk_steps) == 1 and call.steps.fp32_accumulator and call.need_grad_e:
+                self.step_gemms(chunk, step, row_start, rows, acc_offset, end_column - first_column,
+                                last=step == len(spans) - 1)
+            if went_ahead and chunk == 0 and len(spans) == 1 and call.steps.fp32_accumulator and call.need_grad_e:
                 # Its one step went ahead, not knowing it was the last.
                 self.gradients.grad_e[:rows].copy_(self.gradients.acc[:rows])
 
@@ -172,11 +176,11 @@ class FilteredBackward:
         if self.grad_bias_per_tile is not None:
             self.grad_bias_per_tile.add_(d_logits.sum(dim=0))
 
-    def step_gemms(self, chunk: int, step: int, row_start: int, rows: int, acc_offset: int, first_column: int,
-                   columns: int, last: bool) -> None:
+    def step_gemms(self, chunk: int, step: int, row_start: int, rows: int, acc_offset: int, columns: int,
+                   last: bool) -> None:
         """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run past
-        the step's, whose end the dC GEMM reads on the device; `last`: the chunk's last step,
-        which writes dE itself."""
+        the step's, which the dC GEMM reads on the device; `last`: the chunk's last step, which
+        writes dE itself."""
         call, lists, steps = self.call, self.lists, self.steps
         e, c, d, v = call.e, call.c, call.d, call.v
         tile, dc_tile, de_tile = call.config.grad_logits, call.config.grad_classifier, call.config.grad_hidden
@@ -190,8 +194,8 @@ class FilteredBackward:
                 (columns * cdiv(d, dc_tile.block_n),),
                 self.grad_logits, e, row_start * e.stride(0), call.vocab_order, self.gradients.grad_c, 0,
                 call.vocab_order, self.gradients.grad_c, 0,
-                lists.dc_begin, lists.dc_count, chunk * self.vocab_tiles, first_column, columns,
-                steps.step_bounds, chunk * steps.step_bounds.stride(0) + step + 1,
+                lists.dc_begin, lists.dc_count, chunk * self.vocab_tiles, columns,
+                steps.step_bounds, chunk * steps.step_bounds.stride(0) + step,
                 lists.dc_rows, lists.dc_rows, step_index * self.capacity, call.scale, v, d, rows,
                 e.stride(0), e.stride(1),
                 BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=call.scaled,
@@ -205,7 +209,7 @@ class FilteredBackward:
                 (tile_rows * cdiv(d, de_tile.block_n),),
                 self.grad_logits, c, 0, call.vocab_order, self.gradients.acc, acc_offset, call.vocab_order,
                 self.gradients.grad_e, row_start * d,
-                lists.de_begin, lists.de_count, step_index * call.chunk_tile_rows, 0, tile_rows, steps.step_bounds, 0,
+                lists.de_begin, lists.de_count, step_index * call.chunk_tile_rows, tile_rows, steps.step_bounds, 0,
                 lists.de_slots, lists.de_cols, step_index * self.capacity, call.scale, rows, d, v,
                 c.stride(0), c.stride(1),
                 BY_COLUMN=False, ACCUMULATE=True, FINAL=call.steps.fp32_accumulator and last, SCALED=call.scaled,

@@ -430,20 +430,23 @@ class HostCopy:
 
 @dataclass(frozen=True)
 class Steps:
-    """How the filtered backward cuts each token chunk's tile columns into steps.
+    """How the filtered backward cuts each token chunk's tile columns into steps: packed,
+    consecutive columns sharing a step while their kept tiles fit the slots.
 
-    Packed steps come in two halves: filtered_steps finds them on the device, where the work
-    lists can be built at once (step_lists), and on_host() reads back what the host needs to
-    launch them (the backward's one sync)."""
+    filtered_steps packs them on the device, where the work lists are built at once
+    (step_lists). Read back (`unread`), on_host() gives the host each step's columns and
+    kept tiles (the backward's one sync), so it launches each step at its size. Not read back
+    (under a caller's CUDA graph capture, where no sync may run) the host knows only
+    `n_steps`, the most packing can make, and launches that many, each sized for any step."""
 
-    step_bounds: Tensor  # [chunk, >= n_steps + 1] integers: step s spans columns [bounds[s], bounds[s + 1])
-    n_steps: int  # steps per chunk in the lists: at least any chunk's (chunks with fewer end in empty ones)
-    columns: list[list[tuple[int, int]]] | None  # per chunk, each step's tile columns [first, end)
+    step_bounds: Tensor  # [chunk, >= n_steps + 1] int32: step s spans columns [bounds[s], bounds[s + 1]) (none past the chunk's last)
+    n_steps: int  # steps per chunk in the lists: the most packing can make (chunks with fewer end in empty ones)
+    columns: list[list[tuple[int, int]]] | None  # per chunk, each step's tile columns [first, end); None when only the GPU knows
     counts: list[list[int]] | None  # per chunk and step, its kept tiles; None when only the GPU knows
-    unread: HostCopy | None = None  # packed, before on_host: [chunk, bounds | kept tiles per column]
+    unread: HostCopy | None = None  # to be read back, before on_host: [chunk, bounds | kept tiles per column]
 
     def on_host(self) -> "Steps":
-        """Packed steps with their columns and kept tiles read back (a host sync); others as they are."""
+        """The steps with their columns and kept tiles read back (a host sync), where they are to be."""
         if self.unread is None:
             return self
         read = self.unread.numpy()
@@ -457,27 +460,21 @@ class Steps:
 
     def dense_is_faster(self, tile_rows: int, tile_columns: int, dense_fraction: float) -> bool:
         """Whether more than dense_fraction of the tile_rows x tile_columns tiles are kept
-        (known only for packed steps), where the dense backward beats the block-sparse one."""
+        (known only once read back), where the dense backward beats the block-sparse one."""
         if self.counts is None:
             return False
         kept = sum(sum(chunk) for chunk in self.counts)
         return kept > dense_fraction * tile_rows * tile_columns
 
 
-def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Steps:
-    """Fixed slabs of `slab_tiles` columns (traced calls, where the step count must not
-    depend on the data), or packed steps (eager): consecutive columns share a step while
-    their kept tiles fit `capacity` slots, so where most tiles are dropped (the vocabulary's
-    tail) a step spans many columns. Packed steps are found on the device, queued behind the
-    forward's kernel (still running), and copied to the host on a side stream (HostCopy);
-    the host learns them at Steps.on_host, the backward's one sync, which waits for that copy
-    alone, not for the work queued after it. Their lists are sized for the most steps packing
-    can make."""
+def filtered_steps(mask: Tensor, capacity: int, read_back: bool) -> Steps:
+    """Packed steps: consecutive columns share a step while their kept tiles fit `capacity`
+    slots, so where most tiles are dropped (the vocabulary's tail) a step spans many columns.
+    They are found on the device, queued behind the forward's kernel (still running), and,
+    with `read_back`, copied to the host on a side stream (HostCopy): the host learns them at
+    Steps.on_host, the backward's one sync, which waits for that copy alone, not for the work
+    queued after it. Their lists are sized for the most steps packing can make."""
     n_chunks, rows, cols = mask.shape
-    if not packed:
-        spans = [(first, min(first + slab_tiles, cols)) for first in range(0, cols, slab_tiles)]
-        bounds = (torch.arange(len(spans) + 1, device=mask.device) * slab_tiles).clamp_max(cols)
-        return Steps(bounds.to(torch.int32).expand(n_chunks, -1).contiguous(), len(spans), [spans] * n_chunks, None)
     column_counts = mask.sum(dim=1, dtype=torch.int32)  # [chunk, column]
     per_step = capacity + 1 - column_counts.amax().clamp_min(1)  # so no column straddles two steps
     step_of_column = (torch.cumsum(column_counts, dim=1) - column_counts) // per_step
@@ -485,11 +482,12 @@ def filtered_steps(mask: Tensor, capacity, slab_tiles: int, packed: bool) -> Ste
     # them 0, 1, ... and find each step's first column (past the last step: `cols`).
     new_step = F.pad(step_of_column[:, 1:] != step_of_column[:, :-1], (1, 0), value=True)
     step_of_column = torch.cumsum(new_step, dim=1) - 1
-    bounds = torch.searchsorted(step_of_column, torch.arange(cols + 1, device=mask.device).repeat(n_chunks, 1))
+    bounds = torch.searchsorted(step_of_column, torch.arange(cols + 1, device=mask.device).repeat(n_chunks, 1),
+                                out_int32=True)
     # Steps are the distinct values of (kept tiles before a column) // per_step, at most one
     # per column; per_step >= capacity + 1 - rows.
     most_steps = min(cols, rows * cols // (capacity + 1 - rows) + 1)
-    unread = HostCopy(torch.cat([bounds, column_counts], dim=1))
+    unread = HostCopy(torch.cat([bounds, column_counts], dim=1)) if read_back else None
     return Steps(bounds[:, : most_steps + 1], most_steps, None, None, unread)
 
 

@@ -80,18 +80,19 @@ class Options:
 class LaunchPlan:
     """The kernels a call launches and how; `backward` is None on the plain-PyTorch path.
 
-    Filtered mode's backward runs grad_logits_kernel over kept tiles and sparse_matmul_kernel.
-    With `packed_steps` it packs its steps from the kept tiles (one host sync) and, where more
-    than `dense_fraction` of tiles are kept, runs the dense path instead; under someone
-    else's CUDA graph capture (torch.compile's reduce-overhead) no sync may run, so it takes
-    fixed slabs."""
+    Filtered mode's backward runs grad_logits_kernel over kept tiles and sparse_matmul_kernel,
+    in steps packed from the kept tiles on the device. With `read_back_steps` the host reads
+    them back (one sync), launches each at its size and, where more than `dense_fraction` of
+    tiles are kept, runs the dense path instead; under someone else's CUDA graph capture
+    (torch.compile's reduce-overhead) no sync may run, so it launches the most steps packing
+    can make, each sized for any step (an empty one returns at once)."""
 
     forward: ForwardKernel
     fused: FusedKernel
     recompute: RecomputeKernel
     gradient_gemms: GradientGemms
     filtered: bool
-    packed_steps: bool
+    read_back_steps: bool
     cuda_graphs: bool  # the dense slab loop and the fused chunk loop replay as a CUDA graph once a call recurs
     direct_launch: bool  # compiled kernels relaunched without Triton's per-launch binding (CUDA)
     compile_ahead: bool  # the fused forward's first call compiles its kernels on threads before launching (CUDA)
@@ -190,7 +191,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         recompute=recompute_kernel(problem, options, config, policy),
         gradient_gemms=gradient_gemms(problem, policy),
         filtered=options.filtered,
-        packed_steps=options.filtered and policy.filtered_packing and not problem.capturing,
+        read_back_steps=options.filtered and policy.filtered_read_back and not problem.capturing,
         cuda_graphs=(policy.cuda_graphs and problem.on_cuda and not options.has_bias
                      and not problem.capturing),
         direct_launch=problem.on_cuda,

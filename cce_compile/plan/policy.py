@@ -60,8 +60,9 @@ class Policy:
     """Calls that recur on the same tensors replay the backward's slab loop or the fused forward's chunk loop as one CUDA
     graph (CCE_CUDA_GRAPHS=0: off)."""
 
-    filtered_packing: bool = True
-    """Filtered steps pack as many vocab tiles as their kept tiles fill (one host sync); off: fixed slabs."""
+    filtered_read_back: bool = True
+    """Filtered steps read back to the host (one sync), each launched at its size; off: as under a caller's
+    CUDA graph capture, every step packing may make, each sized for any."""
 
     dense_fraction: float = 0.4
     """A filtered backward that keeps more than this share of tiles runs the dense path: block-sparse costs ~0.4 + 7 x share GEMMs."""
