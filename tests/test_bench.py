@@ -247,10 +247,10 @@ def test_each_compiled_impl_gets_its_own_recompile_budget(cpu_harness: None, mon
         result.reason for result in run.impls]
 
 
-def test_reduce_overhead_takes_its_operands_as_static_inputs_per_draw() -> None:
-    """Under reduce-overhead e and c are static inputs, as a model's weights and in-graph hidden
-    states are (no copies into the graphs' buffers), guarded: each draw gets one graph, which its
-    later calls reuse, and each draw's loss and gradients are its own."""
+def test_reduce_overhead_compiles_one_graph_for_every_draw() -> None:
+    """Under reduce-overhead e and c are plain inputs (marking them static failed every row on
+    the H200, bench/peers._compiled): one graph serves every input draw, and each draw's loss
+    and gradients are its own."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -262,47 +262,17 @@ def test_reduce_overhead_takes_its_operands_as_static_inputs_per_draw() -> None:
         draws.append(([t.clone().requires_grad_() for t in (e, c)], targets))
     graphs_before = counters["stats"]["unique_graphs"]
     for leaves, targets in draws + draws:
-        for leaf in leaves:
-            leaf.grad = None
         loss = fn(*leaves, targets)
         loss.backward()
-        assert all(leaf._dynamo_static_input_type == "guarded" for leaf in leaves)
+        assert not any(hasattr(leaf, "_dynamo_static_input_type") for leaf in leaves)
         expected_leaves = [leaf.detach().clone().requires_grad_() for leaf in leaves]
         expected = F.cross_entropy(expected_leaves[0] @ expected_leaves[1].T, targets)
         expected.backward()
         torch.testing.assert_close(loss, expected)
         for leaf, expected_leaf in zip(leaves, expected_leaves):
             torch.testing.assert_close(leaf.grad, expected_leaf.grad)
-    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # one a draw; marked after the call: one
-
-
-def test_measured_impls_leave_the_inputs_unmarked_for_the_next(cpu_harness: None,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reduce-overhead row marks its own aliases of the inputs static, not the shape's
-    tensors, so a default-mode row after it compiles them as plain inputs; with five draws its
-    ten graphs (with and without grad) get a recompile limit that holds them."""
-    variants = with_compile_modes(resolve_impls(["cce_exact"]), ["reduce-overhead", "default"])
-    seen = []
-    original = harness._measure_impl
-
-    def measure(impl, grad_sets, plain_sets, *args):
-        seen.append([getattr(t, "_dynamo_static_input_type", None) for e, c, _ in grad_sets for t in (e, c)])
-        return original(impl, grad_sets, plain_sets, *args)
-
-    monkeypatch.setattr(harness, "_measure_impl", measure)
-    import triton.testing
-
-    def every_draw_do_bench(fn: Callable[[], None], warmup: float, rep: float, grad_to_none: list | None = None,
-                            return_mode: str = "mean") -> float:
-        for _ in range(5):  # cycling(): each call takes the next draw
-            fn()
-        return 2.0
-
-    monkeypatch.setattr(triton.testing, "do_bench", every_draw_do_bench)
-    (run,) = harness.run_benchmark([TINY], ["lm_like"], variants, Settings(input_sets=5))
-    assert [(result.impl, result.status) for result in run.impls] == [
-        ("cce_exact:reduce-overhead", "ok"), ("cce_exact", "ok")], [result.reason for result in run.impls]
-    assert seen == [[None] * 10, [None] * 10]
+            leaf.grad = None
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
 def test_harness_with_a_frozen_head_asks_for_de_alone(cpu_harness: None, tmp_path: Path) -> None:

@@ -203,35 +203,27 @@ def _measure_impl(impl: Impl, grad_sets: list[InputSet], plain_sets: list[InputS
         return ImplResult(impl.row_name, impl.label, "unavailable", compiled, reason=loaded[:_REASON_CHARS])
     result = ImplResult(impl.row_name, impl.label, "ok", compiled, note=loaded.note)
     fn = loaded.fn
-    # This impl's own aliases of the inputs (no copies): what compiling marks on them (static
-    # inputs under reduce-overhead) leaves the next impl's alone.
-    grad_sets = [(e.detach().requires_grad_(e.requires_grad), c.detach().requires_grad_(c.requires_grad), t)
-                 for e, c, t in grad_sets]
-    plain_sets = [(e.detach(), c.detach(), t) for e, c, t in plain_sets]
     grads = [t for e, c, _ in grad_sets for t in (e, c)]
-    # Under reduce-overhead each input draw is a graph of its own, with grad and without.
-    recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(grad_sets) + 2)
-    with torch._dynamo.config.patch(recompile_limit=recompile_limit):
-        try:
-            for name, value in relative_errors(fn, *grad_sets[0], ref).items():
-                setattr(result, name, value)
-            started = time.perf_counter()
-            peak = _peak_fwd_bwd_bytes(fn, *grad_sets[0])
-            estimate_ms = (time.perf_counter() - started) * 1e3
-            result.peak_mib = peak / MIB
-            result.memory_x_grads = result.peak_mib / run.grad_mib
-            fwd_bwd = cycling(lambda e, c, t: fn(e, c, t).backward(), grad_sets)
-            result.fwd_bwd_ms = _median_ms(fwd_bwd, settings, estimate_ms, grads)
-            result.fwd_bwd_x_gemm = result.fwd_bwd_ms / run.gemm_ms
-            with torch.no_grad():
-                result.fwd_ms = _median_ms(cycling(fn, plain_sets), settings, estimate_ms)
-            result.fwd_x_gemm = result.fwd_ms / run.gemm_ms
-        except Exception as err:  # noqa: BLE001 - OOMs and kernel errors are results too
-            result.status, result.reason = "failed", f"{type(err).__name__}: {err}"[:_REASON_CHARS]
-        finally:
-            for t in grads:
-                t.grad = None
-            _release_memory()
+    try:
+        for name, value in relative_errors(fn, *grad_sets[0], ref).items():
+            setattr(result, name, value)
+        started = time.perf_counter()
+        peak = _peak_fwd_bwd_bytes(fn, *grad_sets[0])
+        estimate_ms = (time.perf_counter() - started) * 1e3
+        result.peak_mib = peak / MIB
+        result.memory_x_grads = result.peak_mib / run.grad_mib
+        fwd_bwd = cycling(lambda e, c, t: fn(e, c, t).backward(), grad_sets)
+        result.fwd_bwd_ms = _median_ms(fwd_bwd, settings, estimate_ms, grads)
+        result.fwd_bwd_x_gemm = result.fwd_bwd_ms / run.gemm_ms
+        with torch.no_grad():
+            result.fwd_ms = _median_ms(cycling(fn, plain_sets), settings, estimate_ms)
+        result.fwd_x_gemm = result.fwd_ms / run.gemm_ms
+    except Exception as err:  # noqa: BLE001 - OOMs and kernel errors are results too
+        result.status, result.reason = "failed", f"{type(err).__name__}: {err}"[:_REASON_CHARS]
+    finally:
+        for t in grads:
+            t.grad = None
+        _release_memory()
     return result
 
 

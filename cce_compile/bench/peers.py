@@ -109,10 +109,12 @@ def _load_eager() -> Loaded:
 def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loaded]:
     """`load`'s function inside torch.compile (fullgraph, static shapes: each benchmark shape
     gets its own graph, as a training run would). Under reduce-overhead each call starts a new
-    CUDA-graph step, as a training loop's iteration does, and e and c are static inputs, as a
-    model's head weight (a parameter) and hidden states (made inside its graph) are: CUDA graph
-    trees would otherwise copy them into graph-owned buffers at every call, c being dC's size.
-    Guarded, so each input draw gets its own graph rather than a re-recording at every call."""
+    CUDA-graph step, as a training loop's iteration does. e and c are plain inputs there, which
+    CUDA graph trees copy into the graphs' buffers at every call (c is dC's size: 0.02-0.05 x
+    GEMM of time, +1 x the gradients of memory), where a model's head weight is a static
+    parameter. Marking them static (`torch._dynamo.mark_static_address`) made every
+    reduce-overhead row fail on the H200 with torch 2.11 (an output of the forward read as
+    overwritten by a later graph; docs/notes/h200-runs.md)."""
 
     def load_compiled() -> Loaded:
         loaded = load()
@@ -122,8 +124,6 @@ def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loa
             return Loaded(compiled, loaded.note)
 
         def stepped(e: Tensor, c: Tensor, targets: Tensor) -> Tensor:
-            for operand in (e, c):
-                torch._dynamo.mark_static_address(operand, guard=True)
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(e, c, targets)
 
