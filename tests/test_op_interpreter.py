@@ -281,6 +281,48 @@ def test_kernels_and_cpu_path_put_back_the_same_skipped_tiles(read_back: bool, m
             assert relative_error(dropped, corrected) > 1e-4
 
 
+@pytest.mark.usefixtures("block_sparse_always")
+@pytest.mark.parametrize("slots", [8, 2], ids=["8 slots", "fewer slots than a column's tiles"])
+def test_device_only_steps_in_16_bit_write_de_from_their_last_step(slots: int, use_policy,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 inputs (dE summed in an fp32 accumulator) over three token chunks, launched as under
+    a CUDA graph capture (no read-back): each chunk runs the most steps packing can make, the
+    ones past its packed steps empty, and the last of them writes dE from the accumulator. The
+    gradients are the read-back path's (within a bf16 rounding: the interpreter truncates where
+    torch rounds). A forced plan of fewer slots than a tile column's 3 tiles gets a column's."""
+    from cce_compile.ops import backward_filtered
+    from cce_compile.plan.backward import BackwardPlan
+
+    launched = []
+    launch_steps = backward_filtered.FilteredBackward.launch_steps
+
+    def spy(self, went_ahead: bool) -> None:
+        if self.steps.columns is None:
+            bounds = self.steps.step_bounds.tolist()
+            launched.append([(sum(b[s] < self.vocab_tiles for s in range(self.steps.n_steps)), self.steps.n_steps)
+                             for b in bounds])
+        launch_steps(self, went_ahead)
+
+    monkeypatch.setattr(backward_filtered.FilteredBackward, "launch_steps", spy)
+    e, c, targets = make_inputs("zipf", (200,), 600, 32, torch.bfloat16, seed=7)
+    e = e * 3.0
+    tile = TileConfig(32, 32, 16, 4, 4, 1)
+    config = KernelConfig(tile, tile, tile, tile, slab_v=128, vocab_splits=2)
+
+    def grads(read_back: bool) -> list[torch.Tensor]:
+        use_policy(filtered_read_back=read_back, backward_plan=BackwardPlan(3, 128, True, slots=slots))
+        leaves = [t.clone().requires_grad_() for t in (e, c)]
+        with cce_compile.override_config(config), on_kernels(True):
+            cce_compile.linear_cross_entropy(*leaves, targets, filter_eps=2.0**-7).backward()
+        return [leaf.grad for leaf in leaves]
+
+    device_only, read_back = grads(False), grads(True)
+    (chunks,) = launched
+    assert len(chunks) == 3 and any(steps < most for steps, most in chunks), f"no empty step launched: {chunks}"
+    for got, expected in zip(device_only, read_back):
+        assert relative_error(got, expected) < 4e-3
+
+
 def lm_like_tile_mask(tile_rows: int, tile_columns: int, seed: int) -> torch.Tensor:
     """Kept tiles as a sorted vocabulary has them: the first columns nearly full, a sparse tail."""
     g = torch.Generator().manual_seed(seed)
@@ -327,6 +369,7 @@ def test_step_lists_match_the_mask(case: str, read_back: bool) -> None:
     else:
         assert plan.on_host().columns is None
         bounds = plan.step_bounds.tolist()
+        # Cut to n_steps: a chunk whose steps outran them would not end at the last column (below).
         columns = [[(b[s], b[s + 1]) for s in range(plan.n_steps) if b[s] < tile_columns] for b in bounds]
         for chunk in range(n_chunks):
             for step in range(len(columns[chunk]), plan.n_steps):

@@ -45,7 +45,9 @@ class FilteredBackward:
             raise ValueError("kept_tiles: filtered mode needs the forward's (row blocks, vocab tiles) kept tiles")
         if tile_lse.shape != (call.n, cdiv(v, forward_n)):
             raise ValueError("tile_lse: filtered mode needs the forward's (N, vocab tiles) tile log-sum-exps")
-        self.capacity = call.steps.slots or call.chunk_tile_rows * cdiv(call.steps.slab_v, tile.block_n)
+        # At least a whole tile column: packing never splits one (a forced plan may ask fewer slots).
+        self.capacity = max(call.steps.slots or call.chunk_tile_rows * cdiv(call.steps.slab_v, tile.block_n),
+                            call.chunk_tile_rows)
         mask = chunk_tile_mask(kept_tiles, call.steps.n_chunks, call.chunk_tile_rows)
         self.steps = filtered_steps(mask, self.capacity, call.plan.read_back_steps)
         self.lists = step_lists(mask, self.steps, self.capacity)
@@ -107,8 +109,9 @@ class FilteredBackward:
     def launch_steps(self, went_ahead: bool) -> None:
         """Each chunk's steps: those read back, each at its size (its kept tiles and columns),
         or, where only the device knows them, the most packing can make, each sized for any
-        step (programs past a step's kept tiles or columns return at once, so an empty step
-        costs its launches). `went_ahead`: chunk 0's first step ran before the sync."""
+        step (programs past a step's kept tiles or columns write nothing, so an empty step
+        costs its launches, and the last, which writes dE from the fp32 accumulator, one pass
+        over it as in eager). `went_ahead`: chunk 0's first step ran before the sync."""
         call, steps = self.call, self.steps
         for chunk, row_start, rows, acc_offset in call.token_chunks():
             spans = steps.columns[chunk] if steps.columns is not None else [(0, self.vocab_tiles)] * steps.n_steps
