@@ -13,7 +13,7 @@ def step_lists_kernel(
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program per (token chunk, step): the step's tile columns [first, end) from
-    step_bounds [chunk, n_steps + 1] (rows bounds_stride apart), its kept tiles from mask
+    step_bounds [chunk, n_steps + 1] (int32, rows bounds_stride apart), its kept tiles from mask
     [chunk, tile row, tile column] (int8). A step's kept tiles take slots in column-major
     order; each tile row's entries for the dE GEMM follow its first entry in column order.
     Two passes over BLOCK_C columns at a time: the kept tiles per tile row (where each row's
@@ -26,8 +26,8 @@ def step_lists_kernel(
     program = tl.program_id(0)  # chunk * n_steps + step
     chunk = program // n_steps
     bounds = step_bounds_ptr + chunk * bounds_stride + program - chunk * n_steps
-    first = tl.load(bounds).to(tl.int32)
-    end = tl.load(bounds + 1).to(tl.int32)
+    first = tl.load(bounds)
+    end = tl.load(bounds + 1)
     tile_rows = tl.arange(0, BLOCK_R)
     row_ok = tile_rows < rows
     chunk_mask = mask_ptr + chunk.to(tl.int64) * rows * cols
