@@ -119,9 +119,13 @@ GEMMS = {
         **GEMM, "out_ptr": "*bf16", "stride_am": ONE, "stride_ak": "i32", "stride_bk": "i32", "stride_bn": ONE,
         "ACCUMULATE": FALSE}),
     "sparse dE, gathered c rows": (sparse_matmul_kernel, {
-        **SPARSE, "BY_COLUMN": FALSE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128), "TILE_K": constexpr(256)}),
+        **SPARSE, "BY_COLUMN": FALSE, "STRIDED": FALSE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128), "TILE_K": constexpr(256)}),
     "sparse dC, scattered rows": (sparse_matmul_kernel, {
-        **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "ACCUMULATE": FALSE, "TILE_M": constexpr(256),
+        **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "STRIDED": FALSE, "ACCUMULATE": FALSE, "TILE_M": constexpr(256),
+        "TILE_K": constexpr(128)}),
+    # under a CUDA graph capture: each program walks the step's columns
+    "sparse dC, strided columns": (sparse_matmul_kernel, {
+        **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "STRIDED": TRUE, "ACCUMULATE": TRUE, "TILE_M": constexpr(256),
         "TILE_K": constexpr(128)}),
 }
 LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": constexpr(64),
@@ -142,9 +146,11 @@ LOGITS = {
         **LOGITS_TILE, "partial_ptr": "*fp32", "tile_max_ptr": "*fp32", "N": "i32", "V": "i32",
         "tiles_per_split": "i32", "num_splits": "i32", "stat_stride": "i32", "stride_tile_max": "i32",
         "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "FILTER": FALSE}),
-    "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE}),
+    "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": FALSE}),
+    # under a CUDA graph capture: each program walks the step's slots
+    "grad_logits_kernel, filtered, strided": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": TRUE}),
     # exact mode's recompute where K loops are short (Qwen2.5's D = 896)
-    "grad_logits_kernel, exact": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": FALSE}),
+    "grad_logits_kernel, exact": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": FALSE, "STRIDED": FALSE}),
     "fused_forward_kernel": (fused_forward_kernel, {
         **{name: value for name, value in LOGITS_TILE.items() if name != "vocab_order_ptr"},
         "shift_ptr": "*fp32", "workspace_ptr": "*bf16", "stats_ptr": "*fp32", "target_logit_ptr": "*fp32",

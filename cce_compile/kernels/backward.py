@@ -60,8 +60,8 @@ def grad_logits_kernel(
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, STRIDED: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """d loss / d logits (grad_from_logits) for rows [row_start, row_end) x cols [col_start, col_end).
@@ -72,18 +72,54 @@ def grad_logits_kernel(
     tiles that matter cluster) and only the kept tiles are computed: program k computes tile
     step_tiles[step_index, k] (tile column * chunk_tile_rows + tile row of the chunk) into
     slot k of the compact buffer (BLOCK_M x BLOCK_N, row-major, zero outside the ranges);
-    programs past step_counts[step_index] return at once (ops/filtering.py's StepLists).
+    programs past step_counts[step_index] return at once (ops/filtering.py's StepLists). With
+    STRIDED as well, program k computes slots k, k + programs, ... up to the count: a launch
+    of a program per SM serves a step of any size, and an empty step costs only those.
     """
     if FILTER:
         slot = tl.program_id(0)
+        if STRIDED:
+            for slot in range(slot, tl.load(step_counts_ptr + step_index), tl.num_programs(0)):
+                tile = tl.load(step_tiles_ptr + step_index * capacity + slot)
+                grad_logits_tile(
+                    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
+                    coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr, slot,
+                    tile % chunk_tile_rows, tile // chunk_tile_rows, row_start, row_end, col_start, col_end, D,
+                    stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
+                    HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+                )
+            return
         if slot >= tl.load(step_counts_ptr + step_index):
             return
         tile = tl.load(step_tiles_ptr + step_index * capacity + slot)
         pid_m, pid_n = tile % chunk_tile_rows, tile // chunk_tile_rows
     else:
+        slot = 0
         num_m = tl.cdiv(row_end - row_start, BLOCK_M)
         num_n = tl.cdiv(col_end - col_start, BLOCK_N)
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    grad_logits_tile(
+        e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
+        coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr, slot, pid_m, pid_n,
+        row_start, row_end, col_start, col_end, D, stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
+        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+    )
+
+
+@triton.jit
+def grad_logits_tile(
+    e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
+    coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr,
+    grad_logits_ptr, slot, pid_m, pid_n, row_start, row_end, col_start, col_end, D,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """grad_logits_kernel's tile (pid_m, pid_n) of the slab, stored there or (FILTER) in `slot`."""
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row_start + local_rows
@@ -107,7 +143,7 @@ def grad_logits_kernel(
         HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, SCALED,
     )
     if FILTER:  # the sparse GEMMs read whole slots
-        out = (grad_logits_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+        out = (grad_logits_ptr + tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N)
                + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
         grad = tl.where(row_mask[:, None] & col_mask[None, :], grad, 0.0)
         tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty))
@@ -205,8 +241,8 @@ def sparse_matmul_kernel(
     entry_slots_ptr, entry_tiles_ptr, entries_offset,
     scale_ptr, M, N, K,
     stride_bk, stride_bn,
-    BY_COLUMN: tl.constexpr, ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
-    TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BY_COLUMN: tl.constexpr, STRIDED: tl.constexpr, ACCUMULATE: tl.constexpr, FINAL: tl.constexpr,
+    SCALED: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[M, N] (+)= a @ b[K, N] where `a` is the d-logits tiles the filter kept, stored
@@ -215,7 +251,9 @@ def sparse_matmul_kernel(
 
     The launch covers m_tiles m tiles (dE: from 0; dC: from the step's first tile column
     step_bounds[step_index] and before the next step's, both read here, so a launch enqueued
-    while only the device knows the step's columns can run past them); m tile t walks the entries
+    while only the device knows the step's columns can run past them; STRIDED, each program
+    walks the step's columns m_tiles apart from its own, so a launch of a few programs per
+    SM covers a step of any width and an empty step costs only those); m tile t walks the entries
     [begin[t], begin[t] + count[t]) (begin and count at lists_offset; the entries at
     entries_offset, the step's first), one per kept tile: its slot in `a` and its tile on K.
     - dE (BY_COLUMN false): m tiles are tile rows, an entry's slot and tile column come from
@@ -227,14 +265,43 @@ def sparse_matmul_kernel(
     Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
     accumulating program with no kept tile leaves `out` untouched.
     """
-    PARTS: tl.constexpr = TILE_K // BLOCK_K
-    TILE: tl.constexpr = TILE_M * TILE_K
     pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
-    m_tile = pid_m
     if BY_COLUMN:
-        m_tile += tl.load(step_bounds_ptr + step_index)
+        first = tl.load(step_bounds_ptr + step_index)
+        if STRIDED:
+            for m_tile in range(first + pid_m, tl.load(step_bounds_ptr + step_index + 1), m_tiles):
+                sparse_tile(
+                    a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
+                    begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
+                    M, N, K, stride_bk, stride_bn, m_tile, pid_n, BY_COLUMN, ACCUMULATE, FINAL, SCALED, TILE_M,
+                    TILE_K, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+                )
+            return
+        m_tile = pid_m + first
         if m_tile >= tl.load(step_bounds_ptr + step_index + 1):
             return
+    else:
+        m_tile = pid_m
+    sparse_tile(
+        a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
+        begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
+        M, N, K, stride_bk, stride_bn, m_tile, pid_n, BY_COLUMN, ACCUMULATE, FINAL, SCALED, TILE_M,
+        TILE_K, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+    )
+
+
+@triton.jit
+def sparse_tile(
+    a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
+    begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
+    M, N, K, stride_bk, stride_bn, m_tile, pid_n,
+    BY_COLUMN: tl.constexpr, ACCUMULATE: tl.constexpr, FINAL: tl.constexpr, SCALED: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """sparse_matmul_kernel's output tile (m_tile, pid_n): its kept tiles' products, stored."""
+    PARTS: tl.constexpr = TILE_K // BLOCK_K
+    TILE: tl.constexpr = TILE_M * TILE_K
     in_tile_m = tl.arange(0, TILE_M)
     offs_m = m_tile * TILE_M + in_tile_m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -21,8 +21,15 @@ from .filtering import (
     FilterStats, SkippedEntropy, Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size,
 )
 from .launch import KernelLauncher
-from .problem import cdiv
+from .problem import cdiv, device_limits
 from .recompute import launch_pointer_recompute
+
+STRIDED_PROGRAMS_PER_SM = 2
+"""Programs per SM of the recompute and dC GEMM for a step the host launches without knowing it
+(under a CUDA graph capture): each walks the step's slots or columns, so an empty step costs a
+launch of a few hundred programs, not one per slot (2048) or per column and column block (18000
+on Gemma-2's head). Two dC programs fit an SM at the bundled tile's 96 KiB of shared memory; the
+recompute's 192 KiB fit one, the other waits."""
 
 
 class FilteredBackward:
@@ -60,6 +67,12 @@ class FilteredBackward:
             self.grad_c_per_tile = torch.zeros((self.forward_tiles, d), dtype=torch.float32, device=e.device)
         self.grad_bias_per_tile = (torch.zeros(self.forward_tiles, dtype=torch.float32, device=e.device)
                                    if call.bias is not None else None)
+        # Steps only the device knows: the recompute's and dC GEMM's programs stride over each
+        # step's slots and columns.
+        strided_programs = STRIDED_PROGRAMS_PER_SM * device_limits(e.device)[0]
+        self.strided_slots = None if call.plan.read_back_steps else min(self.capacity, strided_programs)
+        self.strided_columns = None if call.plan.read_back_steps else min(
+            self.vocab_tiles, max(1, strided_programs // cdiv(d, call.config.grad_classifier.block_n)))
         self.launch_recompute = KernelLauncher(grad_logits_kernel, call.plan.direct_launch)
         self.launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, call.plan.direct_launch)
 
@@ -108,10 +121,10 @@ class FilteredBackward:
 
     def launch_steps(self, went_ahead: bool) -> None:
         """Each chunk's steps: those read back, each at its size (its kept tiles and columns),
-        or, where only the device knows them, the most packing can make, each sized for any
-        step (programs past a step's kept tiles or columns write nothing, so an empty step
-        costs its launches, and the last, which writes dE from the fp32 accumulator, one pass
-        over it as in eager). `went_ahead`: chunk 0's first step ran before the sync."""
+        or, where only the device knows them, the most packing can make, each run by programs
+        striding over its slots and columns (strided_slots, strided_columns: an empty step
+        costs its launches and writes nothing; the last writes dE from the fp32 accumulator, one
+        pass over it as in eager). `went_ahead`: chunk 0's first step ran before the sync."""
         call, steps = self.call, self.steps
         for chunk, row_start, rows, acc_offset in call.token_chunks():
             spans = steps.columns[chunk] if steps.columns is not None else [(0, self.vocab_tiles)] * steps.n_steps
@@ -144,9 +157,12 @@ class FilteredBackward:
             0, call.vocab_order, self.bias_sum[:v])
 
     def recompute(self, programs: int, row_start: int, rows: int, step_index: int) -> None:
+        """The step's kept tiles into their slots: `programs` of them, or, where only the device
+        knows the step, a few per SM striding over its slots."""
         lists = (self.lists.step_tiles, self.lists.step_counts, step_index, self.capacity)
+        strided = self.strided_slots is not None
         launch_pointer_recompute(self.launch_recompute, self.call, self.grad_logits, row_start, rows, 0, self.call.v,
-                                 programs=programs, lists=lists)
+                                 programs=self.strided_slots if strided else programs, lists=lists, strided=strided)
 
     def put_back_skipped_tiles(self, row_start: int, rows: int) -> None:
         """A token chunk's skipped tiles (SkippedTiles): dE's accumulator starts from their
@@ -182,8 +198,8 @@ class FilteredBackward:
     def step_gemms(self, chunk: int, step: int, row_start: int, rows: int, acc_offset: int, columns: int,
                    last: bool) -> None:
         """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run past
-        the step's, which the dC GEMM reads on the device; `last`: the chunk's last step, which
-        writes dE itself."""
+        the step's, which the dC GEMM reads on the device (where the host does not know them, its
+        programs stride over them instead); `last`: the chunk's last step, which writes dE itself."""
         call, lists, steps = self.call, self.lists, self.steps
         e, c, d, v = call.e, call.c, call.d, call.v
         tile, dc_tile, de_tile = call.config.grad_logits, call.config.grad_classifier, call.config.grad_hidden
@@ -193,6 +209,8 @@ class FilteredBackward:
         if step == 0:
             self.put_back_skipped_tiles(row_start, rows)
         if call.need_grad_c:  # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows
+            strided = self.strided_columns is not None
+            columns = self.strided_columns if strided else columns
             self.launch_sparse_matmul(
                 (columns * cdiv(d, dc_tile.block_n),),
                 self.grad_logits, e, row_start * e.stride(0), call.vocab_order, self.gradients.grad_c, 0,
@@ -201,7 +219,7 @@ class FilteredBackward:
                 steps.step_bounds, chunk * steps.step_bounds.stride(0) + step,
                 lists.dc_rows, lists.dc_rows, step_index * self.capacity, call.scale, v, d, rows,
                 e.stride(0), e.stride(1),
-                BY_COLUMN=True, ACCUMULATE=chunk > 0, FINAL=False, SCALED=call.scaled,
+                BY_COLUMN=True, STRIDED=strided, ACCUMULATE=chunk > 0, FINAL=False, SCALED=call.scaled,
                 TILE_M=tile.block_n, TILE_K=tile.block_m, BLOCK_N=dc_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                 num_stages=dc_tile.num_stages, **call.flags,
@@ -215,7 +233,8 @@ class FilteredBackward:
                 lists.de_begin, lists.de_count, step_index * call.chunk_tile_rows, tile_rows, steps.step_bounds, 0,
                 lists.de_slots, lists.de_cols, step_index * self.capacity, call.scale, rows, d, v,
                 c.stride(0), c.stride(1),
-                BY_COLUMN=False, ACCUMULATE=True, FINAL=call.steps.fp32_accumulator and last, SCALED=call.scaled,
+                BY_COLUMN=False, STRIDED=False, ACCUMULATE=True, FINAL=call.steps.fp32_accumulator and last,
+                SCALED=call.scaled,
                 TILE_M=tile.block_m, TILE_K=tile.block_n, BLOCK_N=de_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,
                 num_stages=de_tile.num_stages, **call.flags,

@@ -437,7 +437,7 @@ class Steps:
     (step_lists). Read back (`unread`), on_host() gives the host each step's columns and
     kept tiles (the backward's one sync), so it launches each step at its size. Not read back
     (under a caller's CUDA graph capture, where no sync may run) the host knows only
-    `n_steps`, the most packing can make, and launches that many, each sized for any step."""
+    `n_steps`, the most packing can make, and launches that many, each able to run any step."""
 
     step_bounds: Tensor  # [chunk, >= n_steps + 1] int32: step s spans columns [bounds[s], bounds[s + 1]) (none past the chunk's last)
     n_steps: int  # steps per chunk in the lists: the most packing can make (chunks with fewer end in empty ones)

@@ -67,9 +67,11 @@ class Recompute:
 def launch_pointer_recompute(
     launch: KernelLauncher, call: BackwardCall, grad_logits: Tensor, row_start: int, rows: int, col_start: int,
     cols: int, programs: int | None = None, lists: tuple[Tensor, Tensor, int, int] | None = None,
+    strided: bool = False,
 ) -> None:
     """grad_logits_kernel: a dense slab, or with `lists` (filtered mode: step tiles, step
-    counts, step index, slots) a step's kept tiles in vocab order, one per program."""
+    counts, step index, slots) a step's kept tiles in vocab order, one per program (`strided`:
+    each program walks the step's slots, `programs` apart)."""
     tile = call.config.grad_logits
     filtered = lists is not None
     if programs is None:
@@ -84,7 +86,7 @@ def launch_pointer_recompute(
         row_start, row_start + rows, col_start, col_start + cols, call.d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
         grad_logits.stride(0), grad_logits.stride(1), call.softcap,
-        **call.loss_flags(), FILTER=filtered, SCALED=call.scaled,
+        **call.loss_flags(), FILTER=filtered, STRIDED=strided, SCALED=call.scaled,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=call.d % tile.block_k == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **call.flags,
