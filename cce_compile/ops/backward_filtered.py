@@ -28,8 +28,8 @@ STRIDED_PROGRAMS_PER_SM = 2
 """Programs per SM of the recompute and dC GEMM for a step the host launches without knowing it
 (under a CUDA graph capture): each walks the step's slots or columns, so an empty step costs a
 launch of a few hundred programs, not one per slot (2048) or per column and column block (18000
-on Gemma-2's head). Two dC programs fit an SM at the bundled tile's 96 KiB of shared memory; the
-recompute's 192 KiB fit one, the other waits."""
+on Gemma-2's head). Two dC programs fit an SM at 3 pipeline stages (96 KiB of shared memory, the
+bundled Gemma-2 and Qwen2.5 tiles), one at 5; the recompute's 192 KiB fit one: the others wait."""
 
 
 class FilteredBackward:

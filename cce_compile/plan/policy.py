@@ -62,7 +62,7 @@ class Policy:
 
     filtered_read_back: bool = True
     """Filtered steps read back to the host (one sync), each launched at its size; off: as under a caller's
-    CUDA graph capture, every step packing may make, each sized for any."""
+    CUDA graph capture, every step packing may make, its programs striding over any step."""
 
     dense_fraction: float = 0.4
     """A filtered backward that keeps more than this share of tiles runs the dense path: block-sparse costs ~0.4 + 7 x share GEMMs."""
