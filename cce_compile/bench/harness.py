@@ -196,8 +196,9 @@ def _measure_impl(impl: Impl, grad_sets: list[InputSet], plain_sets: list[InputS
     """Errors, then memory (the second call, after any compilation), then the two timings.
     Whatever was measured before a failure is kept."""
     compiled = impl.compile_mode is not None
-    if compiled:  # a recompile budget of its own: impls loaded from one lambda share its code object's
-        torch._dynamo.reset()
+    # A recompile budget of its own (impls loaded from one lambda share its code object's; some
+    # compile inside their loader).
+    torch._dynamo.reset()
     loaded = try_load(impl)
     if isinstance(loaded, str):
         return ImplResult(impl.row_name, impl.label, "unavailable", compiled, reason=loaded[:_REASON_CHARS])
@@ -237,7 +238,6 @@ def _timed_impls(kind: str, impls: list[Impl], settings: Settings) -> list[Impl]
 
 def _run_shape_kind(shape: Shape, kind: str, impls: list[Impl], settings: Settings, deadline: float,
                     progress: Progress, task: TaskID) -> RunResult:
-    torch._dynamo.reset()  # a fresh recompile budget at every shape (impls that compile inside their loader too)
     sets = [INPUT_KINDS[kind](shape.n, shape.d, shape.v, DTYPE, DEVICE, settings.seed + i) for i in range(settings.input_sets)]
     grad_sets = [(e.detach().requires_grad_(), c.detach().requires_grad_(not settings.frozen_head), t)
                  for e, c, t in sets]

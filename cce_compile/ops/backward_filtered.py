@@ -52,11 +52,10 @@ class FilteredBackward:
             raise ValueError("kept_tiles: filtered mode needs the forward's (row blocks, vocab tiles) kept tiles")
         if tile_lse.shape != (call.n, cdiv(v, forward_n)):
             raise ValueError("tile_lse: filtered mode needs the forward's (N, vocab tiles) tile log-sum-exps")
-        # At least a whole tile column: packing never splits one (a forced plan may ask fewer slots).
-        self.capacity = max(call.steps.slots or call.chunk_tile_rows * cdiv(call.steps.slab_v, tile.block_n),
-                            call.chunk_tile_rows)
+        self.capacity = call.steps.step_slots(call.n, tile.block_m, tile.block_n)
+        self.read_back = call.plan.read_back_steps
         mask = chunk_tile_mask(kept_tiles, call.steps.n_chunks, call.chunk_tile_rows)
-        self.steps = filtered_steps(mask, self.capacity, call.plan.read_back_steps)
+        self.steps = filtered_steps(mask, self.capacity, self.read_back)
         self.lists = step_lists(mask, self.steps, self.capacity)
         self.skipped = skipped_tiles(kept_tiles, call.vocab_order, call.weight, call.label_smoothing > 0.0,
                                      forward_n, tile.block_m, tile.block_n)
@@ -68,11 +67,11 @@ class FilteredBackward:
         self.grad_bias_per_tile = (torch.zeros(self.forward_tiles, dtype=torch.float32, device=e.device)
                                    if call.bias is not None else None)
         # Steps only the device knows: the recompute's and dC GEMM's programs stride over each
-        # step's slots and columns.
+        # step's slots and columns, this many of them.
         strided_programs = STRIDED_PROGRAMS_PER_SM * device_limits(e.device)[0]
-        self.strided_slots = None if call.plan.read_back_steps else min(self.capacity, strided_programs)
-        self.strided_columns = None if call.plan.read_back_steps else min(
-            self.vocab_tiles, max(1, strided_programs // cdiv(d, call.config.grad_classifier.block_n)))
+        column_blocks = cdiv(d, call.config.grad_classifier.block_n)
+        self.strided_sizes = (min(self.capacity, strided_programs),
+                              min(self.vocab_tiles, max(1, strided_programs // column_blocks)))
         self.launch_recompute = KernelLauncher(grad_logits_kernel, call.plan.direct_launch)
         self.launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, call.plan.direct_launch)
 
@@ -104,8 +103,7 @@ class FilteredBackward:
             self.bias_sum = torch.zeros(self.vocab_tiles * tile.block_n, dtype=torch.float32, device=call.e.device)
             self.slot_ids = torch.arange(self.capacity, device=call.e.device)
             self.in_tile = torch.arange(tile.block_n, device=call.e.device)
-        went_ahead = self.steps.unread is not None
-        if went_ahead:
+        if self.read_back:
             # The first step is enqueued before the host sync (which waits only for the steps'
             # copy, on a side stream: filtering.HostCopy), sized for any step: the GPU works on
             # it while the host reads back the steps and enqueues the next.
@@ -116,26 +114,27 @@ class FilteredBackward:
             if self.steps.dense_is_faster(cdiv(call.n, tile.block_m), self.vocab_tiles, call.plan.dense_fraction):
                 del self.grad_logits  # and with it the step computed ahead: the dense path rewrites all
                 return DenseBackward(call, gradients).run()
-        self.launch_steps(went_ahead)
+        self.launch_steps()
         return self.finish()
 
-    def launch_steps(self, went_ahead: bool) -> None:
-        """Each chunk's steps: those read back, each at its size (its kept tiles and columns),
-        or, where only the device knows them, the most packing can make, each run by programs
-        striding over its slots and columns (strided_slots, strided_columns: an empty step
-        costs its launches and writes nothing; the last writes dE from the fp32 accumulator, one
-        pass over it as in eager). `went_ahead`: chunk 0's first step ran before the sync."""
+    def launch_steps(self) -> None:
+        """Each chunk's steps: those read back, each at its size (its kept tiles and columns;
+        chunk 0's first ran before the sync), or, where only the device knows them, the most
+        packing can make, each run by programs striding over its slots and columns
+        (strided_sizes: an empty step costs its launches and writes nothing; the last writes dE
+        from the fp32 accumulator, one pass over it as in eager)."""
         call, steps = self.call, self.steps
         for chunk, row_start, rows, acc_offset in call.token_chunks():
-            spans = steps.columns[chunk] if steps.columns is not None else [(0, self.vocab_tiles)] * steps.n_steps
-            for step, (first_column, end_column) in enumerate(spans):
-                if went_ahead and chunk == step == 0:
+            if self.read_back:
+                sizes = [(count, end - first) for count, (first, end) in zip(steps.counts[chunk], steps.columns[chunk])]
+            else:
+                sizes = [self.strided_sizes] * steps.n_steps
+            for step, (programs, columns) in enumerate(sizes):
+                if self.read_back and chunk == step == 0:
                     continue
-                programs = self.capacity if steps.counts is None else steps.counts[chunk][step]
                 self.recompute(programs, row_start, rows, chunk * steps.n_steps + step)
-                self.step_gemms(chunk, step, row_start, rows, acc_offset, end_column - first_column,
-                                last=step == len(spans) - 1)
-            if went_ahead and chunk == 0 and len(spans) == 1 and call.steps.fp32_accumulator and call.need_grad_e:
+                self.step_gemms(chunk, step, row_start, rows, acc_offset, columns, last=step == len(sizes) - 1)
+            if self.read_back and chunk == 0 and len(sizes) == 1 and call.steps.fp32_accumulator and call.need_grad_e:
                 # Its one step went ahead, not knowing it was the last.
                 self.gradients.grad_e[:rows].copy_(self.gradients.acc[:rows])
 
@@ -157,12 +156,11 @@ class FilteredBackward:
             0, call.vocab_order, self.bias_sum[:v])
 
     def recompute(self, programs: int, row_start: int, rows: int, step_index: int) -> None:
-        """The step's kept tiles into their slots: `programs` of them, or, where only the device
-        knows the step, a few per SM striding over its slots."""
+        """The step's kept tiles into their slots: a program each, or, where only the device
+        knows the step, `programs` striding over them."""
         lists = (self.lists.step_tiles, self.lists.step_counts, step_index, self.capacity)
-        strided = self.strided_slots is not None
         launch_pointer_recompute(self.launch_recompute, self.call, self.grad_logits, row_start, rows, 0, self.call.v,
-                                 programs=self.strided_slots if strided else programs, lists=lists, strided=strided)
+                                 programs=programs, lists=lists, strided=not self.read_back)
 
     def put_back_skipped_tiles(self, row_start: int, rows: int) -> None:
         """A token chunk's skipped tiles (SkippedTiles): dE's accumulator starts from their
@@ -197,9 +195,10 @@ class FilteredBackward:
 
     def step_gemms(self, chunk: int, step: int, row_start: int, rows: int, acc_offset: int, columns: int,
                    last: bool) -> None:
-        """A step's dC and dE GEMMs (and bias sums) over its kept tiles. `columns` may run past
-        the step's, which the dC GEMM reads on the device (where the host does not know them, its
-        programs stride over them instead); `last`: the chunk's last step, which writes dE itself."""
+        """A step's dC and dE GEMMs (and bias sums) over its kept tiles. The dC GEMM reads the
+        step's columns on the device: `columns` programs (per column block) may run past them or,
+        where the host does not know them, stride over them; `last`: the chunk's last step,
+        which writes dE itself."""
         call, lists, steps = self.call, self.lists, self.steps
         e, c, d, v = call.e, call.c, call.d, call.v
         tile, dc_tile, de_tile = call.config.grad_logits, call.config.grad_classifier, call.config.grad_hidden
@@ -209,8 +208,6 @@ class FilteredBackward:
         if step == 0:
             self.put_back_skipped_tiles(row_start, rows)
         if call.need_grad_c:  # dC[order[step's columns]] (+)= tiles.T @ e[chunk]: M = V, K = chunk rows
-            strided = self.strided_columns is not None
-            columns = self.strided_columns if strided else columns
             self.launch_sparse_matmul(
                 (columns * cdiv(d, dc_tile.block_n),),
                 self.grad_logits, e, row_start * e.stride(0), call.vocab_order, self.gradients.grad_c, 0,
@@ -219,7 +216,7 @@ class FilteredBackward:
                 steps.step_bounds, chunk * steps.step_bounds.stride(0) + step,
                 lists.dc_rows, lists.dc_rows, step_index * self.capacity, call.scale, v, d, rows,
                 e.stride(0), e.stride(1),
-                BY_COLUMN=True, STRIDED=strided, ACCUMULATE=chunk > 0, FINAL=False, SCALED=call.scaled,
+                BY_COLUMN=True, STRIDED=not self.read_back, ACCUMULATE=chunk > 0, FINAL=False, SCALED=call.scaled,
                 TILE_M=tile.block_n, TILE_K=tile.block_m, BLOCK_N=dc_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                 num_stages=dc_tile.num_stages, **call.flags,

@@ -460,9 +460,7 @@ class Steps:
 
     def dense_is_faster(self, tile_rows: int, tile_columns: int, dense_fraction: float) -> bool:
         """Whether more than dense_fraction of the tile_rows x tile_columns tiles are kept
-        (known only once read back), where the dense backward beats the block-sparse one."""
-        if self.counts is None:
-            return False
+        (read back), where the dense backward beats the block-sparse one."""
         kept = sum(sum(chunk) for chunk in self.counts)
         return kept > dense_fraction * tile_rows * tile_columns
 

@@ -46,6 +46,12 @@ class BackwardPlan:
     def chunk_rows(self, n, block_m: int):
         return (self.rows_per_chunk(n) + block_m - 1) // block_m * block_m
 
+    def step_slots(self, n, block_m: int, block_n: int) -> int:
+        """The d-logits tiles a filtered step holds: `slots`, or (0) a slab's; never fewer than a
+        tile column's, since packing never splits one."""
+        tile_rows = self.chunk_rows(n, block_m) // block_m
+        return max(self.slots or tile_rows * -(-self.slab_v // block_n), tile_rows)
+
     def accumulator_bytes(self, n: int, d: int, block_m: int) -> int:
         """The fp32 dE accumulator of one token chunk (none for fp32 inputs)."""
         return self.chunk_rows(n, block_m) * d * 4 if self.fp32_accumulator else 0
@@ -104,5 +110,5 @@ def plan_backward(
     if not filtered:
         return plan
     room_slots = int(budget - plan.accumulator_bytes(n, d, tile.block_m)) // (tile.block_m * tile.block_n * element_bytes)
-    slab_slots = plan.chunk_rows(n, tile.block_m) // tile.block_m * -(-plan.slab_v // tile.block_n)
+    slab_slots = plan.step_slots(n, tile.block_m, tile.block_n)
     return replace(plan, slots=max(slab_slots, min(policy.max_slots, room_slots)))
