@@ -136,7 +136,7 @@ LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": 
 GRAD_LOGITS = {
     **LOGITS_TILE, "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
     "coef_smooth_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16",
-    "step_tiles_ptr": "*i32",
+    "slot_bias_sums_ptr": "*fp32", "step_tiles_ptr": "*i32",
     "step_counts_ptr": "*i32", "step_index": "i32", "capacity": "i32", "chunk_tile_rows": "i32", "row_start": "i32",
     "row_end": "i32", "col_start": "i32", "col_end": "i32", "stride_gm": "i32", "stride_gn": ONE,
     "HAS_SMOOTHING": FALSE, "HAS_ENTROPY": FALSE, "SCALED": FALSE,
@@ -149,6 +149,9 @@ LOGITS = {
     "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": FALSE}),
     # under a CUDA graph capture: each program walks the step's slots
     "grad_logits_kernel, filtered, strided": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": TRUE}),
+    # with a bias: each slot's column sums stored beside it
+    "grad_logits_kernel, filtered, bias": (grad_logits_kernel, {
+        **GRAD_LOGITS, "HAS_BIAS": TRUE, "FILTER": TRUE, "STRIDED": FALSE}),
     # exact mode's recompute where K loops are short (Qwen2.5's D = 896)
     "grad_logits_kernel, exact": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": FALSE, "STRIDED": FALSE}),
     "fused_forward_kernel": (fused_forward_kernel, {

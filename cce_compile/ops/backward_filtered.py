@@ -101,6 +101,8 @@ class FilteredBackward:
                                        device=call.e.device)
         if call.bias is not None:  # summed over every chunk's kept tiles, by vocab position
             self.bias_sum = torch.zeros(self.vocab_tiles * tile.block_n, dtype=torch.float32, device=call.e.device)
+            self.slot_bias_sums = torch.empty((self.capacity, tile.block_n), dtype=torch.float32,
+                                              device=call.e.device)
             self.slot_ids = torch.arange(self.capacity, device=call.e.device)
             self.in_tile = torch.arange(tile.block_n, device=call.e.device)
         if self.read_back:
@@ -160,7 +162,8 @@ class FilteredBackward:
         knows the step, `programs` striding over them."""
         lists = (self.lists.step_tiles, self.lists.step_counts, step_index, self.capacity)
         launch_pointer_recompute(self.launch_recompute, self.call, self.grad_logits, row_start, rows, 0, self.call.v,
-                                 programs=programs, lists=lists, strided=not self.read_back)
+                                 programs=programs, lists=lists, strided=not self.read_back,
+                                 slot_bias_sums=self.slot_bias_sums if self.call.bias is not None else None)
 
     def put_back_skipped_tiles(self, row_start: int, rows: int) -> None:
         """A token chunk's skipped tiles (SkippedTiles): dE's accumulator starts from their
@@ -240,11 +243,12 @@ class FilteredBackward:
             self.add_bias_sums(chunk, step)
 
     def add_bias_sums(self, chunk: int, step: int) -> None:
-        """The step's kept tiles' column sums into dbias, by vocab position. Slots past the
-        step's count hold whatever was there (NaN too): selected away."""
+        """The step's kept tiles' column sums (the recompute's, one row per slot) into dbias, by
+        vocab position. Slots past the step's count hold whatever was there (NaN too): selected
+        away, so an empty step reads a slot x block_n buffer, not the d-logits."""
         call, lists, tile = self.call, self.lists, self.call.config.grad_logits
         live = self.slot_ids < lists.step_counts[chunk, step]
-        tile_sums = torch.where(live[:, None], self.grad_logits.sum(dim=1, dtype=torch.float32), 0.0)
+        tile_sums = torch.where(live[:, None], self.slot_bias_sums, 0.0)
         tile_sums = tile_sums * call.scale if call.scaled else tile_sums
         tiles = torch.where(live, lists.step_tiles[chunk, step], 0)
         positions = (tiles // call.chunk_tile_rows)[:, None] * tile.block_n

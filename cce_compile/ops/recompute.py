@@ -67,11 +67,12 @@ class Recompute:
 def launch_pointer_recompute(
     launch: KernelLauncher, call: BackwardCall, grad_logits: Tensor, row_start: int, rows: int, col_start: int,
     cols: int, programs: int | None = None, lists: tuple[Tensor, Tensor, int, int] | None = None,
-    strided: bool = False,
+    strided: bool = False, slot_bias_sums: Tensor | None = None,
 ) -> None:
     """grad_logits_kernel: a dense slab, or with `lists` (filtered mode: step tiles, step
     counts, step index, slots) a step's kept tiles in vocab order, one per program (`strided`:
-    each program walks the step's slots, `programs` apart)."""
+    each program walks the step's slots, `programs` apart), with a bias their column sums
+    into `slot_bias_sums` (slots x block_n, fp32)."""
     tile = call.config.grad_logits
     filtered = lists is not None
     if programs is None:
@@ -81,7 +82,7 @@ def launch_pointer_recompute(
     launch(
         (programs,), e, c, call.bias, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
         call.coef_smooth, call.entropy_coefficients, call.scale, call.vocab_order if filtered else call.targets,
-        grad_logits,
+        grad_logits, slot_bias_sums if slot_bias_sums is not None else call.lse,
         step_tiles, step_counts, step_index, capacity, call.chunk_tile_rows,
         row_start, row_start + rows, col_start, col_start + cols, call.d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
