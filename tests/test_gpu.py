@@ -533,13 +533,14 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
 
 
 @pytest.mark.usefixtures("block_sparse_always")  # eager block-sparse too, however dense
+@pytest.mark.parametrize("biased", [False, True], ids=["no bias", "bias"])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_filtered_mode_compiled_matches_eager(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filtered_mode_compiled_matches_eager(mode: str, biased: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Filtered mode inside torch.compile(fullgraph=True), the ops opaque in the graph, gives
     eager's gradients, and a target of token 0 (what columns past V read in the vocab order)
     gets exactly its own loss. Under reduce-overhead, inside the CUDA graph trees' capture,
     the backward may not read its steps back: it launches every step packing may make, and
-    its gradients are still eager's."""
+    its gradients are still eager's, dbias (the recompute's per-slot sums) too."""
     from cce_compile.ops import backward_filtered
 
     read_backs = []
@@ -548,21 +549,23 @@ def test_filtered_mode_compiled_matches_eager(mode: str, monkeypatch: pytest.Mon
         read_backs.append(read_back), filtered_steps(mask, capacity, read_back))[1])
     e, c, targets = lm_like_inputs(3000, 512, 20000, torch.bfloat16, "cuda", seed=4)  # ragged N and V
     targets[::7] = 0
+    bias = (torch.randn(20000, device="cuda") * 0.1).bfloat16() if biased else None
 
-    def step(ee, cc):
-        return cce_compile.linear_cross_entropy(ee, cc, targets, filter_eps=2.0**-12)
+    def step(*leaves):
+        return cce_compile.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2] if biased else None,
+                                                filter_eps=2.0**-12)
 
     results = []
     # CUDA graph trees run a function's first call eagerly and capture from the second.
     for fn, calls in ((step, 1), (torch.compile(step, fullgraph=True, mode=mode), 3)):
         for _ in range(calls):
             torch.compiler.cudagraph_mark_step_begin()
-            ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
-            loss = fn(ee, cc)
+            leaves = [t.clone().requires_grad_() for t in (e, c, bias) if t is not None]
+            loss = fn(*leaves)
             loss.backward()
-        results.append((loss.detach().clone(), ee.grad.clone(), cc.grad.clone()))
+        results.append((loss.detach().clone(), *(leaf.grad.clone() for leaf in leaves)))
     assert (False in read_backs) == (mode == "reduce-overhead"), read_backs
-    exact = cce_compile.linear_cross_entropy(e, c, targets)
+    exact = cce_compile.linear_cross_entropy(e, c, targets, bias=bias)
     torch.testing.assert_close(results[0][0], exact, rtol=1e-4, atol=1e-4)
     for eager, compiled in zip(results[0], results[1]):
         assert relative_error(compiled, eager) < 1e-3
