@@ -103,3 +103,20 @@ def test_train_step_table_sets_each_patched_run_against_hf_in_its_mode() -> None
     assert rows["patched compiled"][3:] == ["0.29 (0.17)", "2500", "0.42 (0.30)", "12.0", "1.20", "1.0e-03"]
     assert rows["patched reduce-overhead"][3:6] == ["0.75 (0.50)", "0", ""]
     assert rows["hf compiled"][3] == ""
+
+
+def test_h200_checks_runs_its_steps_in_order_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    """benchmarks/h200_checks.sh on CPU: a step runs under its limit with its log under $OUT
+    (here the GPU tests' selection, which CPU skips), an unknown step is named and fails the
+    script without stopping the others, and the bench step refuses to run unlabeled."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    env.pop("CCE_BENCH_COMMIT", None)
+    done = subprocess.run(["bash", "benchmarks/h200_checks.sh", "nope", "filtered-tests"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    assert "unknown step: nope" in done.stderr
+    assert "== filtered-tests: exit 0 after" in done.stdout, done.stdout
+    assert "skipped" in (tmp_path / "filtered-tests.log").read_text()
+    done = subprocess.run(["bash", "benchmarks/h200_checks.sh", "bench"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "CCE_BENCH_COMMIT" in done.stderr
