@@ -1,44 +1,51 @@
 #!/usr/bin/env bash
 # What a session owes the H200 after a kernel change, as named steps run in the order given,
-# each under its own time limit, logs under $OUT (a failed step does not stop the next):
+# each under its own time limit, logs under $OUT; a failed step does not stop the next, and the
+# script exits non-zero if any failed. A device call may run 600 s, so give it the steps that
+# fit: `filtered-tests bench` (with a bench budget of ~300 s), `gpu-suite`, `first-call`.
 #   filtered-tests  test_gpu.py's filtered, sparse and reuse tests (~1.5 min)
-#   bench           cce bench on $SHAPES x $IMPLS x $COMPILE, LM-like inputs (~1 min a shape and mode)
+#   bench           cce bench on $SHAPES x $IMPLS x $COMPILE, LM-like inputs, within $BENCH_BUDGET_S
+#                   (~1 min a shape and compile mode); rows labeled $CCE_BENCH_COMMIT
 #   gpu-suite       test_gpu.py and test_gpu_log_probs.py (~7 min on a fresh machine)
 #   first-call      benchmarks/first_call.py on three heads, with a profile (~3 min)
-# e.g. CCE_BENCH_COMMIT=abc1234 benchmarks/h200_checks.sh filtered-tests bench
+# e.g. CCE_BENCH_COMMIT=abc1234 BENCH_BUDGET_S=300 benchmarks/h200_checks.sh filtered-tests bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 SHAPES="${SHAPES:-llama3-8b,qwen2.5-0.5b,gemma2-2b,large-d,llama3.2-1b,mistral-nemo}"
 IMPLS="${IMPLS:-cce_filtered,cce_exact,torch}"
 COMPILE="${COMPILE:-eager,reduce-overhead}"
-BENCH_BUDGET_S="${BENCH_BUDGET_S:-540}"
+BENCH_BUDGET_S="${BENCH_BUDGET_S:-450}"
+if [[ " $* " == *" bench "* && -z "${CCE_BENCH_COMMIT:-}" ]]; then
+  echo "bench: set CCE_BENCH_COMMIT to the commit of the tree (a copy of it has no history)" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:-}"
 source benchmarks/device_env.sh
 
+status=0
 run_step() {  # name, limit in seconds, command...
-  local name=$1 limit=$2
+  local name=$1 limit=$2 started=$SECONDS code
   shift 2
-  local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: exit $? after $((SECONDS - started)) s"
+  code=$?
+  echo "== $name: exit $code after $((SECONDS - started)) s"
   tail -n 15 "$OUT/$name.log"
+  if ((code != 0)); then status=1; fi
 }
 
 pytest_gpu=(python3 -m pytest -q -m gpu -p no:cacheprovider)
-status=0
 for step in "$@"; do
   case "$step" in
     filtered-tests) run_step "$step" 240 "${pytest_gpu[@]}" tests/test_gpu.py -k "filtered or sparse or reuse" ;;
     bench)
-      : "${CCE_BENCH_COMMIT:?set CCE_BENCH_COMMIT to the commit of the tree (a copy has no history)}"
       run_step "$step" $((BENCH_BUDGET_S + 60)) python3 -m cce_compile.cli.bench --shapes "$SHAPES" --impls "$IMPLS" \
         --compile "$COMPILE" --kinds lm_like --budget-s "$BENCH_BUDGET_S" --out "$OUT" ;;
-    gpu-suite) run_step "$step" 570 "${pytest_gpu[@]}" tests/test_gpu.py tests/test_gpu_log_probs.py ;;
+    gpu-suite) run_step "$step" 540 "${pytest_gpu[@]}" tests/test_gpu.py tests/test_gpu_log_probs.py ;;
     first-call)
       run_step "$step" 300 python3 benchmarks/first_call.py --shapes llama3-8b,qwen2.5-0.5b,gemma2-2b --rounds 2 \
-        --profile "$OUT/first-call-profile.txt" ;;
+        --out "$OUT/first-call.json" --profile "$OUT/first-call-profile.txt" ;;
     *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call)" >&2; status=2 ;;
   esac
 done

@@ -533,7 +533,7 @@ def test_no_hidden_host_syncs(filter_eps: float) -> None:
 
 
 @pytest.mark.usefixtures("block_sparse_always")  # eager block-sparse too, however dense
-@pytest.mark.parametrize("biased", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("biased", [False, True], ids=["unbiased", "bias"])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_filtered_mode_compiled_matches_eager(mode: str, biased: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Filtered mode inside torch.compile(fullgraph=True), the ops opaque in the graph, gives

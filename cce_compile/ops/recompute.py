@@ -77,12 +77,14 @@ def launch_pointer_recompute(
     filtered = lists is not None
     if programs is None:
         programs = cdiv(rows, tile.block_m) * cdiv(cols, tile.block_n)
+    if filtered and call.bias is not None and slot_bias_sums is None:
+        raise ValueError("slot_bias_sums: a filtered recompute with a bias stores its tiles' column sums there")
     step_tiles, step_counts, step_index, capacity = lists if filtered else (call.targets, call.targets, 0, 0)
     e, c = call.e, call.c
     launch(
         (programs,), e, c, call.bias, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
         call.coef_smooth, call.entropy_coefficients, call.scale, call.vocab_order if filtered else call.targets,
-        grad_logits, slot_bias_sums if slot_bias_sums is not None else call.lse,
+        grad_logits, slot_bias_sums if slot_bias_sums is not None else call.lse,  # the latter never written
         step_tiles, step_counts, step_index, capacity, call.chunk_tile_rows,
         row_start, row_start + rows, col_start, col_start + cols, call.d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
