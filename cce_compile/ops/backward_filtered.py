@@ -99,8 +99,9 @@ class FilteredBackward:
         tile = call.config.grad_logits
         self.grad_logits = torch.empty((self.capacity, tile.block_m, tile.block_n), dtype=call.e.dtype,
                                        device=call.e.device)
-        if call.bias is not None:  # summed over every chunk's kept tiles, by vocab position
-            self.bias_sum = torch.zeros(self.vocab_tiles * tile.block_n, dtype=torch.float32, device=call.e.device)
+        if call.bias is not None:  # summed over every chunk's kept tiles, by vocab position, then a row per slot
+            self.bias_sum = torch.zeros((self.vocab_tiles + self.capacity) * tile.block_n, dtype=torch.float32,
+                                        device=call.e.device)
             self.slot_bias_sums = torch.empty((self.capacity, tile.block_n), dtype=torch.float32,
                                               device=call.e.device)
             self.slot_ids = torch.arange(self.capacity, device=call.e.device)
@@ -244,12 +245,13 @@ class FilteredBackward:
 
     def add_bias_sums(self, chunk: int, step: int) -> None:
         """The step's kept tiles' column sums (the recompute's, one row per slot) into dbias, by
-        vocab position. Slots past the step's count hold whatever was there (NaN too): selected
-        away, so an empty step reads a slot x block_n buffer, not the d-logits."""
+        vocab position. Slots past the step's count hold whatever was there (NaN too): each goes
+        to a discarded row of its own past the vocabulary, so the atomic adds of an empty step
+        (under a capture, most steps) spread over the slots instead of piling onto one tile."""
         call, lists, tile = self.call, self.lists, self.call.config.grad_logits
         live = self.slot_ids < lists.step_counts[chunk, step]
-        tile_sums = torch.where(live[:, None], self.slot_bias_sums, 0.0)
-        tile_sums = tile_sums * call.scale if call.scaled else tile_sums
-        tiles = torch.where(live, lists.step_tiles[chunk, step], 0)
-        positions = (tiles // call.chunk_tile_rows)[:, None] * tile.block_n
-        self.bias_sum.index_add_(0, (positions + self.in_tile).reshape(-1), tile_sums.reshape(-1))
+        tile_sums = self.slot_bias_sums * call.scale if call.scaled else self.slot_bias_sums
+        columns = torch.where(live, lists.step_tiles[chunk, step] // call.chunk_tile_rows,
+                              self.vocab_tiles + self.slot_ids)
+        positions = columns[:, None] * tile.block_n + self.in_tile
+        self.bias_sum.index_add_(0, positions.reshape(-1), tile_sums.reshape(-1))
