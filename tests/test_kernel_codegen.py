@@ -136,7 +136,7 @@ LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": 
 GRAD_LOGITS = {
     **LOGITS_TILE, "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
     "coef_smooth_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32", "grad_logits_ptr": "*bf16",
-    "slot_bias_sums_ptr": "*fp32", "step_tiles_ptr": "*i32",
+    "tile_bias_sums_ptr": "*fp32", "step_tiles_ptr": "*i32",
     "step_counts_ptr": "*i32", "step_index": "i32", "capacity": "i32", "chunk_tile_rows": "i32", "row_start": "i32",
     "row_end": "i32", "col_start": "i32", "col_end": "i32", "stride_gm": "i32", "stride_gn": ONE,
     "HAS_SMOOTHING": FALSE, "HAS_ENTROPY": FALSE, "SCALED": FALSE,

@@ -112,9 +112,7 @@ def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loa
     CUDA-graph step, as a training loop's iteration does. e and c are plain inputs there, which
     CUDA graph trees copy into the graphs' buffers at every call (c is dC's size: 0.02-0.05 x
     GEMM of time, +1 x the gradients of memory), where a model's head weight is a static
-    parameter. Marking them static (`torch._dynamo.mark_static_address`) made every
-    reduce-overhead row fail on the H200 with torch 2.11 (an output of the forward read as
-    overwritten by a later graph; docs/notes/h200-runs.md)."""
+    parameter: marked static, the rows failed on the H200 (docs/notes/h200-runs.md)."""
 
     def load_compiled() -> Loaded:
         loaded = load()

@@ -55,7 +55,7 @@ def grad_from_logits(
 def grad_logits_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr,
-    grad_logits_ptr, slot_bias_sums_ptr, step_tiles_ptr, step_counts_ptr, step_index, capacity, chunk_tile_rows,
+    grad_logits_ptr, tile_bias_sums_ptr, step_tiles_ptr, step_counts_ptr, step_index, capacity, chunk_tile_rows,
     row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap,
@@ -72,9 +72,10 @@ def grad_logits_kernel(
     tiles that matter cluster) and only the kept tiles are computed: program k computes tile
     step_tiles[step_index, k] (tile column * chunk_tile_rows + tile row of the chunk) into
     slot k of the compact buffer (BLOCK_M x BLOCK_N, row-major, zero outside the ranges),
-    with HAS_BIAS its column sums in fp32 into row k of slot_bias_sums (dbias's share, so no
-    pass over the buffer reads them back); programs past step_counts[step_index] return at
-    once (ops/filtering.py's StepLists). With
+    with HAS_BIAS adding its column sums in fp32 to tile_bias_sums [tile row, vocab position]
+    (dbias's share: a token chunk computes each tile once, so no two programs add to the same
+    sums, and no pass over the slots reads them back); programs past step_counts[step_index]
+    return at once (ops/filtering.py's StepLists). With
     STRIDED as well, program k computes slots k, k + programs, ... up to the count: a launch
     of a program per SM serves a step of any size, and an empty step costs only those.
     """
@@ -86,7 +87,7 @@ def grad_logits_kernel(
                 grad_logits_tile(
                     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
                     coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr,
-                    slot_bias_sums_ptr, slot, tile % chunk_tile_rows, tile // chunk_tile_rows, row_start, row_end,
+                    tile_bias_sums_ptr, slot, tile % chunk_tile_rows, tile // chunk_tile_rows, row_start, row_end,
                     col_start, col_end, D, stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
                     HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
@@ -103,7 +104,7 @@ def grad_logits_kernel(
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
     grad_logits_tile(
         e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
-        coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr, slot_bias_sums_ptr, slot,
+        coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr, tile_bias_sums_ptr, slot,
         pid_m, pid_n, row_start, row_end, col_start, col_end, D, stride_en, stride_ed, stride_cv, stride_cd,
         stride_gm, stride_gn, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
@@ -114,7 +115,7 @@ def grad_logits_kernel(
 def grad_logits_tile(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr,
-    grad_logits_ptr, slot_bias_sums_ptr, slot, pid_m, pid_n, row_start, row_end, col_start, col_end, D,
+    grad_logits_ptr, tile_bias_sums_ptr, slot, pid_m, pid_n, row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
@@ -150,8 +151,9 @@ def grad_logits_tile(
         grad = tl.where(row_mask[:, None] & col_mask[None, :], grad, 0.0)
         tl.store(out, grad.to(grad_logits_ptr.dtype.element_ty))
         if HAS_BIAS:
-            sums = slot_bias_sums_ptr + tl.cast(slot, tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(sums, tl.sum(grad, axis=0))
+            sums = (tile_bias_sums_ptr + tl.cast(pid_m, tl.int64) * (tl.cdiv(col_end - col_start, BLOCK_N) * BLOCK_N)
+                    + local_cols)
+            tl.store(sums, tl.load(sums) + tl.sum(grad, axis=0))
     else:
         out = (grad_logits_ptr + local_rows.to(tl.int64)[:, None] * stride_gm
                + local_cols.to(tl.int64)[None, :] * stride_gn)

@@ -67,24 +67,24 @@ class Recompute:
 def launch_pointer_recompute(
     launch: KernelLauncher, call: BackwardCall, grad_logits: Tensor, row_start: int, rows: int, col_start: int,
     cols: int, programs: int | None = None, lists: tuple[Tensor, Tensor, int, int] | None = None,
-    strided: bool = False, slot_bias_sums: Tensor | None = None,
+    strided: bool = False, tile_bias_sums: Tensor | None = None,
 ) -> None:
     """grad_logits_kernel: a dense slab, or with `lists` (filtered mode: step tiles, step
     counts, step index, slots) a step's kept tiles in vocab order, one per program (`strided`:
     each program walks the step's slots, `programs` apart), with a bias their column sums
-    into `slot_bias_sums` (slots x block_n, fp32)."""
+    added to `tile_bias_sums` (chunk tile rows x vocab tiles' columns, fp32)."""
     tile = call.config.grad_logits
     filtered = lists is not None
     if programs is None:
         programs = cdiv(rows, tile.block_m) * cdiv(cols, tile.block_n)
-    if filtered and call.bias is not None and slot_bias_sums is None:
-        raise ValueError("slot_bias_sums: a filtered recompute with a bias stores its tiles' column sums there")
+    if filtered and call.bias is not None and tile_bias_sums is None:
+        raise ValueError("tile_bias_sums: a filtered recompute with a bias adds its tiles' column sums there")
     step_tiles, step_counts, step_index, capacity = lists if filtered else (call.targets, call.targets, 0, 0)
     e, c = call.e, call.c
     launch(
         (programs,), e, c, call.bias, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
         call.coef_smooth, call.entropy_coefficients, call.scale, call.vocab_order if filtered else call.targets,
-        grad_logits, slot_bias_sums if slot_bias_sums is not None else call.lse,  # the latter never written
+        grad_logits, tile_bias_sums if tile_bias_sums is not None else call.lse,  # the latter never written
         step_tiles, step_counts, step_index, capacity, call.chunk_tile_rows,
         row_start, row_start + rows, col_start, col_start + cols, call.d,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1),
