@@ -3,6 +3,9 @@ linear_log_probs gives per-token log-probabilities and entropies (reinforcement 
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -56,11 +59,14 @@ def _autocast_operands(e: Tensor, c: Tensor, bias: Tensor | None) -> tuple[Tenso
 def _check_inputs(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str,
-    targets_name: str = "targets",
+    temperature: float, ignore_index: int, targets_name: str = "targets",
 ) -> None:
     for name, value in (("e", e), ("c", c), (targets_name, targets)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in (("bias", bias), ("weight", weight)):
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(value).__name__}")
     if e.device.type == "meta":
         raise ValueError("e is on the meta device, which holds no values to compute a loss from; "
                          "move the model to cpu or cuda (or trace shapes with torch.compile, whose fake tensors work)")
@@ -70,6 +76,8 @@ def _check_inputs(
         raise ValueError("e must have shape (..., D), got a 0-d tensor")
     if e.shape[-1] != c.shape[1]:
         raise ValueError(f"e's last dimension ({e.shape[-1]}) must equal c's D ({c.shape[1]})")
+    if c.shape[1] == 0:
+        raise ValueError("e and c must have a hidden size D >= 1, got D = 0")
     if e.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
     if c.dtype != e.dtype:
@@ -87,20 +95,30 @@ def _check_inputs(
         raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if weight is not None and (weight.shape != (v,) or not weight.dtype.is_floating_point):
         raise ValueError(f"weight must be a float tensor of shape ({v},), got {tuple(weight.shape)} {weight.dtype}")
-    _check_options(reduction, label_smoothing, z_loss, softcap, memory)
+    _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
 
 
-def _check_options(reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str) -> None:
+def _check_number(name: str, value: object, expected: str, holds: Callable[[float], bool]) -> None:
+    """value is a finite real number (not a bool) for which `holds` is true."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number {expected}, got {type(value).__name__}")
+    if not (-math.inf < value < math.inf and holds(value)):  # NaN fails both; a traced float too
+        raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
+
+
+def _check_options(reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str,
+                   temperature: float, ignore_index: int) -> None:
     """The options that do not depend on the tensors (LinearCrossEntropyLoss checks them at
     construction)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    _check_number("label_smoothing", label_smoothing, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+    _check_number("z_loss", z_loss, ">= 0", lambda x: x >= 0.0)
+    if softcap is not None:
+        _check_number("softcap", softcap, "> 0 (or None)", lambda x: x > 0.0)
+    _check_number("temperature", temperature, "> 0", lambda x: x > 0.0)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if memory not in _MEMORY:
         raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
 
@@ -121,18 +139,23 @@ def _apply_temperature(
 ) -> tuple[Tensor, Tensor | None, float | None]:
     """(e, bias, softcap) whose logits are the given ones divided by `temperature`, the
     soft-cap applied first (as a sampler divides a model's soft-capped logits):
-    s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)), so dividing e, bias and the cap by
-    T is exact and every kernel serves any temperature. The scaled e is one elementwise pass
-    (N x D, against the GEMM's N x V x D) and is what the op keeps for its backward: e's size in
-    memory more while autograd holds the graph; temperature 1 makes no copy."""
-    is_number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-    if not is_number or not 0.0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)), so every kernel serves any
+    temperature. The scaled e is one elementwise pass (N x D, against the GEMM's N x V x D) and
+    is what the op keeps for its backward: e's size in memory more while autograd holds the
+    graph; temperature 1 makes no copy. In 16-bit inputs the scaled e is rounded to e's dtype:
+    exact at powers of two, otherwise ~7e-4 of relative error in bf16 log-probs, a tenth of
+    what rounding the logits themselves costs (docs/notes/log_probs.md)."""
     if temperature == 1.0:
         return e, bias, softcap
     inverse = 1.0 / float(temperature)
     return (e * inverse, None if bias is None else bias * inverse,
             None if softcap is None else float(softcap) * inverse)
+
+
+def _flat_indices(targets: Tensor) -> Tensor:
+    """targets as the kernels read them: one dense int64 vector (a strided or expanded view
+    is copied; e and c, by contrast, the kernels take with their strides)."""
+    return targets.reshape(-1).to(torch.int64).contiguous()
 
 
 def shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
@@ -186,8 +209,10 @@ def linear_cross_entropy(
     """
     e, c, bias = _autocast_operands(e, c, bias)
     c, bias, weight, vocab_parallel = sharded_operands(c, bias, weight, vocab_parallel)
-    _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory)
+    _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory, temperature,
+                  ignore_index)
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
         if targets.dim() < 1:
@@ -195,7 +220,7 @@ def linear_cross_entropy(
         targets = shift_targets(targets, ignore_index)
     v, d = c.shape
     lead_shape = targets.shape
-    flat_targets = targets.reshape(-1).to(torch.int64)
+    flat_targets = _flat_indices(targets)
     _check_target_range(flat_targets, v if vocab_parallel is None else vocab_parallel.vocab_size, ignore_index)
     if vocab_parallel is not None:
         out, lse = vocab_parallel_loss(
@@ -262,10 +287,12 @@ def linear_log_probs(
     nothing.
     """
     e, c, bias = _autocast_operands(e, c, bias)
-    _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", targets_name="tokens")
+    _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", temperature, ignore_index,
+                  targets_name="tokens")
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if not _needs_grad(e, c, bias):
         eps = 0.0  # the filter is the backward's: a pass without one skips its bookkeeping
@@ -273,7 +300,7 @@ def linear_log_probs(
         if tokens.dim() < 1:
             raise ValueError("shift=True needs tokens with a sequence dimension")
         tokens = shift_targets(tokens, ignore_index)
-    flat_tokens = tokens.reshape(-1).to(torch.int64)
+    flat_tokens = _flat_indices(tokens)
     _check_target_range(flat_tokens, c.shape[0], ignore_index, name="tokens")
     with torch.autocast(e.device.type, enabled=False):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
@@ -302,7 +329,7 @@ class LinearCrossEntropyLoss(nn.Module):
         temperature: float = 1.0,
     ) -> None:
         super().__init__()
-        _check_options(reduction, label_smoothing, z_loss, softcap, memory)
+        _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
         _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
         if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
                                    or not weight.dtype.is_floating_point):

@@ -220,7 +220,7 @@ def test_loss_module_takes_a_temperature() -> None:
     ({"temperature": 0.0}, ValueError, "temperature must be a finite number > 0"),
     ({"temperature": -1.0}, ValueError, "temperature"),
     ({"temperature": float("nan")}, ValueError, "temperature"),
-    ({"temperature": True}, ValueError, "temperature"),
+    ({"temperature": True}, TypeError, "temperature must be a number > 0, got bool"),
     ({"entropy": 1}, TypeError, "entropy must be a bool"),
     ({"softcap": 0.0}, ValueError, "softcap"),
     ({"filter_eps": 1.5}, ValueError, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),

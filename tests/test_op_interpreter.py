@@ -521,6 +521,34 @@ def test_filtered_forward_when_the_last_split_runs_past_v() -> None:
     torch.testing.assert_close(filtered, exact)
 
 
+@pytest.mark.parametrize("bias_view", ["strided", "expanded"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])  # the recompute's path and the fused forward's
+def test_strided_or_expanded_targets_and_bias_give_their_values_answer(reduction: str, bias_view: str) -> None:
+    """targets, tokens and bias as strided or expanded views: the loss, the log-probs and the
+    gradients of their contiguous copies. The kernels read the three as dense vectors (e and
+    c they take with their strides), so a view must reach them as its values, not its storage."""
+    e, c, targets = make_inputs("zipf", (37,), 53, 33, torch.bfloat16, seed=5)
+    targets[::6] = -100
+    spread = torch.stack([targets, targets.flip(0)], dim=1)[:, 0]
+    assert spread.stride() == (2,)
+    base = torch.randn(2 * 53).bfloat16() if bias_view == "strided" else torch.full((1,), 0.5).bfloat16()
+    view = (lambda b: b[::2]) if bias_view == "strided" else (lambda b: b.expand(53))
+
+    def run(tokens: torch.Tensor, bias_base: torch.Tensor, as_bias) -> list[torch.Tensor]:
+        ee, cc, bb = (t.detach().clone().requires_grad_() for t in (e, c, bias_base))
+        loss = cce_compile.linear_cross_entropy(ee, cc, tokens, bias=as_bias(bb), reduction=reduction)
+        loss.backward(torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape))
+        log_probs = cce_compile.linear_log_probs(e, c, tokens, bias=as_bias(bias_base))
+        return [loss, log_probs, ee.grad, cc.grad, as_bias(bb.grad) if bias_view == "strided" else bb.grad]
+
+    dense_bias = view(base).contiguous()
+    views = run(spread, base, view)
+    copies = run(spread.contiguous(), dense_bias, lambda b: b)
+    copies[4] = copies[4] if bias_view == "strided" else copies[4].float().sum(0, keepdim=True)
+    for name, got, expected in zip(("loss", "log_probs", "dE", "dC", "dbias"), views, copies):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-3, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # pointer and tensor-descriptor forwards
 def test_out_of_range_target_gives_nan_without_reading_it(dtype: torch.dtype) -> None:
     """Past the API's CPU check (as on the GPU), a bad target poisons only its own token."""

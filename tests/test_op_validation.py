@@ -25,6 +25,7 @@ def good():
         (lambda e, c, t: ([1.0], c, t), TypeError, r"e must be a torch.Tensor"),
         (lambda e, c, t: (e.to("meta"), c.to("meta"), t.to("meta")), ValueError, r"e is on the meta device"),
         (lambda e, c, t: (e, c, t.bool()), TypeError, r"integer dtype, e.g. int64 or int32"),
+        (lambda e, c, t: (e[:, :0], c[:, :0], t), ValueError, r"hidden size D >= 1, got D = 0"),
     ],
 )
 def test_bad_tensors(change, error, pattern) -> None:
@@ -37,10 +38,13 @@ def test_bad_tensors(change, error, pattern) -> None:
     ("options", "pattern"),
     [
         ({"reduction": "avg"}, r"reduction must be one of"),
-        ({"label_smoothing": -0.1}, r"label_smoothing must be in \[0, 1\]"),
-        ({"softcap": 0.0}, r"softcap must be None or > 0"),
-        ({"softcap": -3.0}, r"softcap must be None or > 0"),
-        ({"z_loss": -1.0}, r"z_loss must be >= 0"),
+        ({"label_smoothing": -0.1}, r"label_smoothing must be a finite number in \[0, 1\], got -0.1"),
+        ({"softcap": 0.0}, r"softcap must be a finite number > 0 \(or None\)"),
+        ({"softcap": -3.0}, r"softcap must be a finite number > 0"),
+        ({"softcap": float("inf")}, r"softcap must be a finite number > 0 \(or None\), got inf"),
+        ({"z_loss": -1.0}, r"z_loss must be a finite number >= 0"),
+        ({"z_loss": float("nan")}, r"z_loss must be a finite number >= 0, got nan"),
+        ({"temperature": 0}, r"temperature must be a finite number > 0, got 0"),
         ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
         ({"bias": torch.randn(19)}, r"bias must have shape \(20,\)"),
         ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be a float tensor"),
@@ -48,6 +52,23 @@ def test_bad_tensors(change, error, pattern) -> None:
 )
 def test_bad_options(options, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
+        cce_compile.linear_cross_entropy(*good(), **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"label_smoothing": "0.1"}, r"label_smoothing must be a number in \[0, 1\], got str"),
+        ({"z_loss": None}, r"z_loss must be a number >= 0, got NoneType"),
+        ({"softcap": True}, r"softcap must be a number > 0 \(or None\), got bool"),
+        ({"ignore_index": 0.5}, r"ignore_index must be an int, got float"),
+        ({"bias": [0.0] * 20}, r"bias must be None or a torch.Tensor, got list"),
+        ({"weight": [1.0] * 20}, r"weight must be None or a torch.Tensor, got list"),
+    ],
+)
+def test_options_of_the_wrong_type(options, pattern) -> None:
+    """An option of the wrong Python type is named, not left to fail deep inside the call."""
+    with pytest.raises(TypeError, match=pattern):
         cce_compile.linear_cross_entropy(*good(), **options)
 
 
@@ -71,9 +92,10 @@ def test_targets_of_any_integer_dtype_give_the_int64_answer(dtype: torch.dtype) 
     ("options", "pattern"),
     [
         ({"reduction": "avg"}, r"reduction must be one of"),
-        ({"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\]"),
-        ({"softcap": 0.0}, r"softcap must be None or > 0"),
-        ({"z_loss": -1.0}, r"z_loss must be >= 0"),
+        ({"label_smoothing": 1.5}, r"label_smoothing must be a finite number in \[0, 1\]"),
+        ({"softcap": 0.0}, r"softcap must be a finite number > 0"),
+        ({"z_loss": -1.0}, r"z_loss must be a finite number >= 0"),
+        ({"temperature": 0.0}, r"temperature must be a finite number > 0"),
         ({"memory": "huge"}, r"memory must be one of"),
         ({"filter_eps": "fast"}, r"filter_eps must be None, 'auto' or a float"),
         ({"weight": torch.ones(3, 3)}, r"weight must be None or a 1-D float tensor"),
