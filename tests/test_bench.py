@@ -337,6 +337,10 @@ def test_marked_tables_are_rewritten_with_their_filters(tmp_path: Path) -> None:
     assert "stale" not in text and text.startswith("intro\n") and text.endswith("<!-- /cce-bench-table -->\nend\n")
     assert text.count("| cce_exact |") == 1 and "| torch |" not in text
     assert results.sync_tables(path, [doc]) == []  # already in sync
+    results.append_rows(path, [_row(gpu="NVIDIA H100 80GB HBM3", fwdbwd_x_gemm=4.9)])
+    doc.write_text('<!-- cce-bench-table gpu="NVIDIA H100 80GB HBM3" impl=cce_exact -->\n<!-- /cce-bench-table -->\n')
+    results.sync_tables(path, [doc])
+    assert doc.read_text().count("| cce_exact |") == 1 and "| 4.90 |" in doc.read_text()
     doc.write_text("<!-- cce-bench-table speed=1 -->\n<!-- /cce-bench-table -->\n")
     with pytest.raises(ValueError, match="speed=1"):
         results.sync_tables(path, [doc])

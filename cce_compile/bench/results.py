@@ -13,6 +13,7 @@ import csv
 import importlib.util
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -123,9 +124,10 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def _selected(rows: list[Row], filters: str) -> list[Row]:
-    """Rows matching a table marker's filters, e.g. ` impl=cce_exact,torch inputs=lm_like `."""
+    """Rows matching a table marker's filters, e.g. ` impl=cce_exact,torch inputs=lm_like `;
+    a value with spaces is quoted as in a shell: `gpu="NVIDIA H200"`."""
     wanted: dict[str, set[str]] = {}
-    for item in filters.split():
+    for item in shlex.split(filters):
         name, _, values = item.partition("=")
         if name not in _FILTERS or not values:
             raise ValueError(f"table marker filter {item!r}: use NAME=value,... with NAME one of {_FILTERS}")
@@ -168,22 +170,22 @@ def _bar_label(row: Row) -> str:
 
 
 def plot(rows: list[Row], png_path: Path) -> None:
-    """Per (shape, inputs): bars of fwd+bwd x GEMM and peak memory x grads for each impl (log scale)."""
+    """Per (gpu, shape, inputs): bars of fwd+bwd x GEMM and peak memory x grads for each impl (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple[str, str], list[Row]] = {}
+    groups: dict[tuple[str, str, str], list[Row]] = {}
     for row in rows:
-        groups.setdefault((row["shape"], row["inputs"]), []).append(row)
+        groups.setdefault((row["gpu"], row["shape"], row["inputs"]), []).append(row)
     cols = min(4, max(1, len(groups)))
     nrows = max(1, math.ceil(len(groups) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(5.6 * cols, 4.8 * nrows + 0.6), squeeze=False)
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
     width = 0.38
-    for ax, ((shape, inputs), group) in zip(axes.flat, groups.items()):
+    for ax, ((gpu, shape, inputs), group) in zip(axes.flat, groups.items()):
         xs = list(range(len(group)))
         times = [float(row["fwdbwd_x_gemm"] or 0) for row in group]
         memory = [float(row["peak_x_grads"] or 0) for row in group]
@@ -192,7 +194,7 @@ def plot(rows: list[Row], png_path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylim(_RATIO_FLOOR, 1.6 * max([1.0, *times, *memory]))
         ax.set_xticks(xs, [_bar_label(row) for row in group], rotation=40, ha="right", fontsize=8)
-        ax.set_title(f"{_shape_cell(shape)}, {inputs}\n{group[0]['gpu']}", fontsize=9)
+        ax.set_title(f"{_shape_cell(shape)}, {inputs}\n{gpu}", fontsize=9)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
