@@ -1,6 +1,7 @@
 """Where one forward+backward of the op spends its GPU time, kernel by kernel.
 
     PYTHONPATH=$PWD python benchmarks/profile_kernels.py --shape 8192x2304x256000 --modes exact,filtered
+    PYTHONPATH=$PWD python benchmarks/profile_kernels.py --modes filtered --compile reduce-overhead
 
 The benchmark gives one number per mode; when a mode misses its prediction (filtered mode's
 v5 and v6 did, by 3-6 x), this says which kernel to blame before any more code is written.
@@ -81,19 +82,30 @@ def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, floa
     return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"])), idle_gaps(prof, iters) if cuda else None
 
 
-def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor):
+def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, compile_mode: str = "eager"):
     """One pass of `mode` as the benchmark times it: forward+backward from cleared gradients
     (exact, filtered, triton-gemms: exact mode's path, the backend is set by the caller), or
-    with "forward" the forward alone, without autograd."""
+    with "forward" the forward alone, without autograd. `compile_mode` other than "eager":
+    the loss inside torch.compile(fullgraph=True) in that mode, each pass a new CUDA-graph
+    step under "reduce-overhead", as the benchmark's compiled rows run it."""
     filter_eps = FILTER_EPS if mode == "filtered" else None
 
+    def loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps)
+
+    if compile_mode != "eager":
+        loss = torch.compile(loss, fullgraph=True, dynamic=False,
+                             mode=None if compile_mode == "default" else compile_mode)
+
     def step() -> None:
+        if compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         if mode == "forward":
             with torch.no_grad():
-                cce_compile.linear_cross_entropy(e.detach(), c.detach(), targets)
+                loss(e.detach(), c.detach(), targets)
             return
         e.grad = c.grad = None
-        cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps).backward()
+        loss(e, c, targets).backward()
 
     return step
 
@@ -173,6 +185,9 @@ def main() -> None:
     parser.add_argument("--persistent-min-k-steps", type=int, default=None,
                         help="override Policy.recompute_tma_min_k_steps: from how many K steps exact mode's "
                              "recompute runs persistent")
+    parser.add_argument("--compile", default="eager", choices=["eager", "default", "reduce-overhead"],
+                        help="the loss eager or inside torch.compile in this mode (the kernels of a replayed "
+                             "CUDA graph are profiled as launched ones are)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also print the N Python functions with the most host time in one pass (cProfile)")
@@ -199,9 +214,9 @@ def main() -> None:
         gemm_ms = triton.testing.do_bench(lambda: e.detach() @ c.detach().T)
     report: dict = {"shape": {"n": n, "d": d, "v": v}, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "gemm_ms": gemm_ms, "slab_v": args.slab_v, "workspace_rows": args.workspace_rows, "scratch_fraction": args.scratch_fraction,
-                    "plan": args.plan, "persistent_min_k_steps": args.persistent_min_k_steps,
+                    "plan": args.plan, "persistent_min_k_steps": args.persistent_min_k_steps, "compile": args.compile,
                     "modes": {}}
-    print(f"N={n} D={d} V={v} bf16 on {report['device']}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
+    print(f"N={n} D={d} V={v} bf16 on {report['device']}, {args.compile}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):
         filter_eps = FILTER_EPS if mode == "filtered" else None
         mode_policy = dataclasses.replace(policy, gemm_backend="triton" if mode == "triton-gemms" else "cublas")
@@ -210,7 +225,7 @@ def main() -> None:
             config = dataclasses.replace(config, slab_v=args.slab_v)
         if args.workspace_rows is not None:
             config = dataclasses.replace(config, workspace_rows=args.workspace_rows)
-        step = pass_step(mode, e, c, targets)
+        step = pass_step(mode, e, c, targets, args.compile)
         with cce_compile.override_config(config), override_policy(mode_policy):
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)

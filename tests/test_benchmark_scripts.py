@@ -52,6 +52,18 @@ def test_first_call_times_both_settings_in_fresh_processes(tmp_path: Path) -> No
     assert all(run["first_s"] > run["warm_s"] > 0 for run in runs), runs
 
 
+def test_kernel_profile_runs_the_loss_compiled(tmp_path: Path) -> None:
+    """benchmarks/profile_kernels.py's dry run on CPU with `--compile default`: the pass it
+    profiles went through torch.compile (its compiled regions are among the profiled ops), so
+    a compiled profile on the GPU measures what the benchmark's compiled rows time."""
+    out = tmp_path / "profile.json"
+    run_script("benchmarks/profile_kernels.py", "--shape", "64x32x257", "--modes", "filtered", "--compile", "default",
+               "--iters", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["compile"] == "default"
+    assert any("CompiledFunctionBackward" in name for name in report["modes"]["filtered"]["kernels"])
+
+
 def test_filtered_log_probs_probe_prints_its_table() -> None:
     """The CPU probe of filtered log-probs' accuracy (benchmarks/probe_filtered_log_probs.py)
     on a small head: one row per entropy weight, each error finite, above 0 (the filter
