@@ -8,6 +8,8 @@
 #                   (~1 min a shape and compile mode); rows labeled $CCE_BENCH_COMMIT
 #   gpu-suite       test_gpu.py and test_gpu_log_probs.py (~7 min on a fresh machine)
 #   first-call      benchmarks/first_call.py on three heads, with a profile (~3 min)
+#   profile-ro      filtered mode's kernels eager and under reduce-overhead, Gemma-2 and Qwen2.5
+#                   heads (profile_kernels.py; ~3 min): where the compiled time above eager goes
 # e.g. CCE_BENCH_COMMIT=abc1234 BENCH_BUDGET_S=300 benchmarks/h200_checks.sh filtered-tests bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +48,13 @@ for step in "$@"; do
     first-call)
       run_step "$step" 300 python3 benchmarks/first_call.py --shapes llama3-8b,qwen2.5-0.5b,gemma2-2b --rounds 2 \
         --out "$OUT/first-call.json" --profile "$OUT/first-call-profile.txt" ;;
-    *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call)" >&2; status=2 ;;
+    profile-ro)
+      run_step "$step" 300 bash -c 'for shape in 8192x2304x256000 16384x896x151936; do
+        for mode in eager reduce-overhead; do
+          python3 benchmarks/profile_kernels.py --shape "$shape" --modes filtered --compile "$mode" \
+            --out "$0/profile-filtered-$shape-$mode.json" || exit 1
+        done; done' "$OUT" ;;
+    *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call, profile-ro)" >&2; status=2 ;;
   esac
 done
 exit "$status"
