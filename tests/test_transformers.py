@@ -301,3 +301,37 @@ def test_loss_helper_passes_the_temperature() -> None:
     loss = causal_lm_loss(hidden, lm_head, labels, softcap=SOFTCAP, options=LossOptions(temperature=0.5))
     logits = SOFTCAP * torch.tanh(lm_head(hidden) / SOFTCAP) / 0.5
     assert_close(loss, hf_shifted_loss(logits, labels), rtol=1e-5)
+
+
+def test_lm_head_adapters_are_refused_or_trained_as_hf_does() -> None:
+    """PEFT's LoRA on lm_head (target_modules) computes more than lm_head.weight, which the
+    loss reads: refused with a clear error, not trained without the adapter. Merged or disabled,
+    and modules_to_save (a trainable copy of the head), the loss and gradients are HF's."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch()
+
+    def adapted(**lora: object) -> nn.Module:
+        model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, init_lora_weights=False, **lora))
+        return model, patch(copy.deepcopy(model).base_model.model)
+
+    reference, patched = adapted(target_modules=["q_proj", "lm_head"])
+    with pytest.raises(TypeError, match="lm_head: a peft.tuners.lora.layer.Linear adapter layer"):
+        patched(input_ids, labels=labels)
+    for model in (reference.base_model.model, patched):
+        model.lm_head.merge()
+    assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+    for model in (reference.base_model.model, patched):
+        model.lm_head.unmerge()
+        model.lm_head.enable_adapters(False)
+    assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+    reference, patched = adapted(target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with torch.no_grad():
+        for model in (reference.base_model.model, patched):
+            model.lm_head.modules_to_save["default"].weight.mul_(1.5)  # the trainable copy differs from the base
+    expected, actual = reference(input_ids, labels=labels).loss, patched(input_ids, labels=labels).loss
+    assert_close(actual, expected, rtol=1e-5)
+    expected.backward()
+    actual.backward()
+    head_weight = "lm_head.modules_to_save.default.weight"
+    assert_close(patched.get_parameter(head_weight).grad, reference.base_model.model.get_parameter(head_weight).grad)

@@ -4,6 +4,7 @@ transformers models, against the model's own logits in float64."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -168,3 +169,32 @@ def test_a_call_asking_for_router_logits_is_refused() -> None:
     input_ids = torch.randint(0, 211, (1, 6))
     with pytest.raises(ValueError, match="output_router_logits"):
         model(input_ids=input_ids, labels=input_ids, fused_lm_head=True, output_router_logits=True)
+
+
+def test_a_deepcopy_runs_its_own_weights_on_both_paths() -> None:
+    """A reference model deepcopied from the patched policy (as trainers build one) computes
+    with its own weights with and without the flag: generation and logits too."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    add_fused_lm_head(model)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied.lm_head.weight.zero_()
+    input_ids = torch.randint(0, 211, (2, 12))
+    assert bool((copied(input_ids=input_ids).logits == 0).all())
+    assert not bool((model(input_ids=input_ids).logits == 0).all())
+    log_probs = copied(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
+    torch.testing.assert_close(log_probs, torch.full_like(log_probs, -math.log(211)))
+
+
+def test_an_adapter_on_the_head_is_refused() -> None:
+    """LoRA on lm_head: the fused head reads lm_head.weight, the base layer's, so it refuses
+    rather than score without the adapter; without the flag the model runs as PEFT's."""
+    peft = pytest.importorskip("peft")
+    model = tiny_llama()
+    add_fused_lm_head(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    input_ids = torch.randint(0, 211, (2, 12))
+    with pytest.raises(TypeError, match="lm_head: a peft.tuners.lora.layer.Linear adapter layer"):
+        model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert model(input_ids=input_ids).logits.shape == (2, 12, 211)

@@ -129,9 +129,28 @@ def _soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
+def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The weight and bias of a head that computes x @ weight.T + bias, which the fused loss
+    multiplies by instead of calling the head. A head that computes more is refused, since
+    reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
+    target_modules: `.weight` is the base layer's), or an nn.Linear with its own forward (a
+    quantized layer). Merged or disabled adapters compute their weight and pass."""
+    adapter_active = not (getattr(head, "merged", False) or getattr(head, "disable_adapters", False))
+    if getattr(head, "base_layer", None) is not None and adapter_active:
+        raise TypeError(
+            f"lm_head: a {type(head).__module__}.{type(head).__qualname__} adapter layer, whose output the fused loss cannot compute from "
+            "lm_head.weight; leave lm_head out of the adapter's target_modules (PEFT's modules_to_save=['lm_head'] "
+            "trains it whole) or merge the adapter"
+        )
+    if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
+        raise TypeError(f"lm_head: a {type(head).__name__} with its own forward (a quantized layer?), which the "
+                        "fused loss, reading lm_head.weight, would bypass")
+    return head.weight, head.bias
+
+
 def causal_lm_loss(
     hidden_states: Tensor,
-    lm_head: nn.Linear,
+    lm_head: nn.Module,
     labels: Tensor,
     *,
     logits_to_keep: int | Tensor = 0,
@@ -152,7 +171,7 @@ def causal_lm_loss(
         shift_labels = shift_targets(labels, options.ignore_index)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
-    weight = lm_head.weight
+    weight, bias = linear_head(lm_head)
     if not torch.is_autocast_enabled(kept_hidden.device.type):
         # Outside autocast the op needs one dtype: the head's (under autocast it casts both).
         kept_hidden = kept_hidden.to(weight.dtype)
@@ -160,7 +179,7 @@ def causal_lm_loss(
         kept_hidden,
         weight,
         kept_targets.to(kept_hidden.device),
-        bias=lm_head.bias,
+        bias=bias,
         ignore_index=options.ignore_index,
         reduction="mean" if num_items_in_batch is None else "sum",
         label_smoothing=options.label_smoothing,

@@ -34,10 +34,12 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import linear_log_probs
+from .transformers import linear_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 """Config fields by which some families scale their logits before the softmax: refused."""
+_REPLACED_FORWARD = "_cce_trl_replaced_forward"
 
 
 @dataclass
@@ -79,7 +81,9 @@ def add_fused_lm_head(
     soft-cap included); without it, the original forward (generation unchanged). Add it
     before wrapping the model with PEFT."""
     _check_supported(model, outputs)
-    original_forward = model.forward
+    # an instance's own forward (e.g. an accelerate hook) is kept for the flag-less calls; it and
+    # the class's are looked up on the model called, so a deepcopy (a reference model) runs its own
+    setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     entropy = "entropy" in outputs
 
@@ -88,6 +92,8 @@ def add_fused_lm_head(
                       **kwargs):
         if not fused_lm_head:
             passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            replaced = vars(self)[_REPLACED_FORWARD]
+            original_forward = replaced if replaced is not None else functools.partial(type(self).forward, self)
             return original_forward(*args, **{name: value for name, value in passed.items() if value is not None},
                                     **kwargs)
         if kwargs.get("output_router_logits"):
@@ -98,8 +104,7 @@ def add_fused_lm_head(
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        head = self.get_output_embeddings()
-        weight, bias = head.weight, head.bias
+        weight, bias = linear_head(self.get_output_embeddings())
         if hasattr(weight, "ds_id"):
             raise ValueError("model: a DeepSpeed ZeRO-3 partitioned head, which cce_compile's fused LM head does not gather")
         if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
