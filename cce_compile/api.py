@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .ops.loss_terms import reduce_token_loss, target_weight
+from .ops.loss_terms import reduce_with_z_loss, target_weight
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of
 from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
@@ -78,6 +78,8 @@ def _check_inputs(
         raise ValueError(f"e's last dimension ({e.shape[-1]}) must equal c's D ({c.shape[1]})")
     if c.shape[1] == 0:
         raise ValueError("e and c must have a hidden size D >= 1, got D = 0")
+    if c.shape[0] == 0:
+        raise ValueError("c must have at least one row (a vocabulary V >= 1), got V = 0")
     if e.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
     if c.dtype != e.dtype:
@@ -95,7 +97,16 @@ def _check_inputs(
         raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if weight is not None and (weight.shape != (v,) or not weight.dtype.is_floating_point):
         raise ValueError(f"weight must be a float tensor of shape ({v},), got {tuple(weight.shape)} {weight.dtype}")
+    if weight is not None and weight.requires_grad:
+        raise ValueError("weight must not require grad: the loss is not differentiated by the class weights "
+                         "(as F.cross_entropy's); pass weight.detach()")
     _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
+
+
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_number(name: str, value: object, expected: str, holds: Callable[[float], bool]) -> None:
@@ -189,7 +200,9 @@ def linear_cross_entropy(
     Same value and gradients as F.cross_entropy(logits, targets, weight, ignore_index,
     reduction, label_smoothing) on logits = e @ c.T + bias (soft-capped as
     softcap * tanh(logits / softcap) when softcap is set); z_loss adds z_loss * lse**2 per
-    non-ignored token, reduced like the loss. A batch with no valid token has loss 0.
+    non-ignored token, summed, per token, or with "mean" averaged over those tokens (by their
+    count, whatever the class weights). A batch with no valid token (or whose targets' class
+    weights sum to 0) has loss 0.
     Returns the loss (float32 whatever the input dtype), or (loss, lse) with return_lse
     (lse per token, float32, differentiable).
 
@@ -198,7 +211,8 @@ def linear_cross_entropy(
     (three GEMMs of work in all, the call peaking under ~2x the gradients' memory), and the
     backward only scales them. memory="low" keeps only each token's log-sum-exp for a backward
     that recomputes the logits (four GEMMs, ~1.1x). reduction="none", return_lse, filtered
-    mode, fp16 and soft-capping with label smoothing always take the second.
+    mode, fp16, soft-capping with label smoothing and a class-weighted mean with z_loss always
+    take the second.
 
     temperature (> 0) divides the (soft-capped) logits first: the loss of softmax(logits / T),
     lse included.
@@ -211,6 +225,7 @@ def linear_cross_entropy(
     c, bias, weight, vocab_parallel = sharded_operands(c, bias, weight, vocab_parallel)
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory, temperature,
                   ignore_index)
+    _check_flags(shift=shift, return_lse=return_lse)
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
@@ -231,7 +246,8 @@ def linear_cross_entropy(
         return (out, lse.reshape(lead_shape)) if return_lse else out
     needs_grad = _needs_grad(e, c, bias)
     options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
-    if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction != "none", memory):
+    if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
+                                                              has_z_loss=z_loss > 0.0):
         with torch.autocast(e.device.type, enabled=False):
             loss, *_ = ops.linear_cross_entropy_fused(
                 e.reshape(-1, d), c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
@@ -245,10 +261,8 @@ def linear_cross_entropy(
             int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
         )
     valid = flat_targets != ignore_index
-    if z_loss > 0.0:
-        loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
     weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
-    out = reduce_token_loss(loss, reduction, valid, weights)
+    out = reduce_with_z_loss(loss, lse, float(z_loss), reduction, valid, weights)
     out = out.reshape(lead_shape) if reduction == "none" else out
     if return_lse:
         return out, lse.reshape(lead_shape)
@@ -289,8 +303,7 @@ def linear_log_probs(
     e, c, bias = _autocast_operands(e, c, bias)
     _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", temperature, ignore_index,
                   targets_name="tokens")
-    if not isinstance(entropy, bool):
-        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    _check_flags(entropy=entropy, shift=shift)
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
@@ -327,9 +340,11 @@ class LinearCrossEntropyLoss(nn.Module):
         filter_eps: float | str | None = None,
         memory: Memory = "workspace",
         temperature: float = 1.0,
+        vocab_parallel: VocabParallel | None = None,
     ) -> None:
         super().__init__()
         _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
+        _check_flags(shift=shift, return_lse=return_lse)
         _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
         if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
                                    or not weight.dtype.is_floating_point):
@@ -338,7 +353,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, shift=shift, return_lse=return_lse, filter_eps=filter_eps, memory=memory,
-            temperature=temperature,
+            temperature=temperature, vocab_parallel=vocab_parallel,
         )
 
     def extra_repr(self) -> str:

@@ -27,14 +27,15 @@ def reference_loss(
     per_token = F.cross_entropy(logits, flat, w, ignore_index=ignore_index, reduction="none",
                                 label_smoothing=label_smoothing)
     lse = torch.logsumexp(logits, dim=-1)
-    per_token = per_token + z_loss * torch.where(valid, lse**2, 0.0)
+    z_terms = z_loss * torch.where(valid, lse**2, 0.0)
     if reduction == "none":
-        loss = per_token.reshape(lead)
+        loss = (per_token + z_terms).reshape(lead)
     elif reduction == "sum":
-        loss = per_token.sum()
-    else:
-        denom = valid.sum().double() if w is None else torch.where(valid, w[flat.clamp(0, c.shape[0] - 1)], 0.0).sum()
-        loss = per_token.sum() / torch.where(denom > 0, denom, 1.0)
+        loss = per_token.sum() + z_terms.sum()
+    else:  # F.cross_entropy's weighted mean (0 where its weights sum to 0) and the z terms' plain mean
+        count = valid.sum().double()
+        denom = count if w is None else torch.where(valid, w[flat.clamp(0, c.shape[0] - 1)], 0.0).sum()
+        loss = per_token.sum() / torch.where(denom != 0, denom, 1.0) + z_terms.sum() / count.clamp(min=1)
     return (loss, lse.reshape(lead)) if return_lse else loss
 
 

@@ -38,7 +38,8 @@ def test_several_chunks_match_float64(path: bool) -> None:
     bias = torch.randn(500) * 0.1
     weight = torch.rand(500) + 0.5
     ours, ref = leaves(e, c, bias), leaves(e.double(), c.double(), bias.double())
-    options = {"label_smoothing": 0.1, "z_loss": 1e-3}
+    # a sum: a class-weighted mean with z-loss takes the recompute (test_op_options)
+    options = {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"}
     with cce_compile.override_config(SMALL_CHUNKS):
         loss = cce_compile.linear_cross_entropy(*ours[:2], targets, bias=ours[2], weight=weight, **options)
     expected = reference_loss(*ref[:2], targets, bias=ref[2], weight=weight, **options)
@@ -54,7 +55,7 @@ FUSED_OPTIONS = {
     "plain": {},
     "softcap": {"softcap": 4.0},
     "bias and softcap": {"bias": True, "softcap": 3.0},
-    "weights, smoothing, z-loss": {"weight": True, "label_smoothing": 0.1, "z_loss": 1e-3},
+    "weights, smoothing, z-loss, sum": {"weight": True, "label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"},
     "sum, ignore_index": {"reduction": "sum", "ignore_index": 7},
     "shift, temperature": {"shift": True, "temperature": 0.8},
     "frozen head": {"frozen": "c"},
@@ -191,14 +192,18 @@ def test_a_forward_without_grad_runs_the_plain_forward(fused_outputs: list) -> N
 
 def test_which_calls_take_the_fused_forward() -> None:
     plain = Options()
-    assert gradients_in_forward(plain, "bfloat16", True, "workspace")
-    assert gradients_in_forward(plain, "float32", True, "workspace")
-    assert not gradients_in_forward(plain, "bfloat16", True, "low")
-    assert not gradients_in_forward(plain, "bfloat16", False, "workspace")  # reduction="none"
-    assert not gradients_in_forward(plain, "float16", True, "workspace")
-    assert not gradients_in_forward(Options(filtered=True), "bfloat16", True, "workspace")
-    assert not gradients_in_forward(Options(has_softcap=True, has_smoothing=True), "bfloat16", True, "workspace")
-    assert gradients_in_forward(Options(has_softcap=True, has_bias=True, has_weight=True), "bfloat16", True, "workspace")
+    assert gradients_in_forward(plain, "bfloat16", "mean", "workspace", has_z_loss=True)
+    assert gradients_in_forward(plain, "float32", "sum", "workspace", has_z_loss=False)
+    assert not gradients_in_forward(plain, "bfloat16", "mean", "low", has_z_loss=False)
+    assert not gradients_in_forward(plain, "bfloat16", "none", "workspace", has_z_loss=False)
+    assert not gradients_in_forward(plain, "float16", "mean", "workspace", has_z_loss=False)
+    assert not gradients_in_forward(Options(filtered=True), "bfloat16", "mean", "workspace", has_z_loss=False)
+    assert not gradients_in_forward(Options(has_softcap=True, has_smoothing=True), "bfloat16", "mean", "workspace",
+                                    has_z_loss=False)
+    weighted = Options(has_softcap=True, has_bias=True, has_weight=True)
+    assert gradients_in_forward(weighted, "bfloat16", "mean", "workspace", has_z_loss=False)
+    assert gradients_in_forward(weighted, "bfloat16", "sum", "workspace", has_z_loss=True)
+    assert not gradients_in_forward(weighted, "bfloat16", "mean", "workspace", has_z_loss=True)  # two totals
 
 
 @pytest.mark.parametrize(("n", "d", "v"), [(8192, 2304, 256000), (8192, 4096, 128256), (16384, 896, 151936),

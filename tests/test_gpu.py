@@ -279,7 +279,7 @@ def test_fused_forward_peaks_under_twice_the_gradients(n: int, d: int, v: int) -
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4, "weighted": True},
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4, "weighted": True, "reduction": "sum"},
                                      {"softcap": 30.0, "biased": True}], ids=["plain", "smoothing", "softcap"])
 def test_fused_forward_redoes_peaked_rows_on_the_gpu(dtype: torch.dtype, options: dict) -> None:
     """The fused forward's per-row kernels and its redo, compiled for the GPU: a batch whose

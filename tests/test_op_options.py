@@ -232,3 +232,23 @@ def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_out
     check_frozen_operands(e, c, targets, {**FROZEN_MODES[mode], "label_smoothing": 0.1}, bias=bias)
     outputs = fused_outputs if mode == "fused" else backward_outputs
     assert outputs == [(3 * 41 * 24, 389 * 24), (3 * 41 * 24, 0), (0, 389 * 24)]
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_class_weights_of_any_sign_and_scale(memory: str) -> None:
+    """A class-weighted mean divides by the targets' weights as F.cross_entropy does, negative
+    or mixed-sign sums included; with z-loss, scaling the weights leaves the loss unchanged
+    (the z term is a mean over the tokens, whatever the weights)."""
+    e, c, targets = make_inputs("zipf", (40,), 64, 16, torch.float32, seed=5)
+    targets[::5] = -100
+    weight = torch.rand(64, generator=torch.Generator().manual_seed(6)) + 0.5
+    for signed in (-weight, weight * torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)):
+        leaf = e.clone().requires_grad_()
+        loss = cce_compile.linear_cross_entropy(leaf, c, targets, weight=signed, memory=memory)
+        expected = torch.nn.functional.cross_entropy(e.double() @ c.double().T, targets, signed.double())
+        assert relative_error(loss, expected) < 1e-6
+        loss.backward()
+    losses = [cce_compile.linear_cross_entropy(e, c, targets, weight=weight * scale, z_loss=1e-2, memory=memory)
+              for scale in (1.0, 10.0, 0.1)]
+    assert relative_error(losses[1], losses[0]) < 1e-6 and relative_error(losses[2], losses[0]) < 1e-6
+    check_against_reference(e, c, targets, {"z_loss": 1e-2}, weight=weight)

@@ -26,6 +26,7 @@ def good():
         (lambda e, c, t: (e.to("meta"), c.to("meta"), t.to("meta")), ValueError, r"e is on the meta device"),
         (lambda e, c, t: (e, c, t.bool()), TypeError, r"integer dtype, e.g. int64 or int32"),
         (lambda e, c, t: (e[:, :0], c[:, :0], t), ValueError, r"hidden size D >= 1, got D = 0"),
+        (lambda e, c, t: (e, c[:0], t), ValueError, r"c must have at least one row \(a vocabulary V >= 1\), got V = 0"),
     ],
 )
 def test_bad_tensors(change, error, pattern) -> None:
@@ -48,6 +49,7 @@ def test_bad_tensors(change, error, pattern) -> None:
         ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
         ({"bias": torch.randn(19)}, r"bias must have shape \(20,\)"),
         ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be a float tensor"),
+        ({"weight": torch.ones(20, requires_grad=True)}, r"weight must not require grad"),
     ],
 )
 def test_bad_options(options, pattern) -> None:
@@ -64,6 +66,8 @@ def test_bad_options(options, pattern) -> None:
         ({"ignore_index": 0.5}, r"ignore_index must be an int, got float"),
         ({"bias": [0.0] * 20}, r"bias must be None or a torch.Tensor, got list"),
         ({"weight": [1.0] * 20}, r"weight must be None or a torch.Tensor, got list"),
+        ({"shift": "false"}, r"shift must be a bool, got str"),
+        ({"return_lse": "no"}, r"return_lse must be a bool, got str"),
     ],
 )
 def test_options_of_the_wrong_type(options, pattern) -> None:
@@ -113,3 +117,16 @@ def test_the_module_repr_shows_its_options() -> None:
     for part in ("reduction='sum'", "label_smoothing=0.1", "filter_eps='auto'", "ignore_index=-100",
                  "memory='workspace'", "weight=(20,) float32"):
         assert part in shown, shown
+
+
+def test_the_module_takes_every_option_of_the_function() -> None:
+    """LinearCrossEntropyLoss(**options) for every keyword option of linear_cross_entropy (bias
+    is the forward's argument); flags of the wrong type are refused at construction."""
+    import inspect
+
+    function = set(inspect.signature(cce_compile.linear_cross_entropy).parameters) - {"e", "c", "targets", "bias"}
+    assert function == set(inspect.signature(cce_compile.LinearCrossEntropyLoss).parameters)
+    with pytest.raises(TypeError, match="return_lse must be a bool, got list"):
+        cce_compile.LinearCrossEntropyLoss(return_lse=[0])
+    with pytest.raises(TypeError, match="shift must be a bool, got str"):
+        cce_compile.linear_log_probs(*good(), shift="no")

@@ -78,7 +78,7 @@ def reduction_scale(targets: Tensor, weight: Tensor | None, v: int, ignore_index
     if reduction == "sum":
         return torch.ones((), dtype=torch.float32, device=targets.device)
     denominator = target_weight(targets, weight, targets != ignore_index, v).sum()
-    return 1.0 / torch.where(denominator > 0, denominator, 1.0)
+    return 1.0 / torch.where(denominator != 0, denominator, 1.0)
 
 
 def run_fused(

@@ -65,13 +65,25 @@ def loss_of_terms(
 
 def reduce_token_loss(loss: Tensor, reduction: str, valid: Tensor, target_weight: Tensor | None) -> Tensor:
     """"none", "sum", or "mean": the sum over the valid tokens' weight (their count without
-    class weights; `target_weight` 0 where not valid), as F.cross_entropy; 0 with none valid."""
+    class weights; `target_weight` 0 where not valid), as F.cross_entropy, whatever the
+    weights' sign; 0 where that is 0 (no valid token)."""
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
     denominator = valid.sum().to(torch.float32) if target_weight is None else target_weight.sum()
-    return loss.sum() / torch.where(denominator > 0, denominator, 1.0)
+    return loss.sum() / torch.where(denominator != 0, denominator, 1.0)
+
+
+def reduce_with_z_loss(loss: Tensor, lse: Tensor, z_loss: float, reduction: str, valid: Tensor,
+                       target_weight: Tensor | None) -> Tensor:
+    """The token losses reduced as reduce_token_loss, plus z_loss * lse**2 of the valid tokens
+    reduced alike but unweighted: a mean's z term is over their count whatever the class
+    weights, so scaling the weights leaves it (and the loss) unchanged."""
+    reduced = reduce_token_loss(loss, reduction, valid, target_weight)
+    if z_loss > 0.0:
+        reduced = reduced + reduce_token_loss(z_loss * torch.where(valid, lse * lse, 0.0), reduction, valid, None)
+    return reduced
 
 
 def grad_coefficients(

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from ..ops.loss_terms import loss_of_terms, reduce_token_loss
+from ..ops.loss_terms import loss_of_terms, reduce_with_z_loss
 from ..ops.vocab_parallel import shard_row_stats
 
 
@@ -204,6 +204,4 @@ def vocab_parallel_loss(
                          total_weight, v, label_smoothing)
     same_tokens = (shards[:, len(terms) * n] == checksum).all()
     loss = loss * torch.where(same_tokens, 1.0, float("nan"))  # NaN in the gradients too, for any grad scaler to see
-    if z_loss > 0.0:
-        loss = loss + z_loss * torch.where(valid, lse * lse, 0.0)
-    return reduce_token_loss(loss, reduction, valid, target_weight if weight is not None else None), lse
+    return reduce_with_z_loss(loss, lse, z_loss, reduction, valid, target_weight if weight is not None else None), lse

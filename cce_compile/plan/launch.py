@@ -124,14 +124,17 @@ def forward_kernel(problem: Problem, options: Options, policy: Policy) -> Forwar
     return "tma" if problem.descriptors_fit else "split"
 
 
-def gradients_in_forward(options: Options, dtype: str, scalar_loss: bool, memory: Memory) -> bool:
+def gradients_in_forward(options: Options, dtype: str, reduction: str, memory: Memory, has_z_loss: bool) -> bool:
     """Whether a call that needs gradients takes the fused forward: a scalar loss (its
     upstream gradient is one number, so the forward can finish the gradients and the
     backward scale them), exact mode, and a workspace the dtype can hold. fp16's range cannot
     hold the workspace's exponentials (exp(logit - mean logit) passes 65504 at a gap of 11),
-    and soft-capping's derivative does not factor out of label smoothing's term."""
-    return (memory == "workspace" and scalar_loss and not options.filtered and dtype != "float16"
-            and not (options.has_softcap and options.has_smoothing))
+    soft-capping's derivative does not factor out of label smoothing's term, and a class-
+    weighted mean with z-loss divides its two terms by different totals (the weights', the
+    tokens' count) where the fused forward scales a token's whole loss by one."""
+    return (memory == "workspace" and reduction != "none" and not options.filtered and dtype != "float16"
+            and not (options.has_softcap and options.has_smoothing)
+            and not (reduction == "mean" and options.has_weight and has_z_loss))
 
 
 def gluon_fits(problem: Problem, supported: bool, policy: Policy, max_k_steps: int) -> bool:

@@ -192,7 +192,7 @@ class KernelSpace:
     def fused(self) -> bool:
         """Whether the timed calls (a mean loss with gradients) take the fused forward."""
         options = launch.Options(filtered=self.problem.mode == "filtered")
-        return launch.gradients_in_forward(options, self.problem.dtype, True, "workspace")
+        return launch.gradients_in_forward(options, self.problem.dtype, "mean", "workspace", has_z_loss=False)
 
     def size(self, start: KernelConfig) -> int:
         """How many distinct launches the whole space holds (for the plan): every axis
