@@ -9,7 +9,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 UNDEFINED_TABLE_SQLSTATE = "42P01"
 LOCK_RETRY_AFTER_S = 1
-"""A lock is held for one transaction (an import commits in batches): retry soon."""
+"""A lock is held for one transaction (an import on SQLite commits in batches): retry soon."""
 SCHEMA_RETRY_AFTER_S = 30
 """A schema waits for an operator to run `cce db upgrade`."""
 

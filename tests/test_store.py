@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, event, text
 
-from tests.db_fixtures import H100_KEY, lookup_params, measurement, measurement_count
+from tests.db_fixtures import GPU_H100, H100_KEY, lookup_params, measurement, measurement_count, measurement_data
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade
@@ -255,3 +255,80 @@ def test_a_bad_import_file_changes_nothing(engine: Engine, case: str) -> None:
         store.import_jsonl(engine, lines)
     assert raised.value.line_number == line_number
     assert store.export_jsonl(engine) == before
+
+
+def _import_file(count: int, gpu_of: dict[int, dict[str, Any]] | None = None, **created_at_of: str) -> list[str]:
+    """An export file of `count` lines, each its own key (so they fill several batches),
+    created at 2026-01-01 UTC unless `created_at_of` names the line ("line_7": ...);
+    `gpu_of` gives some lines (by line number) another GPU."""
+    lines = [
+        json.dumps(
+            measurement_data(
+                V=number,
+                gpu=(gpu_of or {}).get(number, GPU_H100),
+                measurement_uid=f"{number:032x}",
+                created_at=created_at_of.get(f"line_{number}", "2026-01-01T00:00:00Z"),
+            )
+        )
+        for number in range(2, count + 2)
+    ]
+    header = {"format": "cce-tuning-db", "schema_version": 1, "entries": count, "measurements": count}
+    return [json.dumps(header), *lines]
+
+
+@pytest.mark.parametrize("created_at", ["9999-12-31T23:59:59-01:00", "0001-01-01T00:00:00+01:00"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_import_created_at_outside_the_storable_range_is_refused_before_writing(
+    engine: Engine, created_at: str, dry_run: bool
+) -> None:
+    """A valid datetime whose UTC time leaves years 1..9999 once failed on PostgreSQL in a
+    later batch ('timestamp too large'), after the earlier batches had committed."""
+    bad_line = store.IMPORT_BATCH_LINES + 41
+    lines = _import_file(store.IMPORT_BATCH_LINES + 50, **{f"line_{bad_line}": created_at})
+    with pytest.raises(store.ImportFormatError) as raised:
+        store.import_jsonl(engine, lines, dry_run=dry_run)
+    assert raised.value.line_number == bad_line
+    assert "created_at" in str(raised.value)
+    assert measurement_count(engine) == 0
+
+
+@pytest.mark.parametrize(
+    ("created_at", "exported_as"),
+    [
+        ("2025-06-01T12:00:00+05:00", "2025-06-01T07:00:00Z"),
+        ("2025-06-01T12:00:00-03:30", "2025-06-01T15:30:00Z"),
+        ("2025-06-01T12:00:00", "2025-06-01T12:00:00Z"),  # no offset: UTC, on both databases
+        ("0001-01-02T00:00:00+00:00", "0001-01-02T00:00:00Z"),
+        ("9999-12-30T23:59:59Z", "9999-12-30T23:59:59Z"),
+    ],
+)
+def test_an_imported_created_at_is_kept_as_the_same_moment(engine: Engine, created_at: str, exported_as: str) -> None:
+    """SQLite once dropped the offset (12:00+05:00 came back as 12:00Z, 5 hours off)."""
+    store.import_jsonl(engine, _import_file(1, line_2=created_at))
+    assert json.loads(store.export_jsonl(engine)[1])["created_at"] == exported_as
+
+
+def test_an_import_that_fails_while_writing_leaves_nothing_on_postgres(postgres_url: str) -> None:
+    """On PostgreSQL the import is one transaction: a failure past the first batch's worth of
+    lines (here a concurrent writer that registers a GPU of the file with other properties
+    after the check against the store) rolls back the lines before it too; it once left
+    them committed."""
+    engine, racer = make_engine(postgres_url), make_engine(postgres_url)
+    other_gpu = {"name": "Racing GPU", "compute_capability": "8.0", "sm_count": 108, "memory_bytes": 1}
+    late_line = store.IMPORT_BATCH_LINES + 41
+    lines = _import_file(store.IMPORT_BATCH_LINES + 50, gpu_of={late_line: other_gpu})
+    gpu_inserts: list[int] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _register_it_differently_first(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("INSERT INTO gpus"):
+            gpu_inserts.append(1)
+            if len(gpu_inserts) == late_line - 1:  # the late line's GPU, after the earlier lines' writes
+                store.record_measurement(racer, measurement(gpu=dict(other_gpu, sm_count=7)))
+
+    with pytest.raises(store.ImportFormatError) as raised:
+        store.import_jsonl(engine, lines)
+    assert raised.value.line_number == late_line
+    assert measurement_count(engine) == 1  # the racer's only
+    engine.dispose()
+    racer.dispose()

@@ -9,7 +9,7 @@ Every incoming config goes through `KernelConfig.from_dict` and is kept in its c
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -61,6 +61,29 @@ Milliseconds = Annotated[float, Field(ge=MIN_MILLISECONDS, le=MAX_MILLISECONDS, 
 MAX_ROW_ID = 2**31 - 1
 """Row ids are 32-bit INTEGER columns on PostgreSQL: a larger one names no row."""
 RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
+EARLIEST_STORED = datetime.min.replace(tzinfo=UTC) + timedelta(days=1)
+LATEST_STORED = datetime.max.replace(tzinfo=UTC) - timedelta(days=1)
+"""The moments a database holds: years 1..9999 in UTC (PostgreSQL refuses others, Python
+reads no others back), less a day, so that a session in any time zone can read them."""
+
+
+def _stored_moment(moment: datetime) -> datetime:
+    """`moment` in UTC (a time without an offset is UTC), within what the databases store.
+    Converting here, not in the store, keeps both databases alike: SQLite's DateTime drops
+    the offset of what it is given, PostgreSQL converts it."""
+    refused = ValueError(
+        f"must lie between {EARLIEST_STORED.isoformat()} and {LATEST_STORED.isoformat()} once converted to UTC"
+    )
+    try:
+        utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:  # before year 1 or after 9999, in UTC
+        raise refused from None
+    if not EARLIEST_STORED <= utc <= LATEST_STORED:
+        raise refused
+    return utc
+
+
+StoredMoment = Annotated[datetime, AfterValidator(_stored_moment)]
 
 
 CLIPPED_CHARS = 200
@@ -124,7 +147,7 @@ class ExportLine(MeasurementIn):
     """One best entry in an export file: its measurement, with the identity it had."""
 
     measurement_uid: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
-    created_at: datetime
+    created_at: StoredMoment
 
 
 class ExportHeader(StrictModel):

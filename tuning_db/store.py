@@ -1,6 +1,7 @@
 """The operations on the tuning database (the service's and the CLI's only way in).
 
-Writes go through `write_session` (one transaction each; an import one per batch of lines).
+Writes go through `write_session` (one transaction each; an import on SQLite one per batch
+of lines).
 A measurement is appended, then
 the key's best entry is changed by a single INSERT ... ON CONFLICT DO UPDATE ... WHERE the
 new time is faster (or the entry is retired): the database compares the times under its
@@ -81,8 +82,10 @@ _MEASUREMENT_COLUMNS = {
 """MeasurementIn's fields and the measurements columns behind them (the GPU is a join)."""
 _BEST_VALUE_COLUMNS = ("median_ms", "measurement_id", "retired", "updated_at")
 IMPORT_BATCH_LINES = 200
-"""Lines per import transaction: a large file must not hold SQLite's write lock for longer
-than other writers wait for it (busy timeout), so it commits every batch."""
+"""Lines per import transaction on SQLite: a large file must not hold its write lock (one
+for the whole database) for longer than other writers wait for it (busy timeout), so it
+commits every batch. PostgreSQL locks rows, not the database: there an import is one
+transaction, all lines or none."""
 SQLITE_BATCH_PAUSE_S = 0.15
 """The import's pause between batches on SQLite. Its lock is not fair: a waiting writer
 polls (every 100 ms once it has waited a while), so an importer that begins its next batch
@@ -498,35 +501,46 @@ def _import_line(session: Session, number: int, line: ExportLine, mode: ImportMo
     counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
 
 
+def _write_lines(
+    engine: Engine, entries: list[ImportLine], mode: ImportMode, dry_run: bool, counts: Counter[str]
+) -> None:
+    """Write `entries` in one transaction (rolled back for a dry run), adding to `counts`."""
+    with write_session(engine) as session:
+        for number, line in entries:
+            _import_line(session, number, line, mode, counts)
+        if dry_run:
+            session.rollback()
+
+
 def import_jsonl(
     engine: Engine, lines: Iterable[str], mode: ImportMode = "keep_better", dry_run: bool = False
 ) -> ImportReport:
     """Import an export file.
 
     The whole file is validated, and checked against the store (GPUs, uids), before anything
-    is written; then it is written in batches, one transaction each, so that other writers
-    are not locked out for the whole file. Should a batch still fail (a concurrent writer
-    registered a GPU or uid differently in between), the batches before it stay: importing
-    the file again is safe, it adds nothing twice.
+    is written. On PostgreSQL it is then written in one transaction: all lines or none. On
+    SQLite it is written in batches, one transaction each, so that other writers are not
+    locked out of the database for the whole file; should a batch still fail there (a
+    concurrent writer registered a GPU or uid differently in between), the batches before
+    it stay: importing the file again is safe, it adds nothing twice.
 
     Every line's measurement joins the history once (by its uid, which names one content);
     `mode` decides the key's best entry: keep_better keeps the faster, skip keeps any
     existing entry, overwrite takes the file's. `dry_run` does all of it and rolls back
-    each batch, to report what would change.
+    (each batch), to report what would change.
     """
     entries = _parse_export(lines)
     _check_file_consistency(entries)
     with read_session(engine, snapshot=True) as session:
         _check_against_store(session, entries)
     counts: Counter[str] = Counter()
-    for index, batch in enumerate(_batches(entries)):
-        if index and engine.dialect.name == "sqlite":
-            time.sleep(SQLITE_BATCH_PAUSE_S)
-        with write_session(engine) as session:
-            for number, line in batch:
-                _import_line(session, number, line, mode, counts)
-            if dry_run:
-                session.rollback()
+    if engine.dialect.name != "sqlite":
+        _write_lines(engine, entries, mode, dry_run, counts)
+    else:
+        for index, batch in enumerate(_batches(entries)):
+            if index:
+                time.sleep(SQLITE_BATCH_PAUSE_S)
+            _write_lines(engine, batch, mode, dry_run, counts)
     return ImportReport(
         lines=len(entries),
         measurements_added=counts["measurements_added"],
