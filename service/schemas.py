@@ -14,6 +14,11 @@ class Forbidding(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class NoQuery(Forbidding):
+    """The query of a route that takes none: any parameter is refused (422), as on the routes
+    that take some, so a misspelt or unsupported one is never silently ignored."""
+
+
 class BestConfigResponse(Forbidding):
     """What a launching node needs: the config, how well it matches, and where it came from.
     With match_level 'none' the node uses its own defaults."""

@@ -59,10 +59,11 @@ def test_a_misused_option_is_one_line_with_status_2() -> None:
 
 
 def test_an_unforeseen_failure_is_one_line_and_its_traceback_on_request(tmp_path: Path) -> None:
-    """An SQLite file in a folder that does not exist: no command checks for it, the wrapper still reports it."""
+    """An SQLite file in a folder that does not exist: `db upgrade` does not check for it, the
+    wrapper still reports it."""
     missing_db = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'tuning.db'}"
-    assert_one_line_failure(cce("export", "--db-url", missing_db), "OperationalError")
-    shown = cce("export", "--db-url", missing_db, env={"CCE_TRACEBACK": "1"})
+    assert_one_line_failure(cce("db", "upgrade", "--db-url", missing_db), "OperationalError")
+    shown = cce("db", "upgrade", "--db-url", missing_db, env={"CCE_TRACEBACK": "1"})
     assert shown.returncode != 0 and "Traceback" in shown.stderr
 
 
@@ -74,6 +75,58 @@ def test_a_bad_token_spec_stops_serve_in_one_line() -> None:
 def test_a_bad_setting_stops_serve_in_one_line() -> None:
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_MAX_BODY_BYTES": "lots"})
     assert_one_line_failure(done, "max_body_bytes")
+
+
+def test_serve_stops_in_one_line_on_a_database_it_cannot_open(tmp_path: Path) -> None:
+    """Not ~145 lines of uvicorn's and SQLAlchemy's traceback from the app's start-up upgrade."""
+    not_sqlite = tmp_path / "random.db"
+    not_sqlite.write_bytes(bytes(range(256)) * 16)
+    for path in (tmp_path / "no" / "such" / "dir" / "tuning.db", Path("/proc/tuning.db"), not_sqlite):
+        done = cce("serve", "--port", str(free_port()), "--db-url", f"sqlite:///{path}")
+        assert_one_line_failure(done, f"--db-url sqlite:///{path}: cannot open the database")
+        assert done.returncode == 1
+
+
+def test_export_and_import_name_a_database_without_schema_and_create_none(tmp_path: Path) -> None:
+    """A mistyped SQLite path is not created, and neither it nor a database never upgraded
+    fails with the driver's text and the SQL statement: the line says to run `cce db upgrade`."""
+    typo = tmp_path / "typo.db"
+    assert_one_line_failure(cce("export", "--db-url", f"sqlite:///{typo}"), f"cce db upgrade --db-url sqlite:///{typo}")
+    assert not typo.exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    for args in (["export"], ["import", str(export_file)]):
+        done = cce(*args, "--db-url", f"sqlite:///{empty}")
+        assert_one_line_failure(done, "has no schema", f"run `cce db upgrade --db-url sqlite:///{empty}`")
+        assert "SELECT" not in done.stderr and "INSERT" not in done.stderr
+
+
+def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> None:
+    done = cce("export", "--db-url", "", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert_one_line_failure(done, "--db-url", "empty")
+    assert done.returncode == 2
+
+
+def test_lookup_refuses_what_the_service_refuses() -> None:
+    """The service's bounds and GPU name rules (tuning_db.records), not a heuristic config."""
+    problem = {"--gpu": "NVIDIA H100 80GB HBM3", "--vocab": "128256", "--hidden": "4096", "--tokens": "8192"}
+    for option, value in (("--gpu", ""), ("--gpu", "\u2603"), ("--gpu", "___"), ("--vocab", "99999999999"),
+                          ("--hidden", str(2**20 + 1)), ("--tokens", str(2**40 + 1))):
+        done = cce("lookup", *(part for item in {**problem, option: value}.items() for part in item))
+        assert_one_line_failure(done, f"Invalid value for {option}")
+        assert done.returncode == 2
+
+
+def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
+    """The files are written after the whole run: a bad path must stop it first (a dry run too)."""
+    problem = ["tune", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--dry-run"]
+    for option in ("--out", "--bundle"):
+        done = cce(*problem, option, str(tmp_path / "no" / "such" / "dir" / "x.json"))
+        assert_one_line_failure(done, f"Invalid value for {option}", str(tmp_path / "no" / "such" / "dir"))
+        assert done.returncode == 2
+    assert_one_line_failure(cce(*problem, "--out", str(tmp_path)), "--out", "is a directory")
 
 
 def test_export_from_a_dead_service_is_one_line() -> None:

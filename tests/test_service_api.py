@@ -112,6 +112,29 @@ def test_list_configs_and_gpus(client: TestClient) -> None:
     assert gpus == [{**GPU_H100, "name": H100_KEY, "entries": 3}]
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "token"),
+    [
+        ("GET", "/v1/gpus", READ_TOKEN),
+        ("GET", "/v1/export", READ_TOKEN),
+        ("POST", "/v1/measurements", WRITE_TOKEN),
+        ("POST", "/v1/configs/1/retire", ADMIN_TOKEN),
+    ],
+)
+def test_unknown_query_parameters_are_422_on_routes_that_take_none(
+    client: TestClient, method: str, path: str, token: str
+) -> None:
+    """As on /v1/configs: a parameter a route does not take (here one another route does) is
+    refused, never silently ignored, and changes nothing."""
+    post_measurement(client)
+    before = exported(client)
+    body = {"json": measurement_data(median_ms=1.0, p20_ms=1.0, p80_ms=1.0)} if path == "/v1/measurements" else {}
+    response = client.request(method, path, params={"include_retired": "true"}, headers=bearer(token), **body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["query", "include_retired"]
+    assert exported(client) == before
+
+
 def test_retire_is_admin_only_and_hides_the_entry(client: TestClient) -> None:
     entry_id = post_measurement(client)["entry_id"]
     assert client.post(f"/v1/configs/{entry_id}/retire", headers=bearer(WRITE_TOKEN)).status_code == 403
@@ -275,6 +298,26 @@ def test_bad_imports_are_refused_with_the_line_and_change_nothing(
     assert response.status_code == 422
     assert response.json()["line"] == line
     assert exported(client) == before
+
+
+@pytest.mark.parametrize("dry_run", ["false", "true"])
+def test_an_import_with_a_created_at_no_database_stores_is_422_and_changes_nothing(db_url: str, dry_run: str) -> None:
+    """It once passed validation and failed on PostgreSQL: 500, with earlier batches kept."""
+    lines = [
+        json.dumps(measurement_data(V=vocab, measurement_uid=f"{vocab:032x}", created_at="2026-01-01T00:00:00Z"))
+        for vocab in range(1, 251)
+    ]
+    lines[239] = lines[239].replace("2026-01-01T00:00:00Z", "9999-12-31T23:59:59-01:00")
+    header = json.dumps({"format": "cce-tuning-db", "schema_version": 1, "entries": 250, "measurements": 250})
+    body = "\n".join([header, *lines])
+    with TestClient(create_app(ServiceSettings(db_url=db_url, tokens=TOKENS))) as client:  # body > MAX_BODY_BYTES
+        post_measurement(client)
+        before = exported(client)
+        response = client.post("/v1/import", params={"dry_run": dry_run}, content=body, headers=bearer(ADMIN_TOKEN))
+        assert response.status_code == 422, response.text
+        assert response.json()["line"] == 241
+        assert "created_at" in response.json()["detail"]
+        assert exported(client) == before
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from typing import Any
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.orm import Session
 
 DB_URL_ENV = "CCE_TUNING_DB_URL"
@@ -36,6 +36,20 @@ def default_db_url() -> str:
 
 def resolve_db_url(url: str | None = None) -> str:
     return url or os.environ.get(DB_URL_ENV) or default_db_url()
+
+
+def shown_url(url: str) -> str:
+    """`url` fit to print: its password hidden."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file an SQLite URL names, so a caller can tell a missing database from an empty one
+    (connecting creates the file); None for another database, an in-memory one or a URI."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "uri" in parsed.query:
+        return None
+    return Path(parsed.database)
 
 
 def make_engine(url: str | None = None) -> Engine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,9 +14,23 @@ from cce_compile.cli.errors import fail
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+
+def _non_empty(url: str | None) -> str | None:
+    """An empty URL is a mistake (an unset shell variable), not a request for the default database."""
+    if url is not None and not url.strip():
+        raise typer.BadParameter("the URL is empty; leave the option out for the per-user SQLite file")
+    return url
+
+
 DbUrlOption = Annotated[
     Optional[str],
-    typer.Option("--db-url", envvar="CCE_TUNING_DB_URL", help="SQLAlchemy URL; default: the per-user SQLite file"),
+    typer.Option(
+        "--db-url", envvar="CCE_TUNING_DB_URL", callback=_non_empty,
+        help="SQLAlchemy URL; default: the per-user SQLite file",
+    ),
 ]
 ServiceUrlOption = Annotated[
     Optional[str], typer.Option("--url", help="a running service's base URL, instead of --db-url")
@@ -42,6 +56,47 @@ def upgrade_command(db_url: DbUrlOption = None) -> None:
     typer.echo(f"tuning database at revision {revision}", err=True)
 
 
+def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
+    """An engine that has connected once, so a database that cannot be opened (a missing folder,
+    a file that is not SQLite) stops the command with one line naming --db-url, not mid-way;
+    with `existing`, a missing SQLite file is refused instead of created."""
+    from sqlalchemy.exc import ArgumentError, DBAPIError
+
+    from tuning_db.engine import make_engine, resolve_db_url, shown_url, sqlite_file
+
+    url = resolve_db_url(db_url)
+    try:
+        path = sqlite_file(url)
+    except ArgumentError as error:
+        fail(f"--db-url: {error}")
+    if existing and path is not None and not path.exists():
+        fail(f"--db-url {url}: no such SQLite database; create it with `cce db upgrade --db-url {url}`")
+    engine = make_engine(url)
+    try:
+        with engine.connect():
+            pass
+    except DBAPIError as error:
+        engine.dispose()
+        fail(f"--db-url {shown_url(url)}: cannot open the database: {error.orig}")
+    return engine
+
+
+def store_engine(db_url: str | None) -> Engine:
+    """An existing database whose schema is at the code's revision: the store's queries would
+    otherwise fail with the driver's text and the whole SQL statement."""
+    from tuning_db.engine import resolve_db_url, shown_url
+    from tuning_db.migrate import current_revision, head_revision
+
+    engine = opened_engine(db_url, existing=True)
+    revision = current_revision(engine)
+    if revision != head_revision():
+        engine.dispose()
+        url = shown_url(resolve_db_url(db_url))
+        state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
+        fail(f"--db-url {url}: the database {state}; run `cce db upgrade --db-url {url}`")
+    return engine
+
+
 def _service_request(method: str, url: str, path: str, token: str | None, **kwargs: object) -> str:
     """One call to the service; exits with its error detail on a failure status."""
     import httpx
@@ -61,10 +116,9 @@ def export_command(db_url: DbUrlOption = None, url: ServiceUrlOption = None, tok
     if url:
         sys.stdout.write(_service_request("GET", url, "/v1/export", token))
         return
-    from tuning_db.engine import make_engine
     from tuning_db.store import export_jsonl
 
-    engine = make_engine(db_url)
+    engine = store_engine(db_url)
     try:
         sys.stdout.write("".join(line + "\n" for line in export_jsonl(engine)))
     finally:
@@ -79,15 +133,15 @@ def import_command(
     url: ServiceUrlOption = None,
     token: TokenOption = None,
 ) -> None:
-    """Import an export file in one transaction (all lines or none) and print the counts."""
+    """Import an export file (checked whole first; on PostgreSQL one transaction, on SQLite in
+    batches of lines) and print the counts."""
     if url:
         params = {"mode": mode, "dry_run": str(dry_run).lower()}
         typer.echo(_service_request("POST", url, "/v1/import", token, params=params, content=file.read_bytes()))
         return
-    from tuning_db.engine import make_engine
     from tuning_db.store import ImportFormatError, import_jsonl
 
-    engine = make_engine(db_url)
+    engine = store_engine(db_url)
     try:
         with file.open(encoding="utf-8") as lines:
             report = import_jsonl(engine, lines, mode=mode, dry_run=dry_run)

@@ -44,6 +44,7 @@ def lookup(
     from cce_compile.resolve.ladder import look_up
 
     dtype_name = checked_problem_options(dtype, mode)
+    _check_as_the_service_does(gpu=gpu, vocab=vocab, hidden=hidden, tokens=tokens)
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
     key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)
@@ -58,6 +59,25 @@ def lookup(
         }))
         return
     _print_table(platform.gpu, key, resolution)
+
+
+def _check_as_the_service_does(**options: str | int | None) -> None:
+    """The options by the service's own rules (tuning_db.records), so that a problem it refuses
+    with 422 is refused here too, not answered with the heuristic's config. Imported here:
+    `python -m cce_compile.cli.tune` imports this module without pydantic."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from tuning_db.records import GpuName, HiddenSize, Tokens, VocabSize, clip
+
+    rules = {"gpu": GpuName, "vocab": VocabSize, "hidden": HiddenSize, "tokens": Tokens}
+    for name, value in options.items():
+        if value is None:
+            continue
+        try:
+            TypeAdapter(rules[name]).validate_python(value)
+        except ValidationError as error:
+            message = f"{clip(repr(value))}: {error.errors()[0]['msg']}"
+            raise typer.BadParameter(message, param_hint=f"--{name}") from None
 
 
 def _platform(gpu: str | None) -> Platform:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cce_compile.cli.db import DbUrlOption
+from cce_compile.cli.db import DbUrlOption, opened_engine
 from cce_compile.cli.errors import fail
 
 if TYPE_CHECKING:
@@ -52,11 +52,14 @@ def serve(
 
 def _checked_settings() -> ServiceSettings:
     """The environment's settings, checked here so that a bad one stops `cce serve` with one
-    line before uvicorn starts workers that would each fail with a traceback."""
+    line before uvicorn starts workers that would each fail with a traceback.
+
+    An SQLite database is opened here, as each worker upgrades it at start; a PostgreSQL
+    server is not: while it is down the service answers 503 (/readyz too) and waits."""
     from pydantic import ValidationError
 
     from service.settings import ServiceSettings
-    from tuning_db.engine import make_engine
+    from tuning_db.engine import make_engine, resolve_db_url
 
     try:
         settings = ServiceSettings()
@@ -65,16 +68,20 @@ def _checked_settings() -> ServiceSettings:
         fail(f"bad CCE_SERVICE_* setting: {error.errors()[0]['loc']} {error.errors()[0]['msg']}")
     except (ValueError, OSError) as error:
         fail(f"CCE_SERVICE_TOKENS: {error} (`cce token` makes one)")
-    make_engine(settings.db_url).dispose()  # loads the database driver: a missing psycopg fails here
+    db_url = resolve_db_url(settings.db_url)
+    if db_url.startswith("sqlite"):
+        opened_engine(db_url).dispose()
+    else:
+        make_engine(db_url).dispose()  # loads the database driver: a missing psycopg fails here
     return settings
 
 
 def startup_report(settings: ServiceSettings, db_url: str) -> list[str]:
     """What a new user needs to reach the service: where its data is, and who may read."""
-    from sqlalchemy.engine import make_url
+    from tuning_db.engine import shown_url
 
     tokens = settings.token_scopes()
-    lines = [f"database {make_url(db_url).render_as_string(hide_password=True)}"]
+    lines = [f"database {shown_url(db_url)}"]
     reads = "reads open to everyone (CCE_SERVICE_OPEN_READS=1)" if settings.open_reads else "reads need a read token"
     lines.append(f"auth: {len(tokens)} token(s) configured; {reads}; writes need a write token")
     if not tokens:

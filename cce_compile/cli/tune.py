@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -60,6 +61,8 @@ def tune(
     dtype_name = checked_problem_options(dtype, mode)
     if publish and db_url:
         raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
+    _check_writable(out, "--out")
+    _check_writable(bundle, "--bundle")
     import torch
 
     device = "cuda" if torch.cuda.is_available() or not active_policy().triton_on_cpu else "interpreter"
@@ -103,6 +106,20 @@ def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> None:
         typer.echo(f"  refused {outcome.kernel} ({outcome.median_ms:.3f} ms): {outcome.detail}", err=True)
     if refused:
         raise typer.Exit(1)
+
+
+def _check_writable(path: Path | None, option: str) -> None:
+    """Files are written after the whole run (and before --publish): a path that cannot take
+    one must stop the command before any GPU time is spent, so a file is made there and removed."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory", param_hint=option)
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise typer.BadParameter(f"cannot write in {path.parent}: {error.strerror}", param_hint=option) from None
 
 
 def _publisher(url: str | None, db_url: str | None) -> Publisher | None:

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from service.deps import ADMIN, READ, EngineDep, MetricsDep
-from service.schemas import BestConfigResponse, ConfigListQuery, ConfigPage
+from service.schemas import BestConfigResponse, ConfigListQuery, ConfigPage, NoQuery
 from tuning_db import store
 from tuning_db.records import BestEntry, LookupQuery, RowId
 
@@ -37,6 +37,8 @@ def list_configs(query: Annotated[ConfigListQuery, Query()], engine: EngineDep) 
 
 
 @router.post("/{entry_id}/retire", dependencies=ADMIN, response_model=BestEntry)
-def retire_config(entry_id: Annotated[RowId, Path()], engine: EngineDep) -> BestEntry:
+def retire_config(
+    entry_id: Annotated[RowId, Path()], _query: Annotated[NoQuery, Query()], engine: EngineDep
+) -> BestEntry:
     """Flag a bad entry: lookups skip it until the key's next measurement replaces it."""
     return store.retire(engine, entry_id)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from service.deps import READ, EngineDep
+from service.schemas import NoQuery
 from tuning_db import store
 from tuning_db.records import GpuSummary
 
@@ -12,5 +15,5 @@ router = APIRouter(prefix="/v1", tags=["gpus"])
 
 
 @router.get("/gpus", dependencies=READ, response_model=list[GpuSummary])
-def list_gpus(engine: EngineDep) -> list[GpuSummary]:
+def list_gpus(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> list[GpuSummary]:
     return store.list_gpus(engine)

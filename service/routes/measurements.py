@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
 
 from service.deps import WRITE, EngineDep
+from service.schemas import NoQuery
 from tuning_db import store
 from tuning_db.records import MeasurementIn, RecordResult
 
@@ -12,5 +15,7 @@ router = APIRouter(prefix="/v1", tags=["measurements"])
 
 
 @router.post("/measurements", dependencies=WRITE, status_code=status.HTTP_201_CREATED, response_model=RecordResult)
-def record_measurement(measurement: MeasurementIn, engine: EngineDep) -> RecordResult:
+def record_measurement(
+    measurement: MeasurementIn, _query: Annotated[NoQuery, Query()], engine: EngineDep
+) -> RecordResult:
     return store.record_measurement(engine, measurement)

@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from service.deps import ADMIN, READ, EngineDep
-from service.schemas import ImportQuery
+from service.schemas import ImportQuery, NoQuery
 from tuning_db import store
 from tuning_db.records import ImportReport
 
@@ -19,7 +19,7 @@ JSONL_MEDIA_TYPE = "application/x-ndjson"
 
 
 @router.get("/export", dependencies=READ, response_class=Response)
-def export(engine: EngineDep) -> Response:
+def export(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> Response:
     """A header line with the schema version, then one line per live best entry."""
     return Response("".join(line + "\n" for line in store.export_jsonl(engine)), media_type=JSONL_MEDIA_TYPE)
 
