@@ -171,7 +171,9 @@ def _flat_indices(targets: Tensor) -> Tensor:
 
 def shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
     """Position t is scored against target t+1; the last position of each sequence is
-    ignored. Only targets move: e is never copied."""
+    ignored. Only targets move: e is never copied. In int64, which holds any ignore_index
+    (-100 would wrap in uint8)."""
+    targets = targets.to(torch.int64)
     pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
     return torch.cat([targets[..., 1:], pad], dim=-1)
 

@@ -157,11 +157,16 @@ def test_retain_graph_accumulation_and_checkpointing(path: bool) -> None:
 
 
 def test_double_backward_is_a_clear_error() -> None:
+    """Every path (the fused forward's, the recompute's, log-probs') names the missing double
+    backward when asked to record its graph, not torch's "no autograd formula" later."""
     e, c, targets = make_inputs("zipf", (40,), 100, 16, torch.float32, seed=1)
     ee, cc = leaves(e, c)
-    loss = cce_compile.linear_cross_entropy(ee, cc, targets)
-    with pytest.raises(RuntimeError, match="double backward.*memory='low'"):
-        torch.autograd.grad(loss, ee, create_graph=True)
+    for output in (cce_compile.linear_cross_entropy(ee, cc, targets),
+                   cce_compile.linear_cross_entropy(ee, cc, targets, memory="low"),
+                   cce_compile.linear_cross_entropy(ee, cc, targets, reduction="none").sum(),
+                   cce_compile.linear_log_probs(ee, cc, targets).sum()):
+        with pytest.raises(RuntimeError, match="has no double backward \\(create_graph=True\\)"):
+            torch.autograd.grad(output, ee, create_graph=True)
 
 
 def test_a_second_backward_without_retain_graph_is_a_clear_error() -> None:
