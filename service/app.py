@@ -81,7 +81,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.add_exception_handler(DBAPIError, database_error)
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.routes)
     return app
 
 

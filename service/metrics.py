@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tuning_db.records import MATCH_LEVELS, MatchLevel
@@ -53,9 +55,10 @@ class RequestMetricsMiddleware:
     """Counts and times every HTTP request under its method, route template and status,
     each from a bounded set (the route is a template or 'unmatched', never the raw path)."""
 
-    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, routes: Sequence[BaseRoute]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,6 +66,9 @@ class RequestMetricsMiddleware:
             return
         started = time.perf_counter()
         status_code = 500
+        # Routing rewrites the scope (a Mount moves the path into root_path), so the route of a
+        # request that names none is found from the scope as it came in.
+        request_scope = dict(scope)
 
         async def send_with_status(message: Message) -> None:
             nonlocal status_code
@@ -73,10 +79,23 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            route = scope.get("route")
-            route_path = getattr(route, "path", "unmatched")
+            route_path = getattr(scope.get("route"), "path", None) or matched_template(request_scope, self.routes)
             # The method comes from the client: any token is a valid HTTP method, so an
             # unknown one must not become a new label value (a series per invented method).
             method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.requests.labels(method, route_path, str(status_code)).inc()
             self.metrics.latency.labels(method, route_path).observe(time.perf_counter() - started)
+
+
+def matched_template(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The template of the route that takes this request, as Starlette's router picks it (the
+    first full match, else the first partial one), or 'unmatched'. FastAPI names its own routes
+    in scope["route"]; Starlette's Route and Mount (/openapi.json, /docs/assets) may not."""
+    partial = "unmatched"
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return getattr(route, "path", "unmatched")
+        if match is Match.PARTIAL and partial == "unmatched":
+            partial = getattr(route, "path", "unmatched")
+    return partial

@@ -60,8 +60,30 @@ def test_health_readiness_and_docs(client: TestClient) -> None:
 def test_readyz_is_503_when_the_database_is_unreachable() -> None:
     with make_client("postgresql+psycopg://postgres@127.0.0.1:1/test") as unreachable:
         response = unreachable.get("/readyz")
+        head = unreachable.head("/readyz")
     assert response.status_code == 503
     assert "unreachable" in response.json()["detail"]
+    assert head.status_code == 503 and head.content == b""
+
+
+def test_health_checks_answer_head(client: TestClient) -> None:
+    for path in ("/healthz", "/readyz"):
+        response = client.head(path)
+        assert response.status_code == 200 and response.content == b"", path
+    assert "head" not in client.get("/openapi.json").json()["paths"]["/healthz"]
+
+
+def test_metrics_name_every_matched_route_by_its_template(client: TestClient) -> None:
+    """Starlette's own routes too (the OpenAPI schema, the docs' files); only a path that no
+    route takes is 'unmatched', so the labels stay a bounded set."""
+    for path in ("/openapi.json", "/docs/assets/swagger-ui.css", "/docs/assets/missing.js", "/no/such/path"):
+        client.get(path)
+    metrics = client.get("/metrics").text
+    assert 'cce_http_requests_total{method="GET",route="/openapi.json",status="200"} 1.0' in metrics
+    assert 'cce_http_requests_total{method="GET",route="/docs/assets",status="200"} 1.0' in metrics
+    assert 'cce_http_requests_total{method="GET",route="/docs/assets",status="404"} 1.0' in metrics
+    assert 'cce_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in metrics
+    assert 'route="unmatched",status="200"' not in metrics
 
 
 @pytest.mark.postgres

@@ -4,6 +4,8 @@ data survives a restart, and export/import move it between databases."""
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cce_compile.cli.main import app as cce
-from service.process import REPO_ROOT, serving
+from service.process import REPO_ROOT, serving, serving_process
 from tests.db_fixtures import bearer, lookup_params, measurement_data
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0002", "write-token-0002", "admin-token-0002"
@@ -42,6 +44,35 @@ def test_data_survives_a_restart_of_the_service(tmp_path: Path) -> None:
 
     with serving(log, "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as base_url:
         assert _lookup(base_url) == first
+
+
+@pytest.mark.parametrize(("stop", "workers"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
+def test_a_stopped_server_leaves_no_metrics_directory(tmp_path: Path, stop: signal.Signals, workers: int) -> None:
+    scratch = tmp_path / "tmp"  # where the server makes its temporary directories
+    scratch.mkdir()
+    args = ("--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", "--workers", str(workers))
+    with serving_process(tmp_path / "serve.log", *args, env={**TOKENS_ENV, "TMPDIR": str(scratch)}) as served:
+        assert httpx.get(f"{served.base_url}/healthz").status_code == 200
+        [metrics_dir] = scratch.iterdir()
+        assert metrics_dir.name.startswith("cce-metrics-")
+        served.process.send_signal(stop)
+        returncode = served.process.wait(timeout=20)
+    # One worker dies of the signal that uvicorn raises again after its graceful shutdown; a
+    # master of several returns. Either is a clean stop, and neither leaves its directory.
+    assert returncode in (0, -stop), (tmp_path / "serve.log").read_text()[-2000:]
+    assert list(scratch.iterdir()) == []
+
+
+def test_health_checks_answer_head_without_a_body(tmp_path: Path) -> None:
+    """Load balancers often check health with HEAD: same status as GET, headers only."""
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}") as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        for path in ("/healthz", "/readyz"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+                connection.sendall(f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                answer = connection.makefile("rb").read()  # all of it: the server closes after
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            assert answer.endswith(b"\r\n\r\n"), answer
 
 
 def test_cli_exports_from_the_service_and_imports_into_another_database(tmp_path: Path) -> None:

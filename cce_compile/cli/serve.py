@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -37,7 +41,7 @@ def serve(
     settings = _checked_settings()
     for line in startup_report(settings, os.environ[DB_URL_ENV]):
         typer.echo(f"cce serve: {line}", err=True)
-    with tempfile.TemporaryDirectory(prefix="cce-metrics-") as metrics_dir:
+    with _cleanups_run_on_sigterm(), tempfile.TemporaryDirectory(prefix="cce-metrics-") as metrics_dir:
         if workers > 1:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         uvicorn.run(
@@ -48,6 +52,30 @@ def serve(
             workers=workers,
             log_level=log_level,
         )
+
+
+class _Terminated(BaseException):
+    """SIGTERM, as an exception, so that it unwinds through the `with` blocks' cleanups."""
+
+
+def _raise_terminated(_signum: int, _frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+@contextmanager
+def _cleanups_run_on_sigterm() -> Iterator[None]:
+    """After its graceful shutdown on SIGTERM, uvicorn raises the signal again so that the
+    process dies of it, as supervisors expect (systemd counts that a clean stop, not exit 143);
+    the default action would kill it there, skipping every cleanup of the block (the metrics
+    directory). Here the signal unwinds the block first, then kills the process all the same."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _checked_settings() -> ServiceSettings:

@@ -13,11 +13,15 @@ from tuning_db.migrate import current_revision, head_revision
 router = APIRouter(tags=["health"])
 
 
+# HEAD too, as load balancers often check with it; out of the schema, where it would repeat
+# GET's operation id.
+@router.head("/healthz", response_model=Health, include_in_schema=False)
 @router.get("/healthz", response_model=Health)
 def healthz() -> Health:
     return Health(status="ok")
 
 
+@router.head("/readyz", response_model=Health, include_in_schema=False)
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 def readyz(engine: EngineDep) -> Health | JSONResponse:
     """Ready when the database answers and its schema is at the code's revision."""
