@@ -203,8 +203,8 @@ def linear_cross_entropy(
     reduction, label_smoothing) on logits = e @ c.T + bias (soft-capped as
     softcap * tanh(logits / softcap) when softcap is set); z_loss adds z_loss * lse**2 per
     non-ignored token, summed, per token, or with "mean" averaged over those tokens (by their
-    count, whatever the class weights). A batch with no valid token (or whose targets' class
-    weights sum to 0) has loss 0.
+    count, whatever the class weights). A batch with no valid token has loss 0; a mean whose
+    targets' class weights sum to 0 has a cross-entropy term of 0.
     Returns the loss (float32 whatever the input dtype), or (loss, lse) with return_lse
     (lse per token, float32, differentiable).
 

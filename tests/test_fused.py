@@ -157,16 +157,23 @@ def test_retain_graph_accumulation_and_checkpointing(path: bool) -> None:
 
 
 def test_double_backward_is_a_clear_error() -> None:
-    """Every path (the fused forward's, the recompute's, log-probs') names the missing double
-    backward when asked to record its graph, not torch's "no autograd formula" later."""
+    """A second backward through the op's gradients is a named error on every path; the fused
+    forward, whose gradients exist before any backward, refuses to record their graph at all,
+    while the recompute's and log-probs' record it, so that a second order through other
+    parameters (a penalty on their gradients) runs."""
     e, c, targets = make_inputs("zipf", (40,), 100, 16, torch.float32, seed=1)
     ee, cc = leaves(e, c)
-    for output in (cce_compile.linear_cross_entropy(ee, cc, targets),
-                   cce_compile.linear_cross_entropy(ee, cc, targets, memory="low"),
+    with pytest.raises(RuntimeError, match="cannot record a backward graph"):
+        torch.autograd.grad(cce_compile.linear_cross_entropy(ee, cc, targets), ee, create_graph=True)
+    cc = torch.nn.Parameter(c.clone())  # as an lm_head's weight is
+    other = torch.randn(5, requires_grad=True)
+    for output in (cce_compile.linear_cross_entropy(ee, cc, targets, memory="low"),
                    cce_compile.linear_cross_entropy(ee, cc, targets, reduction="none").sum(),
                    cce_compile.linear_log_probs(ee, cc, targets).sum()):
-        with pytest.raises(RuntimeError, match="has no double backward \\(create_graph=True\\)"):
-            torch.autograd.grad(output, ee, create_graph=True)
+        grad_e, grad_other = torch.autograd.grad(output + (other**4).sum(), (ee, other), create_graph=True)
+        (grad_other**2).sum().backward(retain_graph=True)  # second order elsewhere: fine
+        with pytest.raises(RuntimeError, match="has no double backward: its gradients come from kernels"):
+            (grad_e**2).sum().backward()
 
 
 def test_a_second_backward_without_retain_graph_is_a_clear_error() -> None:

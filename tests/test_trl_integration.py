@@ -185,6 +185,9 @@ def test_a_deepcopy_runs_its_own_weights_on_both_paths() -> None:
     assert not bool((model(input_ids=input_ids).logits == 0).all())
     log_probs = copied(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
     torch.testing.assert_close(log_probs, torch.full_like(log_probs, -math.log(211)))
+    with pytest.raises(ValueError, match="already has cce_compile's fused LM head"):
+        add_fused_lm_head(model)  # a second wrapper would call itself without the flag
+    assert model(input_ids=input_ids).logits.shape == (2, 12, 211)
 
 
 def test_an_adapter_on_the_head_is_refused() -> None:

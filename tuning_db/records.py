@@ -9,7 +9,7 @@ Every incoming config goes through `KernelConfig.from_dict` and is kept in its c
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -61,8 +61,8 @@ Milliseconds = Annotated[float, Field(ge=MIN_MILLISECONDS, le=MAX_MILLISECONDS, 
 MAX_ROW_ID = 2**31 - 1
 """Row ids are 32-bit INTEGER columns on PostgreSQL: a larger one names no row."""
 RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
-EARLIEST_STORED = datetime.min.replace(tzinfo=UTC) + timedelta(days=1)
-LATEST_STORED = datetime.max.replace(tzinfo=UTC) - timedelta(days=1)
+EARLIEST_STORED = datetime.min.replace(tzinfo=timezone.utc) + timedelta(days=1)
+LATEST_STORED = datetime.max.replace(tzinfo=timezone.utc) - timedelta(days=1)
 """The moments a database holds: years 1..9999 in UTC (PostgreSQL refuses others, Python
 reads no others back), less a day, so that a session in any time zone can read them."""
 
@@ -75,7 +75,7 @@ def _stored_moment(moment: datetime) -> datetime:
         f"must lie between {EARLIEST_STORED.isoformat()} and {LATEST_STORED.isoformat()} once converted to UTC"
     )
     try:
-        utc = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+        utc = moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
     except OverflowError:  # before year 1 or after 9999, in UTC
         raise refused from None
     if not EARLIEST_STORED <= utc <= LATEST_STORED:

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
@@ -95,12 +95,12 @@ UID_QUERY_CHUNK = 500
 
 
 def _now() -> datetime:
-    return datetime.now(UTC)
+    return datetime.now(timezone.utc)
 
 
 def _as_utc(moment: datetime) -> datetime:
-    """SQLite hands back naive UTC, PostgreSQL aware times in the session's zone."""
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    """SQLite hands back naive timezone.utc, PostgreSQL aware times in the session's zone."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 def _dialect_insert(session: Session) -> Callable[..., Any]:

@@ -81,6 +81,8 @@ def add_fused_lm_head(
     soft-cap included); without it, the original forward (generation unchanged). Add it
     before wrapping the model with PEFT."""
     _check_supported(model, outputs)
+    if _REPLACED_FORWARD in vars(model):
+        raise ValueError("model already has cce_compile's fused LM head")
     # an instance's own forward (e.g. an accelerate hook) is kept for the flag-less calls; it and
     # the class's are looked up on the model called, so a deepcopy (a reference model) runs its own
     setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))

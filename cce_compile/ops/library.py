@@ -17,6 +17,7 @@ backward only scales them by the loss's upstream gradient.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -138,23 +139,20 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.policy = policy_to_json(policy)
 
 
-def traced(tensors: tuple[Tensor | None, ...]) -> bool:
-    """Whether a backward runs under torch.compile's tracing (fake or functional tensors)."""
-    return any(t is not None and (is_fake(t) or type(t) is not Tensor) for t in tensors)
+def no_double_backward(op: str) -> Callable[..., tuple[Tensor | None, ...]]:
+    """The autograd formula of a backward op: a second backward that reaches it (a Hessian
+    product, a gradient penalty through the loss) gets a named error instead of torch's "no
+    autograd formula"; a create_graph=True backward whose second order goes elsewhere runs."""
 
+    def refuse(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        raise RuntimeError(f"{op} has no double backward: its gradients come from kernels that are not "
+                           "themselves differentiable")
 
-def refuse_double_backward(op: str, saved: tuple[Tensor | None, ...]) -> None:
-    """A backward asked to record its own graph (create_graph=True) gets a named error, not
-    torch's "no autograd formula" one at the second backward: the gradient kernels have none."""
-    if torch.is_grad_enabled() and not traced(saved):
-        raise RuntimeError(f"{op} has no double backward (create_graph=True): its gradients come from kernels "
-                           "that are not themselves differentiable")
+    return refuse
 
 
 def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_order):
-    saved = ctx.saved_tensors  # once: checkpointing refuses a second unpack
-    refuse_double_backward("linear_cross_entropy", saved)
-    e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order = saved
+    e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order = ctx.saved_tensors
     grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
@@ -169,6 +167,7 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+linear_cross_entropy_backward.register_autograd(no_double_backward("linear_cross_entropy"))
 
 
 @torch.library.custom_op("cce::linear_cross_entropy_fused", mutates_args=())
@@ -229,15 +228,19 @@ def scaled(gradient: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
 
 
 def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
+    # torch.compile's AOTAutograd traces this with fake or functional tensors: no kernel launch, no in-place.
+    traced = ctx.gradients is not None and any(is_fake(g) or type(g) is not Tensor for g in ctx.gradients)
+    if torch.is_grad_enabled() and not traced:
+        raise RuntimeError(
+            "linear_cross_entropy computes its gradients in the forward (memory='workspace'), so it cannot record "
+            "a backward graph (create_graph=True); memory='low' can, though with no double backward of its own")
     if ctx.gradients is None:
         raise RuntimeError("linear_cross_entropy: this graph was already backpropagated; pass retain_graph=True "
                            "to the first backward to run another")
     gradients = ctx.gradients
-    refuse_double_backward("linear_cross_entropy", gradients)
     if grad_loss is None:  # the loss itself reached nothing that is differentiated
         return (None,) * 12
-    # torch.compile's AOTAutograd traces this with fake or functional tensors: no kernel launch, no in-place.
-    in_place = not traced(gradients) and not _keep_graph()  # traced, the product is Inductor's to place
+    in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
     if in_place:
         ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy
     grad_e, grad_c, grad_bias = (scaled(g, grad_loss, in_place) if g.numel() else g for g in gradients)

@@ -23,7 +23,7 @@ from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_and_filter_stats
-from .library import config_from_json, config_to_json, fake_filter_stats, refuse_double_backward
+from .library import config_from_json, config_to_json, fake_filter_stats, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .problem import config_for, options_of, problem_of
 
@@ -113,9 +113,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
-    saved = ctx.saved_tensors  # once: checkpointing refuses a second unpack
-    refuse_double_backward("linear_log_probs", saved)
-    e, c, tokens, bias, lse, mean_logit, *filter_stats = saved
+    e, c, tokens, bias, lse, mean_logit, *filter_stats = ctx.saved_tensors
     grad_log_probs = torch.zeros_like(lse) if grad_log_probs is None else grad_log_probs
     if not ctx.entropy:
         grad_entropy = None  # no entropy term in the d-logits at all
@@ -132,3 +130,4 @@ def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
 
 
 linear_log_probs_forward.register_autograd(_backward, setup_context=_setup_context)
+linear_log_probs_backward.register_autograd(no_double_backward("linear_log_probs"))

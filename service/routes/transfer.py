@@ -31,7 +31,8 @@ def export(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> Response:
     openapi_extra={"requestBody": {"content": {JSONL_MEDIA_TYPE: {"schema": {"type": "string"}}}, "required": True}},
 )
 async def import_entries(request: Request, query: Annotated[ImportQuery, Query()], engine: EngineDep) -> ImportReport:
-    """Import an export file (the body), all lines or none; `dry_run` only reports."""
+    """Import an export file (the body), checked whole first: on PostgreSQL all lines or none, on
+    SQLite in batches of lines; `dry_run` only reports."""
     body = await request.body()
     try:
         text = body.decode("utf-8")
