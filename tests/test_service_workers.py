@@ -78,7 +78,9 @@ def test_a_server_killed_mid_burst_keeps_every_acknowledged_write(tmp_path: Path
     log = tmp_path / "serve.log"
     acknowledged: list[str] = []
     lock = threading.Lock()
-    with serving_process(log, "--db-url", db_url, "--workers", "2", "--log-level", "warning", env=TOKENS_ENV) as served:
+    # its metrics directory in tmp_path: a killed server has no chance to remove it
+    crash_env = {**TOKENS_ENV, "TMPDIR": str(tmp_path)}
+    with serving_process(log, "--db-url", db_url, "--workers", "2", "--log-level", "warning", env=crash_env) as served:
         writers = [
             threading.Thread(target=_write_burst, args=(served.base_url, writer, acknowledged, lock))
             for writer in range(WRITERS)
