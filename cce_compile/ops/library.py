@@ -33,6 +33,7 @@ from .filtering import FilterStats
 from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
 from .launch import KernelLauncher
+from .precision import without_autocast
 from .problem import cdiv, config_for, launch_with_config, options_of, problem_of
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -157,7 +158,7 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
     # backward() may be called inside an autocast region: keep the op's fp32 math its own.
-    with torch.autocast(e.device.type, enabled=False):
+    with without_autocast(e.device.type):
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options,
             need_grad_e, need_grad_c, ctx.config, ctx.policy,

@@ -25,6 +25,7 @@ from .filtering import FilterStats
 from .forward import row_and_filter_stats
 from .library import config_from_json, config_to_json, fake_filter_stats, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
+from .precision import without_autocast
 from .problem import config_for, options_of, problem_of
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -120,7 +121,7 @@ def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
     elif grad_entropy is None:
         grad_entropy = torch.zeros_like(lse)
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
-    with torch.autocast(e.device.type, enabled=False):  # the op's fp32 math is its own
+    with without_autocast(e.device.type):  # the op's fp32 math is its own
         grad_e, grad_c, grad_bias = linear_log_probs_backward(
             grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, *filter_stats, *ctx.options,
             need_grad_e, need_grad_c, ctx.config, ctx.policy,

@@ -26,6 +26,7 @@ from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_stats
 from .library import config_from_json, config_to_json
+from .precision import without_autocast
 from .problem import config_for, options_of, problem_of
 
 # the label smoothing the plans and runners are told of: they read only whether it is on
@@ -113,7 +114,7 @@ def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):
     elif grad_weighted_sum is None:
         grad_weighted_sum = torch.zeros_like(lse)
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
-    with torch.autocast(e.device.type, enabled=False):
+    with without_autocast(e.device.type):
         grad_e, grad_c, grad_bias = shard_row_stats_backward(
             grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
             need_weighted_sum, need_grad_e, need_grad_c, ctx.config, ctx.policy,

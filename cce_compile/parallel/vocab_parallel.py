@@ -29,6 +29,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ..ops.loss_terms import loss_of_terms, reduce_with_z_loss
+from ..ops.precision import without_autocast
 from ..ops.vocab_parallel import shard_row_stats
 
 
@@ -172,7 +173,7 @@ def vocab_parallel_loss(
     mine = valid & (local >= 0) & (local < parallel.shard_size)
     local_targets = torch.where(mine, local, -1)
     smoothing = label_smoothing > 0.0
-    with torch.autocast(e.device.type, enabled=False):
+    with without_autocast(e.device.type):
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
             parallel.group_name if parallel.reduce_grad_e else "", -(-v // parallel.world_size),
