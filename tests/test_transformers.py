@@ -335,3 +335,11 @@ def test_lm_head_adapters_are_refused_or_trained_as_hf_does() -> None:
     actual.backward()
     head_weight = "lm_head.modules_to_save.default.weight"
     assert_close(patched.get_parameter(head_weight).grad, reference.base_model.model.get_parameter(head_weight).grad)
+
+    two = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    two.add_adapter("second", peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False))
+    two.base_model.set_adapter(["default", "second"])
+    patched = patch(two.base_model.model)
+    patched.lm_head.merge(adapter_names=["default"])  # one of two active adapters merged: still refused
+    with pytest.raises(TypeError, match="adapter layer"):
+        patched(input_ids, labels=labels)

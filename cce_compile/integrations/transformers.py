@@ -134,9 +134,10 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
     target_modules: `.weight` is the base layer's), or an nn.Linear with its own forward (a
-    quantized layer). Merged or disabled adapters compute their weight and pass."""
-    adapter_active = not (getattr(head, "merged", False) or getattr(head, "disable_adapters", False))
-    if getattr(head, "base_layer", None) is not None and adapter_active:
+    quantized layer). Disabled adapters, or active ones all merged into the weight, pass."""
+    merged = getattr(head, "merged_adapters", ())
+    unmerged = [name for name in getattr(head, "active_adapters", ()) if name not in merged]
+    if getattr(head, "base_layer", None) is not None and unmerged and not getattr(head, "disable_adapters", False):
         raise TypeError(
             f"lm_head: a {type(head).__module__}.{type(head).__qualname__} adapter layer, whose output the fused loss cannot compute from "
             "lm_head.weight; leave lm_head out of the adapter's target_modules (PEFT's modules_to_save=['lm_head'] "
