@@ -254,12 +254,16 @@ def _patched_forward(
     return forward
 
 
+def replaced_forward(model: PreTrainedModel, attribute: str) -> Callable[..., Any]:
+    """The forward a patch replaced on this instance, kept under `attribute` (its own, e.g. an
+    accelerate hook, or None for the class's): looked up on the model at call time, not
+    captured, so a deepcopy calls its own forward."""
+    replaced = vars(model)[attribute]
+    return replaced if replaced is not None else types.MethodType(type(model).forward, model)
+
+
 def _forward_replaced_on_instance(model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
-    """Looked up on the model at call time, not captured, so a deepcopy calls its own forward."""
-    replaced = vars(model)[_REPLACED_FORWARD]
-    if replaced is None:
-        return type(model).forward(model, *args, **kwargs)
-    return replaced(*args, **kwargs)
+    return replaced_forward(model, _REPLACED_FORWARD)(*args, **kwargs)
 
 
 # the parameters the generic forward is written for, under the installed cache name, checked

@@ -34,7 +34,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import linear_log_probs
-from .transformers import linear_head
+from .transformers import linear_head, replaced_forward
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -83,9 +83,7 @@ def add_fused_lm_head(
     _check_supported(model, outputs)
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")
-    # an instance's own forward (e.g. an accelerate hook) is kept for the flag-less calls; it and
-    # the class's are looked up on the model called, so a deepcopy (a reference model) runs its own
-    setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))
+    setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))  # for the flag-less calls: replaced_forward
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     entropy = "entropy" in outputs
 
@@ -94,10 +92,8 @@ def add_fused_lm_head(
                       **kwargs):
         if not fused_lm_head:
             passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            replaced = vars(self)[_REPLACED_FORWARD]
-            original_forward = replaced if replaced is not None else functools.partial(type(self).forward, self)
-            return original_forward(*args, **{name: value for name, value in passed.items() if value is not None},
-                                    **kwargs)
+            return replaced_forward(self, _REPLACED_FORWARD)(
+                *args, **{name: value for name, value in passed.items() if value is not None}, **kwargs)
         if kwargs.get("output_router_logits"):
             raise ValueError("output_router_logits: cce_compile's fused LM head adds no MoE router loss")
         kwargs["use_cache"] = False
