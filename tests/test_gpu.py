@@ -799,23 +799,26 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
 
 def test_training_loop_replays_the_fused_chunk_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """linear_cross_entropy's default (workspace) path in a loop of forward+backward steps, as a
-    training loop calls it: the chunk loop replays from the third step or so, with the eager
-    loop's gradients bit for bit."""
+    training loop calls it (the last step's gradients dropped before the next): the chunk loop
+    replays from the third step or so, with the eager loop's gradients bit for bit. (A loop that
+    keeps the last step's gradients while it runs the next cycles between two sets of addresses,
+    a graph each; the allocator's state from earlier work may add a set, so the count of replays
+    is checked over a few more steps than the fewest that could replay.)"""
     loops = graphs.LoopGraphs("a loop")
     monkeypatch.setattr(graphs, "CHUNK_LOOPS", loops)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
     e.requires_grad_()
     c.requires_grad_()
 
-    def step(cuda_graphs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(cuda_graphs: bool) -> None:
         e.grad = c.grad = None
         with override_policy(Policy(cuda_graphs=cuda_graphs)):
             cce_compile.linear_cross_entropy(e, c, targets).backward()
-        return e.grad, c.grad
 
-    eager = [g.clone() for g in step(False)]
-    for _ in range(5):
-        replayed = step(True)
-    assert loops.replays >= 2, (loops.captures, loops.replays)
-    assert loops.captures <= 2
-    assert all(map(torch.equal, replayed, eager))
+    step(False)
+    eager = [e.grad.clone(), c.grad.clone()]
+    for _ in range(8):
+        step(True)
+    assert loops.replays >= 4, (loops.captures, loops.replays)
+    assert loops.captures <= 2, (loops.captures, loops.replays)
+    assert torch.equal(e.grad, eager[0]) and torch.equal(c.grad, eager[1])
