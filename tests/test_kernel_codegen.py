@@ -127,10 +127,6 @@ GEMMS = {
     "sparse dC, strided columns": (sparse_matmul_kernel, {
         **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "STRIDED": TRUE, "ACCUMULATE": TRUE, "TILE_M": constexpr(256),
         "TILE_K": constexpr(128)}),
-    # and each dE program walks the chunk's tile rows
-    "sparse dE, strided rows": (sparse_matmul_kernel, {
-        **SPARSE, "BY_COLUMN": FALSE, "STRIDED": TRUE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128),
-        "TILE_K": constexpr(256)}),
 }
 LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": constexpr(64),
                "GROUP_M": constexpr(8), "EVEN_K": TRUE, "HAS_BIAS": FALSE, "HAS_SOFTCAP": FALSE, "HAS_WEIGHT": FALSE,

@@ -258,11 +258,9 @@ def sparse_matmul_kernel(
 
     The launch covers m_tiles m tiles (dE: from 0; dC: from the step's first tile column
     step_bounds[step_index] and before the next step's, both read here, so a launch enqueued
-    while only the device knows the step's columns can run past them). STRIDED, for launches
-    enqueued while only the device knows the step (under a CUDA graph capture), each program
-    walks m tiles m_tiles apart from its own (dC: the step's columns; dE: the chunk's tile rows,
-    cdiv(M, TILE_M)), so a launch of a program or two per SM covers any step and an empty step
-    costs only those (a full dE grid of empty programs took ~27 us on an H100). m tile t walks the entries
+    while only the device knows the step's columns can run past them; STRIDED, each program
+    walks the step's columns m_tiles apart from its own, so a launch of a few programs per
+    SM covers a step of any width and an empty step costs only those); m tile t walks the entries
     [begin[t], begin[t] + count[t]) (begin and count at lists_offset; the entries at
     entries_offset, the step's first), one per kept tile: its slot in `a` and its tile on K.
     - dE (BY_COLUMN false): m tiles are tile rows, an entry's slot and tile column come from
@@ -275,23 +273,18 @@ def sparse_matmul_kernel(
     accumulating program with no kept tile leaves `out` untouched.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if STRIDED:  # a call of its own: folding the plain call into this loop would change that kernel's code
-        if BY_COLUMN:
-            first = tl.load(step_bounds_ptr + step_index) + pid_m
-            end = tl.load(step_bounds_ptr + step_index + 1)
-        else:
-            first = pid_m
-            end = tl.cdiv(M, TILE_M)
-        for m_tile in range(first, end, m_tiles):
-            sparse_tile(
-                a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
-                begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
-                M, N, K, stride_bk, stride_bn, m_tile, pid_n, BY_COLUMN, ACCUMULATE, FINAL, SCALED, TILE_M,
-                TILE_K, BLOCK_N, BLOCK_K, UPCAST, IEEE,
-            )
-        return
     if BY_COLUMN:
-        m_tile = pid_m + tl.load(step_bounds_ptr + step_index)
+        first = tl.load(step_bounds_ptr + step_index)
+        if STRIDED:  # a call of its own: folding the plain call into this loop would change that kernel's code
+            for m_tile in range(first + pid_m, tl.load(step_bounds_ptr + step_index + 1), m_tiles):
+                sparse_tile(
+                    a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
+                    begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
+                    M, N, K, stride_bk, stride_bn, m_tile, pid_n, BY_COLUMN, ACCUMULATE, FINAL, SCALED, TILE_M,
+                    TILE_K, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+                )
+            return
+        m_tile = pid_m + first
         if m_tile >= tl.load(step_bounds_ptr + step_index + 1):
             return
     else:

@@ -31,12 +31,6 @@ launch of a few hundred programs, not one per slot (2048) or per column and colu
 on Gemma-2's head). Two dC programs fit an SM at 3 pipeline stages (96 KiB of shared memory, the
 bundled Gemma-2 and Qwen2.5 tiles), one at 5; the recompute's 192 KiB fit one: the others wait."""
 
-STRIDED_GRAD_E_PROGRAMS_PER_SM = 1
-"""dE's programs per SM for such a step, each walking the chunk's tile rows: its 128 x 256 and
-128 x 128 tiles at 4 stages (192 and 128 KiB) fit one per SM, so one wave of programs covers the
-step. A full grid (576 programs on Gemma-2's head) that finds the step empty took ~27 us on an
-H100, 29 of its 33 captured steps."""
-
 
 class FilteredBackward:
     """Made before the gradients are allocated (its work lists and put-back rows are built
@@ -74,12 +68,10 @@ class FilteredBackward:
                                    if call.bias is not None else None)
         # Steps only the device knows: the recompute's and dC GEMM's programs stride over each
         # step's slots and columns, this many of them.
-        sms = device_limits(e.device)[0]
-        strided_programs = STRIDED_PROGRAMS_PER_SM * sms
+        strided_programs = STRIDED_PROGRAMS_PER_SM * device_limits(e.device)[0]
         column_blocks = cdiv(d, call.config.grad_classifier.block_n)
         self.strided_sizes = (min(self.capacity, strided_programs),
                               min(self.vocab_tiles, max(1, strided_programs // column_blocks)))
-        self.strided_grad_e_rows = max(1, STRIDED_GRAD_E_PROGRAMS_PER_SM * sms // cdiv(d, call.config.grad_hidden.block_n))
         self.launch_recompute = KernelLauncher(grad_logits_kernel, call.plan.direct_launch)
         self.launch_sparse_matmul = KernelLauncher(sparse_matmul_kernel, call.plan.direct_launch)
 
@@ -234,20 +226,16 @@ class FilteredBackward:
                 BLOCK_K=sparse_k, GROUP_M=dc_tile.group_m, num_warps=dc_tile.num_warps,
                 num_stages=dc_tile.num_stages, **call.flags,
             )
-        # dE's programs: one per tile row and column block, or where the host does not know the
-        # step, one wave of them striding over the tile rows.
         tile_rows = cdiv(rows, tile.block_m)
-        row_programs = tile_rows if self.read_back else min(tile_rows, self.strided_grad_e_rows)
         if call.need_grad_e:  # dE[chunk] += tiles @ c[order[...]]: M = chunk rows, K = V
             self.launch_sparse_matmul(
-                (row_programs * cdiv(d, de_tile.block_n),),
+                (tile_rows * cdiv(d, de_tile.block_n),),
                 self.grad_logits, c, 0, call.vocab_order, self.gradients.acc, acc_offset, call.vocab_order,
                 self.gradients.grad_e, row_start * d,
-                lists.de_begin, lists.de_count, step_index * call.chunk_tile_rows, row_programs, steps.step_bounds, 0,
+                lists.de_begin, lists.de_count, step_index * call.chunk_tile_rows, tile_rows, steps.step_bounds, 0,
                 lists.de_slots, lists.de_cols, step_index * self.capacity, call.scale, rows, d, v,
                 c.stride(0), c.stride(1),
-                BY_COLUMN=False, STRIDED=not self.read_back, ACCUMULATE=True,
-                FINAL=call.steps.fp32_accumulator and last,
+                BY_COLUMN=False, STRIDED=False, ACCUMULATE=True, FINAL=call.steps.fp32_accumulator and last,
                 SCALED=call.scaled,
                 TILE_M=tile.block_m, TILE_K=tile.block_n, BLOCK_N=de_tile.block_n,
                 BLOCK_K=sparse_k, GROUP_M=de_tile.group_m, num_warps=de_tile.num_warps,

@@ -85,8 +85,8 @@ class LaunchPlan:
     them back (one sync), launches each at its size and, where more than `dense_fraction` of
     tiles are kept, runs the dense path instead; under someone else's CUDA graph capture
     (torch.compile's reduce-overhead) no sync may run, so it launches the most steps packing
-    can make, their programs striding over any step's slots, columns and tile rows (an empty
-    one writes nothing)."""
+    can make, their recompute and dC programs striding over any step's slots and columns (an
+    empty one writes nothing)."""
 
     forward: ForwardKernel
     fused: FusedKernel
