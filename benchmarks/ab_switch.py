@@ -87,7 +87,6 @@ def main() -> None:
     timed: dict[tuple[str, str, str], list[tuple[float, ...]]] = {}
     for round_index in range(1, args.rounds + 1):
         for value, policy in policies.items():
-            harness.compile_afresh(f"ab_switch {name}={value}")
             with override_policy(policy):
                 runs = harness.run_benchmark(shapes, kinds, impls, settings)
             for run in runs:

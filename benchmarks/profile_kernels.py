@@ -30,11 +30,11 @@ if not torch.cuda.is_available():  # before cce_compile's kernels are decorated
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cce_compile  # noqa: E402
-from cce_compile.bench.harness import _peak_fwd_bwd_bytes, compile_afresh, parse_shape  # noqa: E402
+from cce_compile.bench.harness import _peak_fwd_bwd_bytes, parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
 from cce_compile.ops.problem import config_for  # noqa: E402
 from cce_compile.plan.backward import BackwardPlan  # noqa: E402
-from cce_compile.plan.policy import Policy, active_policy, override_policy, policy_to_json  # noqa: E402
+from cce_compile.plan.policy import Policy, active_policy, override_policy  # noqa: E402
 
 
 def idle_gaps(prof, iters: int, top: int = 8) -> dict:
@@ -199,7 +199,6 @@ def main() -> None:
     args = parser.parse_args()
 
     policy = policy_of(args)
-    compile_afresh(f"profile_kernels {policy_to_json(policy)} {args.slab_v} {args.workspace_rows}")
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = parse_shape(args.shape or ("8192x2304x256000" if cuda else "256x64x1031"))
@@ -219,6 +218,7 @@ def main() -> None:
                     "modes": {}}
     print(f"N={n} D={d} V={v} bf16 on {report['device']}, {args.compile}" + (f"; one cuBLAS e @ c.T: {gemm_ms:.3f} ms" if cuda else ""))
     for mode in args.modes.split(","):
+        torch._dynamo.reset()  # a compiled call keeps the config and Policy it was traced with
         filter_eps = FILTER_EPS if mode == "filtered" else None
         mode_policy = dataclasses.replace(policy, gemm_backend="triton" if mode == "triton-gemms" else "cublas")
         config = config_for(e, c, filter_eps is not None, mode_policy)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from . import ops
 from .ops.loss_terms import reduce_with_z_loss, target_weight
 from .ops.precision import without_autocast
-from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of
+from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of, traced_settings
 from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
 
@@ -249,19 +249,21 @@ def linear_cross_entropy(
         return (out, lse.reshape(lead_shape)) if return_lse else out
     needs_grad = _needs_grad(e, c, bias)
     options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
+    flat_e = e.reshape(-1, d)
     if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
                                                               has_z_loss=z_loss > 0.0):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
-                e.reshape(-1, d), c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
+                flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
                 float(softcap or 0.0), float(z_loss), reduction, e.requires_grad, c.requires_grad,
+                traced_settings(flat_e, c, False),
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with without_autocast(e.device.type):
         loss, lse, *_ = ops.linear_cross_entropy_forward(
-            e.reshape(-1, d), c, flat_targets, bias, weight,
-            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
+            flat_e, c, flat_targets, bias, weight,
+            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps, traced_settings(flat_e, c, eps > 0.0),
         )
     valid = flat_targets != ignore_index
     weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
@@ -318,9 +320,11 @@ def linear_log_probs(
         tokens = shift_targets(tokens, ignore_index)
     flat_tokens = _flat_indices(tokens)
     _check_target_range(flat_tokens, c.shape[0], ignore_index, name="tokens")
+    flat_e = e.reshape(-1, c.shape[1])
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
-            e.reshape(-1, c.shape[1]), c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps)
+            flat_e, c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps,
+            traced_settings(flat_e, c, eps > 0.0))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
     return log_probs.reshape(tokens.shape)

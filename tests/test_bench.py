@@ -275,39 +275,6 @@ def test_reduce_overhead_compiles_one_graph_for_every_draw() -> None:
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
-@pytest.mark.interpreter
-def test_compile_afresh_gives_each_arm_of_an_ab_its_own_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compiled call keeps the Policy it was traced with (its backward's plan here), so the
-    second arm of an A/B replays the first arm's graph unless compile_afresh starts it."""
-    import dataclasses
-
-    from cce_compile import linear_cross_entropy
-    from cce_compile.ops import backward_filtered
-    from cce_compile.plan.backward import BackwardPlan
-    from cce_compile.plan.policy import active_policy, override_policy
-
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")  # restored after the test
-    slots = []
-    filtered_steps = backward_filtered.filtered_steps
-    monkeypatch.setattr(backward_filtered, "filtered_steps", lambda mask, capacity, read_back: (
-        slots.append(capacity), filtered_steps(mask, capacity, read_back))[1])
-    e, c, targets = lm_like_inputs(96, 32, 1024, torch.float32, "cpu", seed=3)
-    compiled = torch.compile(lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=2.0**-10), fullgraph=True)
-
-    def arm(capacity: int) -> int:
-        policy = dataclasses.replace(active_policy(), triton_on_cpu=True, filtered_read_back=False, dense_fraction=1.0,
-                                     backward_plan=BackwardPlan(1, 256, False, slots=capacity))
-        with override_policy(policy):
-            compiled(e.clone().requires_grad_(), c, targets).backward()
-        return slots[-1]
-
-    harness.compile_afresh("arm 64")
-    assert arm(64) == 64
-    assert arm(128) == 64, "the traced Policy stays: this test shows nothing"
-    harness.compile_afresh("arm 128")
-    assert arm(128) == 128
-
-
 def test_harness_with_a_frozen_head_asks_for_de_alone(cpu_harness: None, tmp_path: Path) -> None:
     """--frozen-head: memory over dE's bytes, no dC error, and the rows say which inputs."""
     settings = Settings(input_sets=1, frozen_head=True)

@@ -32,7 +32,7 @@ from cce_compile.cli.main import app as cce
 from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
-from cce_compile.ops.problem import launch_with_config, problem_key
+from cce_compile.ops.problem import encode_settings, launch_with_config, problem_key
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
 from cce_compile.resolve import ladder as resolve
@@ -362,7 +362,7 @@ def _refusing_launch(refused: set[str], launched: list[KernelConfig]) -> Any:
     """A launch that fails as Triton failed on num_warps 4.0, for the configs whose slab_v is in
     `refused`, and records every config it is given."""
 
-    def launch(config: KernelConfig) -> str:
+    def launch(config: KernelConfig, policy: Policy) -> str:
         launched.append(config)
         if str(config.slab_v) in refused:
             raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
@@ -371,19 +371,27 @@ def _refusing_launch(refused: set[str], launched: list[KernelConfig]) -> Any:
     return launch
 
 
-def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: Path) -> None:
+def _failing_cache_above_a_bundle(tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor, Policy, ProblemKey]:
+    """Small inputs whose key has a cached config (slab_v 256, which _refusing_launch({"256"})
+    fails) above a bundled one (512)."""
     e, c, _targets = _small_inputs()
     policy = Policy()
     key = problem_key(e, c, False, policy)
     sources.write_cache(_settings(), H100, key, sources.Found({"slab_v": 256}, "exact"))
     _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    return e, c, policy, key
+
+
+def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: Path) -> None:
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
     launched: list[KernelConfig] = []
     launch = _refusing_launch({"256"}, launched)
 
-    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
-    assert resolved()[key].source == "bundled"
-    assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
-    assert launch_with_config(e, c, False, policy, launch) == "ran with slab_v=512"
+    with override_policy(policy):
+        assert launch_with_config(e, c, False, "", launch) == "ran with slab_v=512"
+        assert resolved()[key].source == "bundled"
+        assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
+        assert launch_with_config(e, c, False, "", launch) == "ran with slab_v=512"
     assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
 
 
@@ -394,17 +402,36 @@ def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> 
     _bundle(tmp_path / "bundled", key, {"slab_v": 512})
     launched: list[KernelConfig] = []
     everything = {"512", str(heuristic_config(key).slab_v)}
-    with pytest.raises(TypeError, match="unsupported operand"):
-        launch_with_config(e, c, False, policy, _refusing_launch(everything, launched))
+    with override_policy(policy), pytest.raises(TypeError, match="unsupported operand"):
+        launch_with_config(e, c, False, "", _refusing_launch(everything, launched))
     assert [config.slab_v for config in launched] == [512, heuristic_config(key).slab_v]
 
 
 def test_an_override_that_fails_to_launch_is_raised_at_once() -> None:
     e, c, _targets = _small_inputs()
     launched: list[KernelConfig] = []
-    with override_config(KernelConfig(slab_v=2048)), pytest.raises(TypeError):
-        launch_with_config(e, c, False, Policy(), _refusing_launch({"2048"}, launched))
+    with override_config(KernelConfig(slab_v=2048)), override_policy(Policy()), pytest.raises(TypeError):
+        launch_with_config(e, c, False, "", _refusing_launch({"2048"}, launched))
     assert len(launched) == 1
+
+
+@pytest.mark.parametrize("replaceable", [False, True])
+def test_a_traced_config_that_fails_to_launch(tmp_path: Path, replaceable: bool) -> None:
+    """A call traced by torch.compile launches with the config it was traced for. One that
+    fails is dropped for the next trace, and raised where the graph's sizes or backward were
+    made for it; the fused forward (`replaceable`) takes the next source."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[KernelConfig] = []
+    with override_policy(policy):
+        traced = encode_settings(resolve_config(key), policy)
+        launch = _refusing_launch({"256"}, launched)
+        if replaceable:
+            assert launch_with_config(e, c, False, traced, launch, replaceable=True) == "ran with slab_v=512"
+        else:
+            with pytest.raises(RuntimeError, match="traced with failed to launch"):
+                launch_with_config(e, c, False, traced, launch)
+        assert [config.slab_v for config in launched] == [256, 512][:1 + replaceable]
+        assert resolve_config(key).slab_v == 512
 
 
 # (4) the disk cache -------------------------------------------------------------------
@@ -541,7 +568,7 @@ def _rank_main(rank: int, root: str) -> None:
 
 def _rank_main_body(rank: int, root: str) -> None:
     """One gloo rank with its own disk cache and override: eager calls, then a compiled one
-    that resolves a new key at trace time (under the tracer's fake tensors)."""
+    that resolves a new key at trace time (where Dynamo traces the call: ops/problem.traced_settings)."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
     resolve.local_platform = lambda device: H100
     for use, key in enumerate((SMALL_KEY, replace(SMALL_KEY, n_bucket=512))):

@@ -9,10 +9,10 @@ import cce_compile
 from cce_compile.bench.inputs import lm_like_inputs
 from cce_compile.ops import graphs, library
 from cce_compile.ops.library import linear_cross_entropy_backward, linear_cross_entropy_forward
-from cce_compile.ops.problem import config_for, options_of, problem_of
+from cce_compile.ops.problem import config_for, encode_settings, options_of, problem_of
 from cce_compile.plan.backward import BackwardPlan
 from cce_compile.plan.launch import plan_launch
-from cce_compile.plan.policy import Policy, active_policy, override_policy, policy_to_json
+from cce_compile.plan.policy import Policy, active_policy, override_policy
 
 from .op_cases import make_inputs, relative_error, steady_peaks, with_row_stride
 from .reference import reference_loss
@@ -44,10 +44,10 @@ def backward_op(grad_loss, e, c, targets, lse, kept_tiles, tile_lse, order, filt
                 label_smoothing: float = 0.0, softcap: float = 0.0, policy: Policy | None = None):
     """The backward op called directly, with the config and policy the forward launched with."""
     policy = policy or active_policy()
-    config = library.config_to_json(config_for(e, c, filter_eps > 0.0, policy))
+    settings = encode_settings(config_for(e, c, filter_eps > 0.0, policy), policy)
     return linear_cross_entropy_backward(
         grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
-        label_smoothing, softcap, filter_eps, True, True, config, policy_to_json(policy))
+        label_smoothing, softcap, filter_eps, True, True, settings)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -21,9 +21,8 @@ from cce_compile.api import shift_targets
 from cce_compile.bench.inputs import lm_like_inputs
 from cce_compile.ops import forward as forward_ops
 from cce_compile.ops import log_probs as log_probs_ops
-from cce_compile.ops.library import config_to_json
-from cce_compile.ops.problem import config_for
-from cce_compile.plan.policy import active_policy, policy_to_json
+from cce_compile.ops.problem import config_for, encode_settings
+from cce_compile.plan.policy import active_policy
 
 from .op_cases import SMALL_TILES, TOLERANCE, make_inputs, on_kernels, relative_error, with_row_stride
 from .reference import reference_log_probs, reference_loss
@@ -261,10 +260,10 @@ def test_opcheck_forward_and_backward() -> None:
     policy = active_policy()
     for filter_eps in (0.0, 2.0**-6):
         _, _, *kept = ops.linear_log_probs_forward(e, c, tokens, bias, -100, 3.0, True, filter_eps)
-        config, policy_json = config_to_json(config_for(e, c, filter_eps > 0.0, policy)), policy_to_json(policy)
+        settings = encode_settings(config_for(e, c, filter_eps > 0.0, policy), policy)
         for grad_entropy, need_c in ((torch.randn(33), True), (None, False)):
             args = (torch.randn(33), grad_entropy, e.detach(), c.detach(), tokens, bias.detach(),
-                    *(t.detach() for t in kept), -100, 3.0, filter_eps, True, need_c, config, policy_json)
+                    *(t.detach() for t in kept), -100, 3.0, filter_eps, True, need_c, settings)
             torch.library.opcheck(ops.linear_log_probs_backward, args)
 
 

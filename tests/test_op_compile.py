@@ -14,9 +14,8 @@ from torch._dynamo.utils import counters
 
 import cce_compile
 from cce_compile import ops
-from cce_compile.ops.library import config_to_json
-from cce_compile.ops.problem import config_for
-from cce_compile.plan.policy import active_policy, policy_to_json
+from cce_compile.ops.problem import config_for, encode_settings
+from cce_compile.plan.policy import active_policy
 
 from .op_cases import make_inputs
 
@@ -46,7 +45,7 @@ def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
     policy = active_policy()
     args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
             kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, need_grad_e, need_grad_c,
-            config_to_json(config_for(e, c, False, policy)), policy_to_json(policy))
+            encode_settings(config_for(e, c, False, policy), policy))
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 
 
@@ -355,17 +354,59 @@ def _run_tiles(env: dict[str, str], block_n: int) -> subprocess.CompletedProcess
                           text=True, timeout=600)
 
 
-def test_a_new_cache_key_tag_lets_a_later_run_take_other_tiles(inductor_cache_of_a_first_run: dict[str, str]) -> None:
-    """The README's advice after new configs or another Policy: a new TORCH_COMPILE_CACHE_KEY_TAG
-    keeps torch.compile's caches from handing back the graph traced with the old tiles."""
-    run = _run_tiles({**inductor_cache_of_a_first_run, "TORCH_COMPILE_CACHE_KEY_TAG": "new-tiles"}, 64)
-    assert run.returncode == 0, run.stderr[-2000:]
-
-
-@pytest.mark.xfail(strict=True, reason="torch.compile's caches key on the traced graph, which does not hold the "
-                   "config the op resolves when traced: a later process that resolves other tiles gets the cached "
-                   "graph's output sizes (docs/notes/h200-runs.md, tenth session)")
 def test_a_later_run_that_resolves_other_tiles_compiles_for_them(
         inductor_cache_of_a_first_run: dict[str, str]) -> None:
+    """The op's settings (config and Policy) are a constant of the traced graph, so
+    torch.compile's on-disk caches key on them: a later process that resolves other tiles
+    (new tuned configs, an override) compiles for them. When the op resolved them inside its
+    fake function instead, the cache handed back the first run's graph and filtered mode
+    failed Inductor's size check on the forward's tile statistics."""
     run = _run_tiles(inductor_cache_of_a_first_run, 64)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.interpreter
+def test_a_compiled_call_keeps_the_policy_it_was_traced_with_until_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside one process a compiled call runs with the Policy it was traced under (its
+    backward's plan here), whatever is active later, until torch._dynamo.reset() retraces:
+    what an A/B of a Policy under torch.compile must do between arms (benchmarks/ab_switch.py)."""
+    import dataclasses
+
+    from cce_compile.ops import backward_filtered
+    from cce_compile.plan.backward import BackwardPlan
+    from cce_compile.plan.policy import override_policy
+
+    slots = []
+    filtered_steps = backward_filtered.filtered_steps
+    monkeypatch.setattr(backward_filtered, "filtered_steps", lambda mask, capacity, read_back: (
+        slots.append(capacity), filtered_steps(mask, capacity, read_back))[1])
+    e, c, targets = make_inputs("zipf", (96,), 1024, 32, torch.float32, seed=3)
+    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, filter_eps=2.0**-10),
+                             fullgraph=True)
+
+    def step(capacity: int) -> int:
+        policy = dataclasses.replace(active_policy(), triton_on_cpu=True, filtered_read_back=False, dense_fraction=1.0,
+                                     backward_plan=BackwardPlan(1, 256, False, slots=capacity))
+        with override_policy(policy):
+            compiled((e * 3).requires_grad_(), c, targets).backward()
+        return slots[-1]
+
+    torch._dynamo.reset()
+    assert step(64) == 64
+    assert step(128) == 64
+    torch._dynamo.reset()
+    assert step(128) == 128
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_cpp_wrapper_compiles_the_ops_string_arguments(memory: str) -> None:
+    """Inductor's C++ wrapper writes the ops' string arguments (the traced settings, the
+    backward's) into its C++ source unescaped: they hold no quote or newline."""
+    e, c, targets = make_inputs("zipf", (37,), 150, 20, torch.float32, seed=8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, memory=memory), fullgraph=True,
+                             options={"cpp_wrapper": True})
+    ee, reference = e.clone().requires_grad_(), e.clone().requires_grad_()
+    compiled(ee, c, targets).backward()
+    cce_compile.linear_cross_entropy(reference, c, targets, memory=memory).backward()
+    torch.testing.assert_close(ee.grad, reference.grad)

@@ -40,15 +40,6 @@ _REASON_CHARS = 400
 _LOG_WIDTH = 220
 
 
-def compile_afresh(tag: str) -> None:
-    """The next torch.compile'd call traces again, and torch.compile's on-disk caches key on
-    `tag`. The op's config and Policy are fixed when a graph is traced and no cache key holds
-    them, so an A/B of either under torch.compile must start each arm this way (without it
-    the second arm replays the first arm's graph, in one process or the next)."""
-    torch._dynamo.reset()
-    torch.compiler.config.cache_key_tag = tag
-
-
 def resolve_kinds(kinds: list[str] | None) -> list[str]:
     """The named input kinds, checked; None or empty means DEFAULT_KINDS."""
     unknown = sorted(set(kinds or []) - INPUT_KINDS.keys())

@@ -6,9 +6,12 @@ functions give their outputs' shapes, so a dynamic N traces without specializing
 Inductor calls each as an extern kernel that runs the same code as an eager call: the same
 kernels, cuBLAS for the gradient GEMMs, the slab loop's CUDA graph. So the compiled graph's
 size does not grow with the backward's slab count, and compiled and eager calls launch alike.
-The forward picks its config and policy when it runs; the autograd passes both to the
-backward as strings, so the backward launches with the forward's (filtered mode's kept tiles
-are laid out by its tiles), on whatever thread autograd runs it.
+The forward picks its config and policy when it runs, or, traced by torch.compile through
+the API, takes the ones resolved where it was traced (its `settings` argument,
+ops/problem.traced_settings; a direct call of the op that omits it resolves as it runs);
+the autograd passes them to the backward as one string, so the backward launches with the
+forward's (filtered mode's kept tiles are laid out by its tiles), on whatever thread
+autograd runs it.
 
 The fused op computes a scalar loss and its gradients in one call (ops/forward_fused.py); its
 backward only scales them by the loss's upstream gradient.
@@ -16,9 +19,7 @@ backward only scales them by the loss's upstream gradient.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -27,14 +28,14 @@ from torch._subclasses.fake_tensor import is_fake
 from ..config.kernel_config import KernelConfig
 from ..kernels.fused_forward import scale_unless_one_kernel
 from ..plan.launch import plan_launch, runs_triton
-from ..plan.policy import active_policy, policy_from_json, policy_to_json
+from ..plan.policy import Policy
 from .backward import run_backward
 from .filtering import FilterStats
 from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
 from .launch import KernelLauncher
 from .precision import without_autocast
-from .problem import cdiv, config_for, launch_with_config, options_of, problem_of
+from .problem import cdiv, decode_settings, launch_with_config, options_of, problem_of, resolved_settings
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -42,33 +43,31 @@ ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 @torch.library.custom_op("cce::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
+    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float, settings: str = "",
 ) -> ForwardOutputs:
     """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles, tile_lse, vocab_order).
 
     loss and lse are fp32; `softcap` 0 means none, `filter_eps` 0 exact mode. With
     filter_eps > 0 the forward also returns what the backward filters with: the vocabulary
     order and, on the Triton path, the kept tiles and tile log-sum-exps (ops/filtering.py);
-    otherwise these are empty."""
-    policy = active_policy()
-    filtered = filter_eps > 0.0
+    otherwise these are empty. `settings`: the traced config and policy ("" resolves them)."""
     options = options_of(bias, weight, softcap, label_smoothing, filter_eps)
 
-    def launch(config: KernelConfig) -> ForwardOutputs:
+    def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
         plan = plan_launch(problem_of(e, c), options, config, policy)
         return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
 
-    return launch_with_config(e, c, filtered, policy, launch)
+    return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
-def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool) -> FilterStats:
+def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool,
+                      settings: str) -> FilterStats:
     """The shapes forward.row_and_filter_stats gives its FilterStats, for the fake functions."""
     n, v = e.shape[0], c.shape[0]
-    policy = active_policy()
     filtered = filter_eps > 0.0
     kept_shape = tile_shape = (0, 0)
+    config, policy = decode_settings(settings or resolved_settings(e, c, True)) if filtered else (None, None)
     if filtered and runs_triton(problem_of(e, c), policy):
-        config = config_for(e, c, filtered, policy)
         kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
         tile_shape = (n, cdiv(v, config.forward.block_n))
     return FilterStats(
@@ -80,9 +79,10 @@ def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, 
 
 
 @linear_cross_entropy_forward.register_fake
-def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps) -> ForwardOutputs:
+def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps,
+                  settings="") -> ForwardOutputs:
     n = e.shape[0]
-    kept_tiles, tile_lse, _, order = fake_filter_stats(e, c, targets, filter_eps, False)
+    kept_tiles, tile_lse, _, order = fake_filter_stats(e, c, targets, filter_eps, False, settings)
     return e.new_empty((n,), dtype=torch.float32), e.new_empty((n,), dtype=torch.float32), kept_tiles, tile_lse, order
 
 
@@ -91,12 +91,13 @@ def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
     bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
     vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
-    need_grad_e: bool, need_grad_c: bool, config: str, policy: str,
+    need_grad_e: bool, need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (grad_e, grad_c, grad_bias), with the forward's `config` and `policy` (as JSON). A
+    """-> (grad_e, grad_c, grad_bias), with the forward's config and policy (`settings`,
+    problem.encode_settings). A
     gradient not needed (a frozen head under LoRA: need_grad_c False) comes back empty and its
     GEMMs never run; grad_bias is empty when there is no bias."""
-    kernel_config, launch_policy = config_from_json(config), policy_from_json(policy)
+    kernel_config, launch_policy = decode_settings(settings)
     plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps),
                        kernel_config, launch_policy)
     grad_e, grad_c, grad_bias = run_backward(
@@ -110,7 +111,7 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
-                   ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c, config, policy):
+                   ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c, settings):
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
@@ -118,26 +119,13 @@ def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_t
     )
 
 
-@lru_cache(maxsize=64)
-def config_from_json(text: str) -> KernelConfig:
-    return KernelConfig.from_dict(json.loads(text))
-
-
-@lru_cache(maxsize=64)
-def config_to_json(config: KernelConfig) -> str:
-    """Cached: every call's autograd context carries its config to the backward as JSON."""
-    return json.dumps(config.to_dict(), sort_keys=True)
-
-
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps = inputs
+    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps, settings = inputs
     _, lse, kept_tiles, tile_lse, order = output
     ctx.save_for_backward(e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order)
     ctx.mark_non_differentiable(kept_tiles, tile_lse, order)
     ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
-    policy = active_policy()
-    ctx.config = config_to_json(config_for(e, c, filter_eps > 0.0, policy))
-    ctx.policy = policy_to_json(policy)
+    ctx.settings = settings or resolved_settings(e, c, filter_eps > 0.0)
 
 
 def no_double_backward(op: str) -> Callable[..., tuple[Tensor | None, ...]]:
@@ -161,10 +149,10 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
     with without_autocast(e.device.type):
         grad_e, grad_c, grad_bias = linear_cross_entropy_backward(
             grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order, *ctx.options,
-            need_grad_e, need_grad_c, ctx.config, ctx.policy,
+            need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None)
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -175,23 +163,24 @@ linear_cross_entropy_backward.register_autograd(no_double_backward("linear_cross
 def linear_cross_entropy_fused(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, ignore_index: int,
     label_smoothing: float, softcap: float, z_loss: float, reduction: str, need_grad_e: bool, need_grad_c: bool,
+    settings: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, grad_e, grad_c, grad_bias): the loss reduced ("mean" or "sum"; 0-d fp32),
-    z-loss included, and its gradients (empty where not needed, grad_bias without a bias)."""
-    policy = active_policy()
+    z-loss included, and its gradients (empty where not needed, grad_bias without a bias).
+    `settings`: the traced config and policy ("" resolves them)."""
     options = options_of(bias, weight, softcap, label_smoothing, 0.0)
 
-    def launch(config: KernelConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan = plan_launch(problem_of(e, c), options, config, policy)
         return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
 
-    return launch_with_config(e, c, False, policy, launch)
+    return launch_with_config(e, c, False, settings, launch, replaceable=True)
 
 
 @linear_cross_entropy_fused.register_fake
 def _fused_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss, reduction, need_grad_e,
-                need_grad_c):
+                need_grad_c, settings=""):
     return (
         e.new_empty((), dtype=torch.float32),
         e.new_empty(e.shape if need_grad_e else (0,)),
@@ -240,14 +229,14 @@ def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
                            "to the first backward to run another")
     gradients = ctx.gradients
     if grad_loss is None:  # the loss itself reached nothing that is differentiated
-        return (None,) * 12
+        return (None,) * 13
     in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
     if in_place:
         ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy
     grad_e, grad_c, grad_bias = (scaled(g, grad_loss, in_place) if g.numel() else g for g in gradients)
     need_grad_e, need_grad_c, need_grad_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if need_grad_bias else None, None, None, None, None, None, None, None, None)
+            grad_bias if need_grad_bias else None, None, None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)

@@ -19,14 +19,13 @@ import torch
 from torch import Tensor
 
 from ..plan.launch import Options, plan_launch
-from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_and_filter_stats
-from .library import config_from_json, config_to_json, fake_filter_stats, no_double_backward
+from .library import fake_filter_stats, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
-from .problem import config_for, options_of, problem_of
+from .problem import decode_settings, options_of, problem_of, resolved_settings
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -38,15 +37,15 @@ def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: flo
 @torch.library.custom_op("cce::linear_log_probs_forward", mutates_args=())
 def linear_log_probs_forward(
     e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None, ignore_index: int, softcap: float, entropy: bool,
-    filter_eps: float,
+    filter_eps: float, settings: str = "",
 ) -> LogProbOutputs:
     """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, mean_logit, kept_tiles,
     tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and mean_logit
     (sum_j p_j l_j, what the entropy's backward needs) empty without `entropy`; the last four
     what filtered mode's backward filters with (filtering.FilterStats; empty with
-    `filter_eps` 0, exact mode). `softcap` 0 means none."""
-    policy = active_policy()
-    config = config_for(e, c, filter_eps > 0.0, policy)
+    `filter_eps` 0, exact mode). `softcap` 0 means none. `settings`: the traced config and
+    policy ("" resolves them)."""
+    config, policy = decode_settings(settings or resolved_settings(e, c, filter_eps > 0.0))
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), config, policy)
     (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(
         plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
@@ -57,12 +56,12 @@ def linear_log_probs_forward(
 
 
 @linear_log_probs_forward.register_fake
-def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps) -> LogProbOutputs:
+def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, settings="") -> LogProbOutputs:
     n = e.shape[0]
     per_row = e.new_empty((n,), dtype=torch.float32)
     maybe = e.new_empty((n,) if entropy else (0,), dtype=torch.float32)
     return (per_row, maybe, e.new_empty((n,), dtype=torch.float32), e.new_empty(maybe.shape, dtype=torch.float32),
-            *fake_filter_stats(e, c, tokens, filter_eps, entropy))
+            *fake_filter_stats(e, c, tokens, filter_eps, entropy, settings))
 
 
 @torch.library.custom_op("cce::linear_log_probs_backward", mutates_args=())
@@ -70,12 +69,12 @@ def linear_log_probs_backward(
     grad_log_probs: Tensor, grad_entropy: Tensor | None, e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None,
     lse: Tensor, mean_logit: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
     vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, need_grad_e: bool, need_grad_c: bool,
-    config: str, policy: str,
+    settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
-    None) the entropies, with the forward's filter statistics, `config` and `policy` (JSON).
+    None) the entropies, with the forward's filter statistics, config and policy (`settings`).
     A gradient not needed comes back empty, grad_bias empty without a bias."""
-    kernel_config, launch_policy = config_from_json(config), policy_from_json(policy)
+    kernel_config, launch_policy = decode_settings(settings)
     entropy = grad_entropy is not None
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), kernel_config, launch_policy)
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
@@ -92,8 +91,7 @@ def linear_log_probs_backward(
 
 @linear_log_probs_backward.register_fake
 def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, kept_tiles, tile_lse,
-                   tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, need_grad_e, need_grad_c, config,
-                   policy):
+                   tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, need_grad_e, need_grad_c, settings):
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
@@ -102,15 +100,13 @@ def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_l
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps = inputs
+    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, settings = inputs
     _, _, *kept = output  # lse, mean_logit and the filter statistics
     ctx.save_for_backward(e, c, tokens, bias, *kept)
     ctx.mark_non_differentiable(*kept)
     ctx.options = (ignore_index, softcap, filter_eps)
     ctx.entropy = entropy
-    policy = active_policy()
-    ctx.config = config_to_json(config_for(e, c, filter_eps > 0.0, policy))
-    ctx.policy = policy_to_json(policy)
+    ctx.settings = settings or resolved_settings(e, c, filter_eps > 0.0)
 
 
 def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
@@ -124,10 +120,10 @@ def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
     with without_autocast(e.device.type):  # the op's fp32 math is its own
         grad_e, grad_c, grad_bias = linear_log_probs_backward(
             grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, *filter_stats, *ctx.options,
-            need_grad_e, need_grad_c, ctx.config, ctx.policy,
+            need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None)
 
 
 linear_log_probs_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,8 +1,12 @@
 """What an op call's tensors say about how it can run: the Problem that plan_launch takes,
-the key its config is resolved for, and the device facts the runners size launches by."""
+the key its config is resolved for, the settings (config and Policy) it launches with, and
+the device facts the runners size launches by."""
 
 from __future__ import annotations
 
+import base64
+import json
+import operator
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TypeVar
@@ -14,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.keys import ProblemKey, n_bucket
 from ..plan.launch import Options, Problem
-from ..plan.policy import Policy
+from ..plan.policy import Policy, active_policy, policy_from_json, policy_to_json
 from ..resolve.ladder import launch_failed, resolve_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -74,33 +78,92 @@ def options_of(bias: Tensor | None, weight: Tensor | None, softcap: float, label
                    has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0)
 
 
+def key_of(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool, policy: Policy) -> ProblemKey:
+    device = "cuda" if on_cuda else ("interpreter" if policy.triton_on_cpu else "cpu")
+    return ProblemKey(device=device, v=v, d=d, dtype=dtype, n_bucket=bucket, mode="filtered" if filtered else "exact")
+
+
 def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> ProblemKey:
     """`key_v` names the config by another vocabulary size than c's (one every shard of a
     vocabulary-parallel call names alike, so that rank 0's resolution serves all ranks)."""
-    device = "cuda" if e.is_cuda else ("interpreter" if policy.triton_on_cpu else "cpu")
-    return ProblemKey(device=device, v=int(c.shape[0] if key_v is None else key_v), d=int(c.shape[1]), dtype=dtype_name(e.dtype),
-                      n_bucket=n_bucket(e.shape[0]), mode="filtered" if filtered else "exact")
+    return key_of(e.is_cuda, int(c.shape[0] if key_v is None else key_v), int(c.shape[1]), dtype_name(e.dtype),
+                  n_bucket(e.shape[0]), filtered, policy)
 
 
 def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> KernelConfig:
     return resolve_config(problem_key(e, c, filtered, policy, key_v))
 
 
-def launch_with_config(e: Tensor, c: Tensor, filtered: bool, policy: Policy, launch: Callable[[KernelConfig], T]) -> T:
-    """`launch(config)` with the call's resolved config. A config from outside the process that
-    fails to launch (Triton refusing it) costs this call one failed launch per source: the
-    ladder drops that source for the key and the next rung's config launches instead. Running
-    out of memory says nothing about the config and is raised as it is."""
+@lru_cache(maxsize=64)
+def encode_settings(config: KernelConfig, policy: Policy) -> str:
+    """A call's config and Policy as one string argument of the ops (the forward's traced
+    settings, the backward's): base64 of their JSON, since Inductor's C++ wrapper writes a
+    string argument into its source unescaped. Cached: every call encodes one."""
+    text = json.dumps(config.to_dict(), sort_keys=True) + "\n" + policy_to_json(policy)
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+@lru_cache(maxsize=64)
+def decode_settings(settings: str) -> tuple[KernelConfig, Policy]:
+    config, policy = base64.urlsafe_b64decode(settings).decode().split("\n")
+    return KernelConfig.from_dict(json.loads(config)), policy_from_json(policy)
+
+
+def resolved_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
+    """The active Policy and the config resolved for it now, encoded."""
+    policy = active_policy()
+    return encode_settings(config_for(e, c, filtered, policy, key_v), policy)
+
+
+def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
+    """The settings argument of a forward op's call: "" for an eager call (the op resolves
+    its config under the active Policy as it runs); under torch.compile the settings resolved
+    now, where the call is traced. The graph holds them as a constant, so the op runs, its
+    fake function sizes and its backward launches with the config it was traced for, and
+    torch.compile's caches, which key on the graph, never hand a later process a graph traced
+    for another config or Policy. Inside one process a graph keeps what it was traced with
+    (Dynamo does not guard on them): torch._dynamo.reset() retraces. V and D are read as
+    constants (operator.index, which Dynamo specializes: a dynamic V or D, dynamic=True,
+    recompiles per value, as the config's key needs); N counts by its bucket, one range guard
+    per power of two."""
+    if not torch.compiler.is_compiling():
+        return ""
+    v = operator.index(c.shape[0] if key_v is None else key_v)
+    return _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype), n_bucket(e.shape[0]),
+                             filtered)
+
+
+@torch.compiler.assume_constant_result
+def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool) -> str:
+    policy = active_policy()
+    return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy)), policy)
+
+
+def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
+                       launch: Callable[[KernelConfig, Policy], T], replaceable: bool = False) -> T:
+    """`launch(config, policy)` with the call's settings: `settings` where it was traced
+    (traced_settings), else the active Policy and the config resolved now. A resolved config
+    from outside the process that fails to launch (Triton refusing it) costs this call one
+    failed launch per source: the ladder drops that source for the key and the next rung's
+    config launches instead. A traced call takes another only where it is `replaceable` (its
+    outputs' sizes and its backward do not depend on the config: the fused forward); else the
+    error is raised and the source dropped for the next trace. Running out of memory says
+    nothing about the config and is raised as it is."""
+    config, policy = decode_settings(settings or resolved_settings(e, c, filtered))
     key = problem_key(e, c, filtered, policy)
     while True:
-        config = resolve_config(key)
         try:
-            return launch(config)
+            return launch(config, policy)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
             if not launch_failed(key, error):
                 raise
+            if settings and not replaceable:
+                raise RuntimeError(f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "
+                                   "its source is dropped, so torch._dynamo.reset() or a new process traces with "
+                                   "the next one") from error
+        config = resolve_config(key)
 
 
 def kernel_flags(e: Tensor) -> dict[str, bool]:

@@ -21,13 +21,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ..plan.launch import plan_launch
-from ..plan.policy import active_policy, policy_from_json, policy_to_json
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_stats
-from .library import config_from_json, config_to_json
 from .precision import without_autocast
-from .problem import config_for, options_of, problem_of
+from .problem import decode_settings, options_of, problem_of, resolved_settings
 
 # the label smoothing the plans and runners are told of: they read only whether it is on
 _SMOOTHING_ON = 1.0
@@ -36,7 +34,7 @@ _SMOOTHING_ON = 1.0
 @torch.library.custom_op("cce::shard_row_stats", mutates_args=())
 def shard_row_stats(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, softcap: float,
-    need_weighted_sum: bool, grad_e_group: str, config_v: int,
+    need_weighted_sum: bool, grad_e_group: str, config_v: int, settings: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """e (N, D), the shard c (V_shard, D), targets (N,) as shard-local ids (any id outside
     [0, V_shard) - a target in another shard, an ignored token - has target logit 0) ->
@@ -44,9 +42,9 @@ def shard_row_stats(
     logit_j, w = weight or ones) is empty without need_weighted_sum. `grad_e_group`: see the
     module doc ("" for none). The kernel config is the one for vocabulary size `config_v`:
     shards differ in size, and each size its own key would leave the ranks other than 0
-    waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0)."""
-    policy = active_policy()
-    config = config_for(e, c, False, policy, config_v)
+    waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0). `settings`:
+    the traced config and policy ("" resolves them)."""
+    config, policy = decode_settings(settings or resolved_settings(e, c, False, config_v))
     options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0)
     plan = plan_launch(problem_of(e, c), options, config, policy)
     none = targets.new_empty((0,))
@@ -57,7 +55,7 @@ def shard_row_stats(
 
 
 @shard_row_stats.register_fake
-def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v):
+def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, settings=""):
     n = e.shape[0]
     return (e.new_empty((n,), dtype=torch.float32), e.new_empty((n,), dtype=torch.float32),
             e.new_empty((n,) if need_weighted_sum else (0,), dtype=torch.float32))
@@ -67,12 +65,12 @@ def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, gra
 def shard_row_stats_backward(
     grad_lse: Tensor, grad_target_logit: Tensor, grad_weighted_sum: Tensor, e: Tensor, c: Tensor, targets: Tensor,
     bias: Tensor | None, weight: Tensor | None, lse: Tensor, softcap: float, has_smoothing: bool, need_grad_e: bool,
-    need_grad_c: bool, config: str, policy: str,
+    need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) of the shard's statistics given their upstream
     gradients; grad_weighted_sum is read only with has_smoothing. As the unsharded backward
     op: a gradient not needed comes back empty, grad_bias is empty without a bias."""
-    kernel_config, launch_policy = config_from_json(config), policy_from_json(policy)
+    kernel_config, launch_policy = decode_settings(settings)
     options = options_of(bias, weight, softcap, _SMOOTHING_ON if has_smoothing else 0.0, 0.0)
     plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
     coef_softmax = grad_lse.to(torch.float32).contiguous()
@@ -90,18 +88,16 @@ def shard_row_stats_backward(
 
 @shard_row_stats_backward.register_fake
 def _row_stats_backward_fake(grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
-                             has_smoothing, need_grad_e, need_grad_c, config, policy):
+                             has_smoothing, need_grad_e, need_grad_c, settings):
     return (e.new_empty(e.shape if need_grad_e else (0,)), c.new_empty(c.shape if need_grad_c else (0,)),
             c.new_empty(c.shape[:1] if bias is not None else (0,)))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v = inputs
+    e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, settings = inputs
     ctx.save_for_backward(e, c, targets, bias, weight if need_weighted_sum else None, output[0])
     ctx.options = (softcap, need_weighted_sum, grad_e_group)
-    policy = active_policy()
-    ctx.config = config_to_json(config_for(e, c, False, policy, config_v))
-    ctx.policy = policy_to_json(policy)
+    ctx.settings = settings or resolved_settings(e, c, False, config_v)
 
 
 def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):
@@ -117,12 +113,12 @@ def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):
     with without_autocast(e.device.type):
         grad_e, grad_c, grad_bias = shard_row_stats_backward(
             grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
-            need_weighted_sum, need_grad_e, need_grad_c, ctx.config, ctx.policy,
+            need_weighted_sum, need_grad_e, need_grad_c, ctx.settings,
         )
     if need_grad_e and grad_e_group:
         grad_e = funcol.wait_tensor(funcol.all_reduce(grad_e, "sum", grad_e_group))
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None)
 
 
 shard_row_stats.register_autograd(_backward, setup_context=_setup_context)

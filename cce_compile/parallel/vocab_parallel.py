@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..ops.loss_terms import loss_of_terms, reduce_with_z_loss
 from ..ops.precision import without_autocast
+from ..ops.problem import traced_settings
 from ..ops.vocab_parallel import shard_row_stats
 
 
@@ -174,9 +175,10 @@ def vocab_parallel_loss(
     local_targets = torch.where(mine, local, -1)
     smoothing = label_smoothing > 0.0
     with without_autocast(e.device.type):
+        config_v = -(-v // parallel.world_size)
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
-            parallel.group_name if parallel.reduce_grad_e else "", -(-v // parallel.world_size),
+            parallel.group_name if parallel.reduce_grad_e else "", config_v, traced_settings(e, c, False, config_v),
         )
     terms = [lse_shard, target_logit]
     if smoothing:

@@ -1,7 +1,8 @@
 """Every threshold that picks a kernel or sizes a plan, in one frozen Policy.
 
-The op reads the active policy (`active_policy()`), never module constants; tests and A/B
-scripts run a block under another one with `override_policy(Policy(...))`. The reasons below
+The op reads the active policy (`active_policy()`) when it runs eagerly, or where
+torch.compile traces it, never module constants; tests and A/B scripts run a block under
+another one with `override_policy(Policy(...))`. The reasons below
 are the measurements behind each default (the investigations: docs/notes/).
 """
 
@@ -151,7 +152,8 @@ def active_policy() -> Policy:
 @contextlib.contextmanager
 def override_policy(policy: Policy) -> Iterator[None]:
     """Run every op call in this block (on this thread) under `policy`; the op's autograd
-    carries it to the backward, which autograd may run on another thread."""
+    carries it to the backward, which autograd may run on another thread. A call that
+    torch.compile traced earlier keeps the policy it was traced under (ops/problem.traced_settings)."""
     previous = getattr(_local, "policy", None)
     _local.policy = policy
     try:

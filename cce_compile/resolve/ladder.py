@@ -42,7 +42,8 @@ _local = threading.local()
 @contextlib.contextmanager
 def override_config(config: KernelConfig) -> Iterator[None]:
     """Launch every op call in this block (on this thread) with `config`: what the tuner
-    and the tests use to try a candidate."""
+    and the tests use to try a candidate. A call that torch.compile traced earlier keeps the
+    config it was traced with (ops/problem.traced_settings)."""
     config.validate()
     previous = getattr(_local, "override", None)
     _local.override = config
