@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 
@@ -40,6 +41,7 @@ def test_bad_tensors(change, error, pattern) -> None:
     [
         ({"reduction": "avg"}, r"reduction must be one of"),
         ({"label_smoothing": -0.1}, r"label_smoothing must be a finite number in \[0, 1\], got -0.1"),
+        ({"ignore_index": 2**70}, r"ignore_index must fit in int64"),
         ({"softcap": 0.0}, r"softcap must be a finite number > 0 \(or None\)"),
         ({"softcap": -3.0}, r"softcap must be a finite number > 0"),
         ({"softcap": float("inf")}, r"softcap must be a finite number > 0 \(or None\), got inf"),
@@ -68,12 +70,22 @@ def test_bad_options(options, pattern) -> None:
         ({"weight": [1.0] * 20}, r"weight must be None or a torch.Tensor, got list"),
         ({"shift": "false"}, r"shift must be a bool, got str"),
         ({"return_lse": "no"}, r"return_lse must be a bool, got str"),
+        ({"shift": numpy.bool_(True)}, r"shift must be a bool, got numpy.bool"),
     ],
 )
 def test_options_of_the_wrong_type(options, pattern) -> None:
     """An option of the wrong Python type is named, not left to fail deep inside the call."""
     with pytest.raises(TypeError, match=pattern):
         cce_compile.linear_cross_entropy(*good(), **options)
+
+
+def test_shift_of_sequences_of_no_position_gives_empty_outputs() -> None:
+    """(B, 0) positions shifted: nothing to score, no padding column (which made (B, 1))."""
+    e, c = torch.randn(2, 0, 8), torch.randn(100, 8)
+    tokens = torch.zeros(2, 0, dtype=torch.long)
+    assert cce_compile.linear_log_probs(e, c, tokens, shift=True).shape == (2, 0)
+    assert cce_compile.linear_cross_entropy(e, c, tokens, shift=True, reduction="none").shape == (2, 0)
+    assert cce_compile.linear_cross_entropy(e, c, tokens, shift=True).item() == 0.0
 
 
 def test_error_leaves_no_state_behind() -> None:
