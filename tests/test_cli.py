@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,15 @@ def test_a_bad_token_spec_stops_serve_in_one_line() -> None:
 def test_a_bad_setting_stops_serve_in_one_line() -> None:
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_MAX_BODY_BYTES": "lots"})
     assert_one_line_failure(done, "max_body_bytes")
+
+
+def test_serve_stops_in_one_line_on_a_port_in_use(tmp_path: Path) -> None:
+    """Not uvicorn's error among its start-up lines and exit status 3."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = cce("serve", "--port", str(port), "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}")
+    assert_one_line_failure(done, f"cannot listen on 127.0.0.1:{port}")
+    assert done.returncode == 1
 
 
 def test_serve_stops_in_one_line_on_a_database_it_cannot_open(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from cce_compile.cli.errors import fail
+
 
 def _split(values: list[str] | None) -> list[str]:
     """List options take repeats and comma-separated values alike."""
@@ -23,8 +25,7 @@ def _render(out: Path, sync: list[Path] | None) -> None:
 
     csv_path = out / results.CSV_NAME
     if not csv_path.exists():
-        typer.echo(f"--render: no results at {csv_path}", err=True)
-        raise typer.Exit(2)
+        fail(f"--render: no results at {csv_path}", status=2)
     for path in [*results.render(csv_path), *results.sync_tables(csv_path, sync or [])]:
         typer.echo(f"wrote {path}")
 
@@ -75,8 +76,7 @@ def bench(
                                              peers.resolve_compile_modes(_split(compile_modes)))
         kind_list = harness.resolve_kinds(_split(kinds))
     except harness.BenchmarkUnavailable as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(2) from err
+        fail(str(err), status=2)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     settings = harness.Settings(warmup_ms=warmup_ms, rep_ms=rep_ms, input_sets=input_sets, budget_s=budget_s,

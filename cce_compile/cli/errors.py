@@ -15,10 +15,11 @@ TRACEBACK_ENV = "CCE_TRACEBACK"
 POSTGRES_DRIVER_HINT = "PostgreSQL URLs need psycopg: pip install 'cce-compile[postgres]'"
 
 
-def fail(message: str) -> NoReturn:
-    """Stop the command with `message` (one line) and exit status 1."""
+def fail(message: str, status: int = 1) -> NoReturn:
+    """Stop the command with `message` (one line) and exit `status`: 1, or 2 where the command
+    cannot run here at all (a GPU command without a GPU, nothing to render)."""
     typer.echo(f"cce: error: {' '.join(message.split())}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(status)
 
 
 def one_line(error: BaseException) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ def serve(
     # Every worker builds its app from the environment, so the URL travels there.
     os.environ[DB_URL_ENV] = resolve_db_url(db_url)
     settings = _checked_settings()
+    _check_free(host, port)
     for line in startup_report(settings, os.environ[DB_URL_ENV]):
         typer.echo(f"cce serve: {line}", err=True)
     with _cleanups_run_on_sigterm(), tempfile.TemporaryDirectory(prefix="cce-metrics-") as metrics_dir:
@@ -52,6 +54,16 @@ def serve(
             workers=workers,
             log_level=log_level,
         )
+
+
+def _check_free(host: str, port: int) -> None:
+    """A one-line error where the address cannot be listened on (a port in use): uvicorn
+    would log it among its start-up lines and exit 3."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        fail(f"cannot listen on {host}:{port}: {error.strerror or error}")
 
 
 class _Terminated(BaseException):

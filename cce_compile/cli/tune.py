@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from cce_compile.cli.errors import fail
 from cce_compile.cli.lookup import checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
@@ -75,8 +76,7 @@ def tune(
     if dry_run:
         return
     if device == "cuda" and not torch.cuda.is_available():
-        typer.echo("cce tune times Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, for tests)", err=True)
-        raise typer.Exit(2)
+        fail("cce tune times Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, for tests)", status=2)
     publisher = _publisher(publish, db_url)
     result = _run_with_progress(tuner)
     _print_result(result, untuned)
