@@ -267,14 +267,14 @@ def linear_cross_entropy(
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
                 float(softcap or 0.0), float(z_loss), reduction, e.requires_grad, c.requires_grad,
-                traced_settings(flat_e, c, False),
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with without_autocast(e.device.type):
         loss, lse, *_ = ops.linear_cross_entropy_forward(
             flat_e, c, flat_targets, bias, weight,
-            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps, traced_settings(flat_e, c, eps > 0.0),
+            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
+            traced_settings(flat_e, c, eps > 0.0, backward=needs_grad),
         )
     valid = flat_targets != ignore_index
     weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
@@ -335,7 +335,7 @@ def linear_log_probs(
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
             flat_e, c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps,
-            traced_settings(flat_e, c, eps > 0.0))
+            traced_settings(flat_e, c, eps > 0.0, backward=_needs_grad(e, c, bias)))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
     return log_probs.reshape(tokens.shape)

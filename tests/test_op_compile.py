@@ -410,3 +410,25 @@ def test_cpp_wrapper_compiles_the_ops_string_arguments(memory: str) -> None:
     compiled(ee, c, targets).backward()
     cce_compile.linear_cross_entropy(reference, c, targets, memory=memory).backward()
     torch.testing.assert_close(ee.grad, reference.grad)
+
+
+def test_calls_without_traced_settings_compile_no_graph_per_power_of_two() -> None:
+    """The fused loss (the default) and no-grad calls depend on no traced config, so a dynamic
+    N across five powers of two compiles as before the settings existed (two graphs: N = 5,
+    then every N), not one per power of two."""
+    c = torch.randn(300, 16, requires_grad=True)
+    calls = {
+        "fused": (lambda e, t: cce_compile.linear_cross_entropy(e, c, t), True),
+        "no-grad log-probs": (lambda e, t: cce_compile.linear_log_probs(e, c, t, entropy=True), False),
+    }
+    for name, (fn, grad) in calls.items():
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+        for n in (5, 9, 17, 33, 65):
+            e, t = torch.randn(n, 16, requires_grad=grad), torch.randint(0, 300, (n,))
+            with torch.set_grad_enabled(grad):
+                out = compiled(e, t)
+            if grad:
+                out.backward()
+        assert counter.frame_count <= 2, (name, counter.frame_count)

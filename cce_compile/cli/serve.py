@@ -60,7 +60,7 @@ def _check_free(host: str, port: int) -> None:
     """A one-line error where the address cannot be listened on (a port in use): uvicorn
     would log it among its start-up lines and exit 3."""
     try:
-        with socket.create_server((host, port)):
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
             pass
     except OSError as error:
         fail(f"cannot listen on {host}:{port}: {error.strerror or error}")

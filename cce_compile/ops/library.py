@@ -94,9 +94,8 @@ def linear_cross_entropy_backward(
     need_grad_e: bool, need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias), with the forward's config and policy (`settings`,
-    problem.encode_settings). A
-    gradient not needed (a frozen head under LoRA: need_grad_c False) comes back empty and its
-    GEMMs never run; grad_bias is empty when there is no bias."""
+    problem.encode_settings). A gradient not needed (a frozen head under LoRA: need_grad_c
+    False) comes back empty and its GEMMs never run; grad_bias is empty when there is no bias."""
     kernel_config, launch_policy = decode_settings(settings)
     plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps),
                        kernel_config, launch_policy)
@@ -175,7 +174,7 @@ def linear_cross_entropy_fused(
         return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
                          reduction, need_grad_e, need_grad_c)
 
-    return launch_with_config(e, c, False, settings, launch, replaceable=True)
+    return launch_with_config(e, c, False, settings, launch)
 
 
 @linear_cross_entropy_fused.register_fake

@@ -115,18 +115,21 @@ def resolved_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = 
     return encode_settings(config_for(e, c, filtered, policy, key_v), policy)
 
 
-def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
-    """The settings argument of a forward op's call: "" for an eager call (the op resolves
-    its config under the active Policy as it runs); under torch.compile the settings resolved
-    now, where the call is traced. The graph holds them as a constant, so the op runs, its
-    fake function sizes and its backward launches with the config it was traced for, and
-    torch.compile's caches, which key on the graph, never hand a later process a graph traced
-    for another config or Policy. Inside one process a graph keeps what it was traced with
-    (Dynamo does not guard on them): torch._dynamo.reset() retraces. V and D are read as
-    constants (operator.index, which Dynamo specializes: a dynamic V or D, dynamic=True,
-    recompiles per value, as the config's key needs); N counts by its bucket, one range guard
-    per power of two."""
-    if not torch.compiler.is_compiling():
+def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None, *, backward: bool) -> str:
+    """The settings argument of a forward op's call: "" for an eager call, and for a traced
+    one whose outputs' sizes and backward do not depend on the config (exact mode without a
+    backward: the op resolves as it runs). Otherwise, under torch.compile, the config and
+    Policy resolved now, where the call is traced (filtered mode's tile statistics are sized
+    by the config; `backward`: autograd will run the op's backward, which launches with the
+    forward's). The graph holds them as a constant, so the op runs, its fake function sizes
+    and its backward launches with the config it was traced for, and torch.compile's caches,
+    which key on the graph, never hand a later process a graph traced for another config or
+    Policy. Inside one process a graph keeps what it was traced with (Dynamo does not guard
+    on them): torch._dynamo.reset() retraces. V and D are read as constants (operator.index,
+    which Dynamo specializes: a dynamic V or D, dynamic=True, recompiles per value, as the
+    config's key needs); N counts by its bucket, one range guard (and compile) per power of
+    two."""
+    if not (torch.compiler.is_compiling() and (filtered or backward)):
         return ""
     v = operator.index(c.shape[0] if key_v is None else key_v)
     return _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype), n_bucket(e.shape[0]),
@@ -140,15 +143,15 @@ def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, fi
 
 
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
-                       launch: Callable[[KernelConfig, Policy], T], replaceable: bool = False) -> T:
+                       launch: Callable[[KernelConfig, Policy], T]) -> T:
     """`launch(config, policy)` with the call's settings: `settings` where it was traced
     (traced_settings), else the active Policy and the config resolved now. A resolved config
     from outside the process that fails to launch (Triton refusing it) costs this call one
     failed launch per source: the ladder drops that source for the key and the next rung's
-    config launches instead. A traced call takes another only where it is `replaceable` (its
-    outputs' sizes and its backward do not depend on the config: the fused forward); else the
-    error is raised and the source dropped for the next trace. Running out of memory says
-    nothing about the config and is raised as it is."""
+    config launches instead. A traced call cannot take another (the graph's sizes and its
+    backward were made for its config): its failure is raised, with its source dropped for
+    the next trace where that config is still the one the ladder gives for the key. Running
+    out of memory says nothing about the config and is raised as it is."""
     config, policy = decode_settings(settings or resolved_settings(e, c, filtered))
     key = problem_key(e, c, filtered, policy)
     while True:
@@ -157,12 +160,14 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
+            if settings:
+                if resolve_config(key) != config or launch_failed(key, error):
+                    raise RuntimeError(
+                        f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "
+                        "torch._dynamo.reset() (or a new process) traces again with the next one") from error
+                raise
             if not launch_failed(key, error):
                 raise
-            if settings and not replaceable:
-                raise RuntimeError(f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "
-                                   "its source is dropped, so torch._dynamo.reset() or a new process traces with "
-                                   "the next one") from error
         config = resolve_config(key)
 
 

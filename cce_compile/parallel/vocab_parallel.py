@@ -178,7 +178,9 @@ def vocab_parallel_loss(
         config_v = -(-v // parallel.world_size)
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
-            parallel.group_name if parallel.reduce_grad_e else "", config_v, traced_settings(e, c, False, config_v),
+            parallel.group_name if parallel.reduce_grad_e else "", config_v,
+            traced_settings(e, c, False, config_v, backward=torch.is_grad_enabled() and (
+                e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))),
         )
     terms = [lse_shard, target_logit]
     if smoothing:

@@ -164,7 +164,7 @@ def override_policy(policy: Policy) -> Iterator[None]:
 
 @lru_cache(maxsize=64)
 def policy_to_json(policy: Policy) -> str:
-    """The policy as a string: how the forward op hands its policy to the backward op (cached:
+    """The policy as JSON, part of an op call's settings (ops/problem.encode_settings; cached:
     every call encodes one)."""
     return json.dumps(asdict(policy), sort_keys=True)
 
