@@ -14,18 +14,13 @@ from torch import Tensor, nn
 from . import ops
 from .ops.loss_terms import reduce_with_z_loss, target_weight
 from .ops.precision import without_autocast
-from .ops.problem import SUPPORTED_DTYPES, dtype_name, options_of, traced_settings
+from .ops.problem import SUPPORTED_DTYPES, dtype_name, needs_grad, options_of, traced_settings
 from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 _MEMORY = ("workspace", "low")
-
-
-def _needs_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd will want gradients of this call's operands."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -258,10 +253,10 @@ def linear_cross_entropy(
             softcap=float(softcap or 0.0), filter_eps=eps)
         out = out.reshape(lead_shape) if reduction == "none" else out
         return (out, lse.reshape(lead_shape)) if return_lse else out
-    needs_grad = _needs_grad(e, c, bias)
+    backward = needs_grad(e, c, bias)
     options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
     flat_e = e.reshape(-1, d)
-    if needs_grad and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
+    if backward and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
                                                               has_z_loss=z_loss > 0.0):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
@@ -274,7 +269,7 @@ def linear_cross_entropy(
         loss, lse, *_ = ops.linear_cross_entropy_forward(
             flat_e, c, flat_targets, bias, weight,
             int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
-            traced_settings(flat_e, c, eps > 0.0, backward=needs_grad),
+            traced_settings(flat_e, c, eps > 0.0, backward=backward),
         )
     valid = flat_targets != ignore_index
     weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
@@ -323,7 +318,8 @@ def linear_log_probs(
     e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
-    if not _needs_grad(e, c, bias):
+    backward = needs_grad(e, c, bias)
+    if not backward:
         eps = 0.0  # the filter is the backward's: a pass without one skips its bookkeeping
     if shift:
         if tokens.dim() < 1:
@@ -335,7 +331,7 @@ def linear_log_probs(
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
             flat_e, c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps,
-            traced_settings(flat_e, c, eps > 0.0, backward=_needs_grad(e, c, bias)))
+            traced_settings(flat_e, c, eps > 0.0, backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
     return log_probs.reshape(tokens.shape)

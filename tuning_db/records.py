@@ -67,6 +67,12 @@ LATEST_STORED = datetime.max.replace(tzinfo=timezone.utc) - timedelta(days=1)
 reads no others back), less a day, so that a session in any time zone can read them."""
 
 
+def as_utc(moment: datetime) -> datetime:
+    """`moment` in UTC, a time without an offset taken as UTC: what SQLite hands back (naive
+    UTC) and PostgreSQL (aware, in the session's zone) alike."""
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
 def _stored_moment(moment: datetime) -> datetime:
     """`moment` in UTC (a time without an offset is UTC), within what the databases store.
     Converting here, not in the store, keeps both databases alike: SQLite's DateTime drops
@@ -75,7 +81,7 @@ def _stored_moment(moment: datetime) -> datetime:
         f"must lie between {EARLIEST_STORED.isoformat()} and {LATEST_STORED.isoformat()} once converted to UTC"
     )
     try:
-        utc = moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+        utc = as_utc(moment)
     except OverflowError:  # before year 1 or after 9999, in UTC
         raise refused from None
     if not EARLIEST_STORED <= utc <= LATEST_STORED:

@@ -42,6 +42,7 @@ from tuning_db.records import (
     MatchLevel,
     MeasurementIn,
     RecordResult,
+    as_utc,
     clip,
 )
 
@@ -96,11 +97,6 @@ UID_QUERY_CHUNK = 500
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
-
-
-def _as_utc(moment: datetime) -> datetime:
-    """SQLite hands back naive timezone.utc, PostgreSQL aware times in the session's zone."""
-    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 def _dialect_insert(session: Session) -> Callable[..., Any]:
@@ -236,8 +232,8 @@ def _entry(row: Row[Any]) -> BestEntry:
         n_bucket=row.n_bucket,
         speedup=row.default_ms / row.median_ms,
         measurement_uid=row.measurement_uid,
-        measured_at=_as_utc(row.measured_at),
-        updated_at=_as_utc(row.updated_at),
+        measured_at=as_utc(row.measured_at),
+        updated_at=as_utc(row.updated_at),
         retired=row.retired,
     )
 
@@ -308,7 +304,7 @@ def lookup(engine: Engine, query: LookupQuery) -> LookupResult:
             abs(row.n_bucket.bit_length() - bucket.bit_length()),
             row.triton_version != query.triton_version,
             -row.n_bucket,
-            -_as_utc(row.updated_at).timestamp(),
+            -as_utc(row.updated_at).timestamp(),
             row.entry_id,
         )
 
@@ -385,7 +381,7 @@ def export_jsonl(engine: Engine) -> list[str]:
                 {
                     **_measurement_fields(row),
                     "measurement_uid": row.measurement_uid,
-                    "created_at": _as_utc(row.measured_at),
+                    "created_at": as_utc(row.measured_at),
                 },
                 inf_nan_mode="null",
             ).decode()

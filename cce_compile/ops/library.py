@@ -35,7 +35,7 @@ from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
 from .launch import KernelLauncher
 from .precision import without_autocast
-from .problem import cdiv, decode_settings, launch_with_config, options_of, problem_of, resolved_settings
+from .problem import backward_settings, cdiv, decode_settings, launch_settings, launch_with_config, options_of, problem_of
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -66,10 +66,11 @@ def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, 
     n, v = e.shape[0], c.shape[0]
     filtered = filter_eps > 0.0
     kept_shape = tile_shape = (0, 0)
-    config, policy = decode_settings(settings or resolved_settings(e, c, True)) if filtered else (None, None)
-    if filtered and runs_triton(problem_of(e, c), policy):
-        kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
-        tile_shape = (n, cdiv(v, config.forward.block_n))
+    if filtered:
+        config, policy = launch_settings(settings, e, c, True)
+        if runs_triton(problem_of(e, c), policy):
+            kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
+            tile_shape = (n, cdiv(v, config.forward.block_n))
     return FilterStats(
         e.new_empty(kept_shape, dtype=torch.int8),
         e.new_empty(tile_shape, dtype=torch.float16),
@@ -124,7 +125,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order)
     ctx.mark_non_differentiable(kept_tiles, tile_lse, order)
     ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
-    ctx.settings = settings or resolved_settings(e, c, filter_eps > 0.0)
+    ctx.settings = backward_settings(settings, e, c, filter_eps > 0.0)
 
 
 def no_double_backward(op: str) -> Callable[..., tuple[Tensor | None, ...]]:

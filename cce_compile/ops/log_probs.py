@@ -25,7 +25,7 @@ from .forward import row_and_filter_stats
 from .library import fake_filter_stats, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
-from .problem import decode_settings, options_of, problem_of, resolved_settings
+from .problem import backward_settings, decode_settings, launch_settings, options_of, problem_of
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -45,7 +45,7 @@ def linear_log_probs_forward(
     what filtered mode's backward filters with (filtering.FilterStats; empty with
     `filter_eps` 0, exact mode). `softcap` 0 means none. `settings`: the traced config and
     policy ("" resolves them)."""
-    config, policy = decode_settings(settings or resolved_settings(e, c, filter_eps > 0.0))
+    config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), config, policy)
     (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(
         plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
@@ -106,7 +106,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*kept)
     ctx.options = (ignore_index, softcap, filter_eps)
     ctx.entropy = entropy
-    ctx.settings = settings or resolved_settings(e, c, filter_eps > 0.0)
+    ctx.settings = backward_settings(settings, e, c, filter_eps > 0.0)
 
 
 def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):

@@ -78,6 +78,11 @@ def options_of(bias: Tensor | None, weight: Tensor | None, softcap: float, label
                    has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0)
 
 
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want gradients of a call's operands."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def key_of(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool, policy: Policy) -> ProblemKey:
     device = "cuda" if on_cuda else ("interpreter" if policy.triton_on_cpu else "cpu")
     return ProblemKey(device=device, v=v, d=d, dtype=dtype, n_bucket=bucket, mode="filtered" if filtered else "exact")
@@ -109,10 +114,20 @@ def decode_settings(settings: str) -> tuple[KernelConfig, Policy]:
     return KernelConfig.from_dict(json.loads(config)), policy_from_json(policy)
 
 
-def resolved_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
-    """The active Policy and the config resolved for it now, encoded."""
+def launch_settings(settings: str, e: Tensor, c: Tensor, filtered: bool,
+                    key_v: int | None = None) -> tuple[KernelConfig, Policy]:
+    """(config, policy) a forward op's call launches with: its traced `settings` decoded, or
+    for an eager call ("") the active Policy and the config resolved for it now."""
+    if settings:
+        return decode_settings(settings)
     policy = active_policy()
-    return encode_settings(config_for(e, c, filtered, policy, key_v), policy)
+    return config_for(e, c, filtered, policy, key_v), policy
+
+
+def backward_settings(settings: str, e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
+    """The settings a call's backward op launches with: the traced ones, or an eager call's
+    (launch_settings) encoded."""
+    return settings or encode_settings(*launch_settings(settings, e, c, filtered, key_v))
 
 
 def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None, *, backward: bool) -> str:
@@ -152,7 +167,7 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
     backward were made for its config): its failure is raised, with its source dropped for
     the next trace where that config is still the one the ladder gives for the key. Running
     out of memory says nothing about the config and is raised as it is."""
-    config, policy = decode_settings(settings or resolved_settings(e, c, filtered))
+    config, policy = launch_settings(settings, e, c, filtered)
     key = problem_key(e, c, filtered, policy)
     while True:
         try:

@@ -25,7 +25,7 @@ from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_stats
 from .precision import without_autocast
-from .problem import decode_settings, options_of, problem_of, resolved_settings
+from .problem import backward_settings, decode_settings, launch_settings, options_of, problem_of
 
 # the label smoothing the plans and runners are told of: they read only whether it is on
 _SMOOTHING_ON = 1.0
@@ -44,7 +44,7 @@ def shard_row_stats(
     shards differ in size, and each size its own key would leave the ranks other than 0
     waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0). `settings`:
     the traced config and policy ("" resolves them)."""
-    config, policy = decode_settings(settings or resolved_settings(e, c, False, config_v))
+    config, policy = launch_settings(settings, e, c, False, config_v)
     options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0)
     plan = plan_launch(problem_of(e, c), options, config, policy)
     none = targets.new_empty((0,))
@@ -97,7 +97,7 @@ def _setup_context(ctx, inputs, output) -> None:
     e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, settings = inputs
     ctx.save_for_backward(e, c, targets, bias, weight if need_weighted_sum else None, output[0])
     ctx.options = (softcap, need_weighted_sum, grad_e_group)
-    ctx.settings = settings or resolved_settings(e, c, False, config_v)
+    ctx.settings = backward_settings(settings, e, c, False, config_v)
 
 
 def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..ops.loss_terms import loss_of_terms, reduce_with_z_loss
 from ..ops.precision import without_autocast
-from ..ops.problem import traced_settings
+from ..ops.problem import needs_grad, traced_settings
 from ..ops.vocab_parallel import shard_row_stats
 
 
@@ -179,8 +179,7 @@ def vocab_parallel_loss(
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
             parallel.group_name if parallel.reduce_grad_e else "", config_v,
-            traced_settings(e, c, False, config_v, backward=torch.is_grad_enabled() and (
-                e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))),
+            traced_settings(e, c, False, config_v, backward=needs_grad(e, c, bias)),
         )
     terms = [lse_shard, target_logit]
     if smoothing:
