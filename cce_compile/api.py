@@ -149,23 +149,15 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = 
         raise ValueError(f"{name} must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
 
 
-def _apply_temperature(
-    e: Tensor, bias: Tensor | None, softcap: float | None, temperature: float,
-) -> tuple[Tensor, Tensor | None, float | None]:
-    """(e, bias, softcap) whose logits are the given ones divided by `temperature`, the
+def _temperature_scale(softcap: float | None, temperature: float) -> tuple[float, float]:
+    """(softcap, logit_scale) as the ops take them for logits divided by `temperature`, the
     soft-cap applied first (as a sampler divides a model's soft-capped logits):
-    s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)), so every kernel serves any
-    temperature. The scaled e is one elementwise pass (N x D, against the GEMM's N x V x D) and
-    is what the op keeps for its backward: e's size in memory more while autograd holds the
-    graph; temperature 1 makes no copy. In 16-bit inputs the scaled e is rounded to e's dtype:
-    exact at powers of two, otherwise an error in proportion to the logits' size (bf16: ~7e-4
-    relative in log-probs on flat rows, up to 0.1 nat on a trained model's peaked ones;
-    docs/rl.md)."""
-    if temperature == 1.0:
-        return e, bias, softcap
-    inverse = 1.0 / float(temperature)
-    return (e * inverse, None if bias is None else bias * inverse,
-            None if softcap is None else float(softcap) * inverse)
+    s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)). The kernels multiply their fp32
+    logits by logit_scale = 1 / T before the soft-cap (kernels/tiles.finish_logits), so no
+    operand is scaled and rounded to a 16-bit dtype. Each temperature is a compile-time
+    constant of the kernels: the first call at a new one compiles them (as a new dtype does)."""
+    logit_scale = 1.0 / float(temperature)
+    return float(softcap or 0.0) * logit_scale, logit_scale
 
 
 def _flat_indices(targets: Tensor) -> Tensor:
@@ -235,7 +227,7 @@ def linear_cross_entropy(
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory, temperature,
                   ignore_index)
     _check_flags(shift=shift, return_lse=return_lse)
-    e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    cap, logit_scale = _temperature_scale(softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
@@ -250,25 +242,25 @@ def linear_cross_entropy(
         out, lse = vocab_parallel_loss(
             e.reshape(-1, d), c, flat_targets, vocab_parallel, bias=bias, weight=weight, ignore_index=int(ignore_index),
             reduction=reduction, label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-            softcap=float(softcap or 0.0), filter_eps=eps)
+            softcap=cap, filter_eps=eps, logit_scale=logit_scale)
         out = out.reshape(lead_shape) if reduction == "none" else out
         return (out, lse.reshape(lead_shape)) if return_lse else out
     backward = needs_grad(e, c, bias)
-    options = options_of(bias, weight, float(softcap or 0.0), float(label_smoothing), eps)
+    options = options_of(bias, weight, cap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
     if backward and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
                                                               has_z_loss=z_loss > 0.0):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
-                float(softcap or 0.0), float(z_loss), reduction, e.requires_grad, c.requires_grad,
+                cap, float(z_loss), reduction, e.requires_grad, c.requires_grad, logit_scale,
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with without_autocast(e.device.type):
         loss, lse, *_ = ops.linear_cross_entropy_forward(
             flat_e, c, flat_targets, bias, weight,
-            int(ignore_index), float(label_smoothing), float(softcap or 0.0), eps,
+            int(ignore_index), float(label_smoothing), cap, eps, logit_scale,
             traced_settings(flat_e, c, eps > 0.0, backward=backward),
         )
     valid = flat_targets != ignore_index
@@ -315,7 +307,7 @@ def linear_log_probs(
     _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", temperature, ignore_index,
                   targets_name="tokens")
     _check_flags(entropy=entropy, shift=shift)
-    e, bias, softcap = _apply_temperature(e, bias, softcap, temperature)
+    cap, logit_scale = _temperature_scale(softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     backward = needs_grad(e, c, bias)
@@ -330,7 +322,7 @@ def linear_log_probs(
     flat_e = e.reshape(-1, c.shape[1])
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
-            flat_e, c, flat_tokens, bias, int(ignore_index), float(softcap or 0.0), entropy, eps,
+            flat_e, c, flat_tokens, bias, int(ignore_index), cap, entropy, eps, logit_scale,
             traced_settings(flat_e, c, eps > 0.0, backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)

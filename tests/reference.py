@@ -11,6 +11,7 @@ def reference_loss(
     e: Tensor, c: Tensor, targets: Tensor, *, bias: Tensor | None = None, ignore_index: int = -100,
     reduction: str = "mean", weight: Tensor | None = None, label_smoothing: float = 0.0,
     z_loss: float = 0.0, softcap: float | None = None, shift: bool = False, return_lse: bool = False,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Materializes the logits in float64: the ground truth, for small shapes only."""
     if shift:
@@ -21,6 +22,7 @@ def reference_loss(
         logits = logits + bias.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     flat = targets.reshape(-1)
     valid = flat != ignore_index
     w = weight.double() if weight is not None else None

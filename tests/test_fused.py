@@ -262,7 +262,7 @@ def test_compile_ahead_starts_the_launches_the_chunk_loop_makes(dtype: torch.dty
     monkeypatch.setattr(forward_fused, "AheadCompiler", recorder("ahead"))
     e, c, targets = make_inputs("zipf", (1000,), 500, 32, dtype, seed=4)
     smoothing, softcap = options.get("label_smoothing", 0.0), options.get("softcap", 0.0)
-    plan = plan_launch(problem_of(e, c), options_of(None, None, softcap, smoothing, 0.0), SMALL_CHUNKS, policy)
+    plan = plan_launch(problem_of(e, c), options_of(None, None, softcap, smoothing, 0.0, 1.0), SMALL_CHUNKS, policy)
     assert plan.fused == ("tma" if dtype == torch.bfloat16 else "pointer")
     fused = forward_fused.FusedForward(plan, SMALL_CHUNKS, e, c, targets, None, None, -100, smoothing, softcap,
                                        options.get("z_loss", 0.0), "mean", True, True)

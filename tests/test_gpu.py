@@ -709,7 +709,8 @@ def test_fused_chunk_loop_replays_as_a_cuda_graph(options: dict, side_stream: bo
         return all(map(torch.equal, results[name], results[other]))
 
     policy = active_policy()
-    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, 0.0, 0.0), config_for(e, c, False, policy), policy)
+    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, 0.0, 0.0, 1.0), config_for(e, c, False, policy),
+                       policy)
     assert -(-e.shape[0] // plan.workspace_rows) >= 3, "the test needs several token chunks"
     e_halved, e_elsewhere = e * 0.5, torch.empty_like(e)  # made before the calls, as everything else
     into("eager", False)
@@ -765,7 +766,7 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
     monkeypatch.setattr(library, "KernelLauncher", CountingLauncher)
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", after_compile)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=14)
-    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, options.get("label_smoothing", 0.0), 0.0),
+    plan = plan_launch(problem_of(e, c), options_of(None, None, 0.0, options.get("label_smoothing", 0.0), 0.0, 1.0),
                        config_for(e, c, False, active_policy()), active_policy())
     kernels = {*forward_fused.fused_kernels(plan), forward_fused.scale_unless_one_kernel}
 

@@ -130,6 +130,7 @@ GEMMS = {
 }
 LOGITS_TILE = {"BLOCK_M": constexpr(128), "BLOCK_N": constexpr(256), "BLOCK_K": constexpr(64),
                "GROUP_M": constexpr(8), "EVEN_K": TRUE, "HAS_BIAS": FALSE, "HAS_SOFTCAP": FALSE, "HAS_WEIGHT": FALSE,
+               "LOGIT_SCALE": constexpr(1.0),
                "stride_en": "i32", "stride_ed": ONE, "stride_cv": "i32", "stride_cd": ONE, "softcap": "fp32",
                "e_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16", "targets_ptr": "*i64",
                "weight_ptr": "*fp32", "vocab_order_ptr": "*i64", "D": "i32", **FLAGS}
@@ -161,12 +162,15 @@ LOGITS = {
         "NEED_WEIGHTED_SUM": FALSE, "REDO": FALSE}),
 }
 
+TEMPERATURE = constexpr(1 / 0.7)
+"""LOGIT_SCALE at a sampling temperature of 0.7."""
 H200_SHARED_MEMORY = 232448
 """What one program may opt into on an H100/H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
 TMA_STAGES = stages_beside_output(TileConfig(128, 256, 64, 8, 8, 4), 2, H200_SHARED_MEMORY)
 GRAD_LOGITS_TMA = {
     **{name: LOGITS_TILE[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
-                                            "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D")},
+                                            "HAS_WEIGHT", "LOGIT_SCALE", "softcap", "bias_ptr", "targets_ptr",
+                                            "weight_ptr", "D")},
     "e_desc": "tensordesc<bf16[128, 64]>", "c_desc": "tensordesc<bf16[256, 64]>",
     "grad_logits_desc": "tensordesc<bf16[128, 256]>", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32",
     "coef_target_ptr": "*fp32", "coef_smooth_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -176,15 +180,17 @@ GRAD_LOGITS_TMA = {
 
 LSE_FORWARD_TMA = {
     **{name: GRAD_LOGITS_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
-                                                "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
-                                                "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE")},
+                                                "HAS_WEIGHT", "LOGIT_SCALE", "softcap", "bias_ptr", "targets_ptr",
+                                                "weight_ptr", "D", "e_desc", "c_desc", "num_programs", "UPCAST",
+                                                "IEEE")},
     "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
     "tile_mean_logit_ptr": "*fp32", "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32",
     "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "STORE_TILE_MAX": FALSE,
 }
 FUSED_FORWARD_TMA = {
     **{name: LSE_FORWARD_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
-                                                "HAS_WEIGHT", "softcap", "bias_ptr", "targets_ptr", "weight_ptr", "D",
+                                                "HAS_WEIGHT", "LOGIT_SCALE", "softcap", "bias_ptr", "targets_ptr",
+                                                "weight_ptr", "D",
                                                 "e_desc", "c_desc", "num_programs", "UPCAST", "IEEE", "V",
                                                 "row_start", "target_logit_ptr", "NEED_WEIGHTED_SUM")},
     "workspace_desc": "tensordesc<bf16[128, 256]>", "shift_ptr": "*fp32", "stats_ptr": "*fp32", "rows": "i32",
@@ -198,6 +204,10 @@ PERSISTENT = {
     # filtered linear_log_probs with entropy: the tile mean logits' plane stored too
     "lse_forward_tma_kernel, filtered, entropy": (
         lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_MEAN_LOGIT": TRUE}, 4),
+    # a temperature: the logits scaled in fp32 between the dot and the epilogue
+    "lse_forward_tma_kernel, temperature": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, 4),
+    "fused_forward_tma_kernel, temperature": (
+        fused_forward_tma_kernel, {**FUSED_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, TMA_STAGES),
 }
 
 
@@ -303,7 +313,8 @@ def test_size_products_in_offsets_are_64_bit(name: str, compiled: dict[str, Any]
 def test_warp_specialized_kernels_fit_two_programs_per_sm(name: str, compiled: dict[str, dict[str, bool]]) -> None:
     """The Gluon kernels (kernels/warp_specialized.py) at the op's tile: bulk tensor copies into
     wgmma kept asynchronous, bare exps, and two programs' shared memory on one SM (the
-    recompute's with its half tile staged for the store), with linear_log_probs' entropy too."""
+    recompute's with its half tile staged for the store), with linear_log_probs' entropy (and a
+    temperature) too."""
     assert compiled[name] == {
         "bulk tensor copies": True, "wgmma": True, "two fit an SM": True, "bare exps": True, "wgmma pipelined": True,
     }
@@ -332,7 +343,8 @@ if __name__ == "__main__":
             lse_forward_ws_kernel,
             {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_mean_logit_ptr": "*fp32"},
             ["N", "row_start", "rows_in_launch", "V", "D"],
-            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "NEED_MEAN_LOGIT": entropy},
+            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "NEED_MEAN_LOGIT": entropy,
+             "LOGIT_SCALE": TEMPERATURE[1] if entropy else 1.0},
             {"e_desc": tile.block_m, "c_desc": tile.block_n},
         ))
         found["grad_logits_ws_kernel" + suffix] = warp_specialized_kinds(compile_warp_specialized(
@@ -340,13 +352,15 @@ if __name__ == "__main__":
             {"targets_ptr": "*i64", "lse_ptr": "*fp32", "coef_softmax_ptr": "*fp32", "coef_target_ptr": "*fp32",
              "coef_entropy_ptr": "*fp32", "scale_ptr": "*fp32"},
             ["row_start", "rows", "col_start", "cols", "D"],
-            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False, "HAS_ENTROPY": entropy},
+            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "SCALED": False, "HAS_ENTROPY": entropy,
+             "LOGIT_SCALE": TEMPERATURE[1] if entropy else 1.0},
             {"e_desc": tile.block_m, "c_desc": tile.block_n, "grad_logits_desc": tile.block_m},
         ))
     found["fused_forward_ws_kernel"] = warp_specialized_kinds(compile_warp_specialized(
         fused_forward_ws_kernel,
         {"targets_ptr": "*i64", "shift_ptr": "*fp32", "stats_ptr": "*fp32", "target_logit_ptr": "*fp32"},
-        ["stat_stride", "row_start", "rows", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages},
+        ["stat_stride", "row_start", "rows", "V", "D"], {"GROUP_M": tile.group_m, "STAGES": tile.num_stages,
+                                                         "LOGIT_SCALE": 1.0},
         {"e_desc": tile.block_m, "c_desc": tile.block_n, "workspace_desc": tile.block_m},
     ))
     print(json.dumps(found))

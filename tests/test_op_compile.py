@@ -44,7 +44,7 @@ def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
         e, c, targets, bias, None, -100, 0.0, 0.0, 0.0)
     policy = active_policy()
     args = (torch.randn(29), torch.randn(29), e.detach(), c.detach(), targets, bias, None, lse.detach(),
-            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, need_grad_e, need_grad_c,
+            kept_tiles, tile_lse, order, -100, 0.0, 0.0, 0.0, 1.0, need_grad_e, need_grad_c,
             encode_settings(config_for(e, c, False, policy), policy))
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 

@@ -51,6 +51,7 @@ def random_options(rng: random.Random) -> dict:
         reduction=rng.choice(["mean", "sum", "none"]), label_smoothing=rng.choice([0.0, 0.1]),
         z_loss=rng.choice([0.0, 1e-3]), softcap=rng.choice([None, 2.0]), shift=rng.choice([False, True]),
         use_bias=rng.choice([False, True]), use_weight=rng.choice([False, True]),
+        temperature=rng.choice([1.0, 0.7]),
     )
 
 
@@ -204,7 +205,7 @@ def check_kernels(parallel: VocabParallel) -> None:
     """The Triton kernels (interpreter) instead of the plain-PyTorch path, one option set."""
     with override_policy(Policy(triton_on_cpu=True)):
         check_option_set(8, dict(reduction="mean", label_smoothing=0.1, z_loss=0.0, softcap=2.0, shift=True,
-                                 use_bias=True, use_weight=True), parallel)
+                                 use_bias=True, use_weight=True, temperature=0.7), parallel)
 
 
 def _worker(rank: int, world: int, store: str) -> None:

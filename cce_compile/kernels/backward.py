@@ -59,7 +59,7 @@ def grad_logits_kernel(
     row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn,
     softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, STRIDED: tl.constexpr,
     SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -89,7 +89,7 @@ def grad_logits_kernel(
                     coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr,
                     tile_bias_sums_ptr, slot, tile % chunk_tile_rows, tile // chunk_tile_rows, row_start, row_end,
                     col_start, col_end, D, stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
-                    HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
+                    HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
                 )
             return
@@ -106,7 +106,8 @@ def grad_logits_kernel(
         e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
         coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr, grad_logits_ptr, tile_bias_sums_ptr, slot,
         pid_m, pid_n, row_start, row_end, col_start, col_end, D, stride_en, stride_ed, stride_cv, stride_cd,
-        stride_gm, stride_gn, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY, FILTER, SCALED,
+        stride_gm, stride_gn, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, HAS_WEIGHT, HAS_SMOOTHING, HAS_ENTROPY,
+        FILTER, SCALED,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
 
@@ -117,7 +118,7 @@ def grad_logits_tile(
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr, vocab_order_ptr,
     grad_logits_ptr, tile_bias_sums_ptr, slot, pid_m, pid_n, row_start, row_end, col_start, col_end, D,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gm, stride_gn, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, FILTER: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -138,7 +139,7 @@ def grad_logits_tile(
     logits = logits_tile(
         e_ptr, c_ptr, bias_ptr, rows, vocab, row_mask, col_mask, D,
         stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+        HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
     grad = grad_from_logits(
         logits, rows, vocab, row_mask, col_mask, vocab_first, vocab_last, targets_ptr, weight_ptr, lse_ptr,
@@ -166,7 +167,7 @@ def grad_logits_tma_kernel(
     e_desc, c_desc, grad_logits_desc, bias_ptr, targets_ptr, weight_ptr, lse_ptr,
     coef_softmax_ptr, coef_target_ptr, coef_smooth_ptr, coef_entropy_ptr, scale_ptr,
     row_start, rows, col_start, cols, D, num_programs, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_ENTROPY: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -195,7 +196,7 @@ def grad_logits_tma_kernel(
         vocab = col_start + local_cols
         logits = logits_tile_tma(
             e_desc, c_desc, bias_ptr, row_start + pid_m * BLOCK_M, col_start + pid_n * BLOCK_N, vocab, col_mask,
-            D, softcap, HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+            D, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         grad = grad_from_logits(
             logits, row_start + local_rows, vocab, row_mask, col_mask, col_start + pid_n * BLOCK_N,

@@ -37,7 +37,7 @@ def lse_forward_kernel(
     partial_ptr, tile_max_ptr,
     N, V, D, tiles_per_split, num_splits, stat_stride, stride_tile_max,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr, NEED_MEAN_LOGIT: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -77,7 +77,7 @@ def lse_forward_kernel(
         logits = logits_tile(
             e_ptr, c_ptr, bias_ptr, rows, vocab, row_mask, col_mask, D,
             stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+            HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
         )
         # Columns past V (with FILTER their vocab id reads as 0) are never a target.
         target_logit += tile_target_logit(logits, vocab, col_mask, targets)
@@ -122,7 +122,8 @@ def lse_forward_kernel(
 def lse_forward_tma_kernel(
     e_desc, c_desc, bias_ptr, targets_ptr, weight_ptr, tile_lse_ptr, target_logit_ptr, tile_weighted_sum_ptr,
     tile_max_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V, D, num_programs, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr,
     NEED_MEAN_LOGIT: tl.constexpr, STORE_TILE_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -161,7 +162,7 @@ def lse_forward_tma_kernel(
         col_mask = cols < V
         logits = logits_tile_tma(
             e_desc, c_desc, bias_ptr, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N, cols, col_mask, D, softcap,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+            HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         out = pid_n.to(tl.int64) * N + rows
         if NEED_WEIGHTED_SUM:

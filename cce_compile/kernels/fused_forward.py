@@ -59,7 +59,7 @@ def scaled_exp_tile(
 def fused_tile(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
     redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd, stride_w,
-    softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr, REDO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -74,7 +74,7 @@ def fused_tile(
     logits = logits_tile(
         e_ptr, c_ptr, bias_ptr, row_start + local_rows, cols, row_mask, col_mask, D,
         stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+        HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
     )
     q = scaled_exp_tile(
         logits, local_rows, cols, row_mask, col_mask, pid_n, shift_ptr, targets_ptr, weight_ptr, stats_ptr,
@@ -90,7 +90,7 @@ def fused_forward_kernel(
     e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
     redo_ptr, row_start, rows, V, D, stat_stride,
     stride_en, stride_ed, stride_cv, stride_cd, stride_w, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr, REDO: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -112,16 +112,16 @@ def fused_forward_kernel(
             fused_tile(
                 e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr,
                 target_logit_ptr, redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed,
-                stride_cv, stride_cd, stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, REDO,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
+                stride_cv, stride_cd, stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, HAS_WEIGHT,
+                NEED_WEIGHTED_SUM, REDO, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, IEEE,
             )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
         fused_tile(
             e_ptr, c_ptr, bias_ptr, targets_ptr, weight_ptr, shift_ptr, workspace_ptr, stats_ptr, target_logit_ptr,
             redo_ptr, pid_m, pid_n, row_start, rows, V, D, stat_stride, stride_en, stride_ed, stride_cv, stride_cd,
-            stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_WEIGHT, NEED_WEIGHTED_SUM, REDO, BLOCK_M, BLOCK_N, BLOCK_K,
-            EVEN_K, UPCAST, IEEE,
+            stride_w, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, HAS_WEIGHT, NEED_WEIGHTED_SUM, REDO, BLOCK_M, BLOCK_N,
+            BLOCK_K, EVEN_K, UPCAST, IEEE,
         )
 
 
@@ -129,7 +129,8 @@ def fused_forward_kernel(
 def fused_forward_tma_kernel(
     e_desc, c_desc, workspace_desc, bias_ptr, targets_ptr, weight_ptr, shift_ptr, stats_ptr, target_logit_ptr,
     row_start, rows, V, D, stat_stride, num_programs, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_WEIGHTED_SUM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHTED_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -146,7 +147,7 @@ def fused_forward_tma_kernel(
         col_mask = cols < V
         logits = logits_tile_tma(
             e_desc, c_desc, bias_ptr, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N, cols, col_mask, D, softcap,
-            HAS_BIAS, HAS_SOFTCAP, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
+            HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, IEEE,
         )
         q = scaled_exp_tile(
             logits, local_rows, cols, row_mask, col_mask, pid_n, shift_ptr, targets_ptr, weight_ptr, stats_ptr,

@@ -83,11 +83,11 @@ def finish_gemm(acc, out_ptrs, final_ptrs, mask, scale_ptr,
 def logits_tile(
     e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask, D,
     stride_en, stride_ed, stride_cv, stride_cd, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), soft-capped if asked.
+    """fp32 logits of rows x cols: e[rows] @ c[cols].T (+ bias), then finish_logits.
 
     Rows and columns outside the masks read row 0 / column 0 instead of being masked, so
     the loads carry no row/column predicates (callers mask what they store); with EVEN_K
@@ -112,13 +112,13 @@ def logits_tile(
         acc = mma(acc, e_tile, c_tile, UPCAST, IEEE)
         e_ptrs += BLOCK_K * stride_ed
         c_ptrs += BLOCK_K * stride_cd
-    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE)
 
 
 @triton.jit
 def logits_tile_tma(
     e_desc, c_desc, bias_ptr, row0, col0, cols, col_mask, D, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -130,14 +130,19 @@ def logits_tile_tma(
         e_tile = e_desc.load([row0, k * BLOCK_K])
         c_tile = c_desc.load([col0, k * BLOCK_K])
         acc = mma(acc, e_tile, c_tile.T, UPCAST, IEEE)
-    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+    return finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP, LOGIT_SCALE)
 
 
 @triton.jit
-def finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """The bias and the soft-cap, applied to a tile of raw dot products."""
+def finish_logits(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  LOGIT_SCALE: tl.constexpr):
+    """The bias, the logit scale (1 / temperature, applied in fp32 where a scaled e would be
+    rounded to its dtype; a compile-time constant, so 1 costs nothing) and the soft-cap (whose
+    `softcap` is then in scaled units), applied to a tile of raw dot products."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if LOGIT_SCALE != 1.0:
+        acc = acc * LOGIT_SCALE
     if HAS_SOFTCAP:
         acc = softcap * tanh(acc / softcap)
     return acc

@@ -119,9 +119,10 @@ def allocate_ring(e_desc, c_desc, STAGES: gl.constexpr):
 
 @gluon.jit
 def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D,
-                  GROUP_M: gl.constexpr, epilogue_args):
-    """The consumer warpgroup: each of the program's tiles from the ring, then
-    epilogue(acc, row block, vocab tile, the tile's row indices, epilogue_args)."""
+                  GROUP_M: gl.constexpr, LOGIT_SCALE: gl.constexpr, epilogue_args):
+    """The consumer warpgroup: each of the program's tiles from the ring, scaled by LOGIT_SCALE
+    (1 / temperature, as kernels/tiles.finish_logits), then epilogue(acc, row block, vocab tile,
+    the tile's row indices, epilogue_args)."""
     mma_layout: gl.constexpr = mma_layout_for(c_desc.block_type.shape[0])
     num_m, num_n, k_steps, steps = program_extent(e_desc, c_desc, rows, cols, D)
     BLOCK_M: gl.constexpr = e_desc.block_type.shape[0]
@@ -129,6 +130,8 @@ def consume_tiles(epilogue: gl.constexpr, e_desc, c_desc, e_ring, c_ring, ready,
     for step in range(steps):
         pid_m, pid_n = program_tile(step, num_m, num_n, GROUP_M)
         acc, slot = tile_dot(e_ring, c_ring, ready, free, slot, k_steps, mma_layout)
+        if LOGIT_SCALE != 1.0:
+            acc = acc * LOGIT_SCALE
         tile_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         epilogue(acc, pid_m, pid_n, tile_rows, epilogue_args)
 
@@ -189,7 +192,7 @@ def forward_entropy_epilogue(acc, pid_m, pid_n, local_rows, args):
 @gluon.jit
 def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N,
                           row_start, rows_in_launch, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          NEED_MEAN_LOGIT: gl.constexpr):
+                          NEED_MEAN_LOGIT: gl.constexpr, LOGIT_SCALE: gl.constexpr):
     """The forward over rows [row_start, row_start + rows_in_launch) of e's N (the op launches
     it per row chunk, as lse_forward_tma_kernel), with NEED_MEAN_LOGIT the tiles' mean logits too.
     Launched with num_warps=4 (the consumer; the producer is a one-warp worker) and
@@ -199,8 +202,8 @@ def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logi
     epilogue: gl.constexpr = forward_entropy_epilogue if NEED_MEAN_LOGIT else forward_epilogue
     gl.warp_specialize([
         (consume_tiles, (epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
-                         (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start,
-                          rows_in_launch, V))),
+                         LOGIT_SCALE, (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N,
+                                       row_start, rows_in_launch, V))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows_in_launch, 0, V, D, GROUP_M)),
     ], [1], [24])
 
@@ -259,7 +262,7 @@ def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
 def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
                           coef_entropy_ptr, scale_ptr, row_start, rows, col_start, cols, D,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
-                          HAS_ENTROPY: gl.constexpr):
+                          HAS_ENTROPY: gl.constexpr, LOGIT_SCALE: gl.constexpr):
     """Exact mode's recompute of one slab (rows x cols from (row_start, col_start)) into the
     d-logits buffer that grad_logits_desc views (half-tile blocks). Launched as
     lse_forward_ws_kernel is (num_warps=4, maxnreg=128, two programs per SM)."""
@@ -270,8 +273,9 @@ def grad_logits_ws_kernel(e_desc, c_desc, grad_logits_desc, targets_ptr, lse_ptr
         coef_entropy_ptr = coef_softmax_ptr  # argument that a pruned branch leaves unread
     gl.warp_specialize([
         (consume_tiles, (grad_logits_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, cols, D, GROUP_M,
-                         (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr, coef_target_ptr,
-                          coef_entropy_ptr, scale_ptr, row_start, rows, col_start, SCALED, HAS_ENTROPY))),
+                         LOGIT_SCALE, (grad_logits_desc, out_half, targets_ptr, lse_ptr, coef_softmax_ptr,
+                                       coef_target_ptr, coef_entropy_ptr, scale_ptr, row_start, rows, col_start,
+                                       SCALED, HAS_ENTROPY))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, col_start, cols, D, GROUP_M)),
     ], [1], [24])
     tma.store_wait(0)  # the consumer's last d-logits store has left shared memory
@@ -304,7 +308,8 @@ def scaled_exp_epilogue(acc, pid_m, pid_n, local_rows, args):
 
 @gluon.jit
 def fused_forward_ws_kernel(e_desc, c_desc, workspace_desc, targets_ptr, shift_ptr, stats_ptr, target_logit_ptr,
-                            stat_stride, row_start, rows, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                            stat_stride, row_start, rows, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                            LOGIT_SCALE: gl.constexpr):
     """The fused forward of one token chunk (rows of e from row_start, all of V) into the
     workspace that workspace_desc views (half-tile blocks), for the plain loss. Launched as
     lse_forward_ws_kernel is (num_warps=4, maxnreg=128, two programs per SM)."""
@@ -312,8 +317,8 @@ def fused_forward_ws_kernel(e_desc, c_desc, workspace_desc, targets_ptr, shift_p
     out_half = gl.allocate_shared_memory(workspace_desc.dtype, workspace_desc.block_type.shape, workspace_desc.layout)
     gl.warp_specialize([
         (consume_tiles, (scaled_exp_epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows, V, D, GROUP_M,
-                         (workspace_desc, out_half, targets_ptr, shift_ptr, stats_ptr, target_logit_ptr, stat_stride,
-                          row_start, rows, V))),
+                         LOGIT_SCALE, (workspace_desc, out_half, targets_ptr, shift_ptr, stats_ptr,
+                                       target_logit_ptr, stat_stride, row_start, rows, V))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows, 0, V, D, GROUP_M)),
     ], [1], [24])
     tma.store_wait(0)  # the consumer's last workspace store has left shared memory

@@ -50,9 +50,12 @@ def backward_from_coefficients(
     bias: Tensor | None, weight: Tensor | None, lse: Tensor, filter_stats: FilterStats, label_smoothing: float,
     softcap: float, filter_eps: float, need_grad_e: bool, need_grad_c: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """-> (grad_e, grad_c, grad_bias or None) for d-logits of the given coefficients."""
+    """-> (grad_e, grad_c, grad_bias or None) for d-logits of the given coefficients (d loss / d
+    the logits the kernels compute, scaled by plan.logit_scale here: the chain rule's
+    factor for a temperature, so no runner needs it but in the logits it recomputes)."""
     v = c.shape[0]
     vocab_order = filter_stats.vocab_order
+    coefficients = _scaled(coefficients, plan.logit_scale)
     coef_softmax, coef_target, coef_smooth, coef_entropy = coefficients
     if plan.filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
@@ -64,6 +67,7 @@ def backward_from_coefficients(
             chunk_v=max(config.slab_v, config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=vocab_order if plan.filtered else None, forward_block_n=config.forward.block_n,
             need_grad_e=need_grad_e, need_grad_c=need_grad_c, coef_entropy=coef_entropy,
+            logit_scale=plan.logit_scale,
         )
     if e.shape[0] == 0:  # no token: nothing flows back
         grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
@@ -85,6 +89,12 @@ def backward_from_coefficients(
         gradients = Gradients.allocate(call)
         grad_bias = DenseBackward(call, gradients).run()
     return gradients.grad_e, gradients.grad_c, grad_bias
+
+
+def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
+    if logit_scale == 1.0:
+        return coefficients
+    return Coefficients(*(None if coef is None else coef * logit_scale for coef in coefficients))
 
 
 def _largest_coefficient(coefficients: Coefficients) -> Tensor:

@@ -73,9 +73,10 @@ class BackwardCall:
     def chunk_tile_rows(self) -> int:
         return cdiv(self.chunk_rows, self.config.grad_logits.block_m)
 
-    def loss_flags(self) -> dict[str, bool]:
+    def loss_flags(self) -> dict[str, bool | float]:
         """The kernels' constexpr switches for the loss's options."""
         return {"HAS_BIAS": self.bias is not None, "HAS_SOFTCAP": self.softcap > 0.0,
+                "LOGIT_SCALE": self.plan.logit_scale,
                 "HAS_WEIGHT": self.weight is not None, "HAS_SMOOTHING": self.label_smoothing > 0.0,
                 "HAS_ENTROPY": self.coef_entropy is not None}
 

@@ -88,7 +88,7 @@ class FilteredBackward:
         sample_size = tilt_sample_size(n_bucket(call.n), v, d)
         self.tilt = Tilt.estimate(
             c, call.bias, call.vocab_order, self.skipped.tile_mass(self.tile_lse, call.coef_softmax), forward_n,
-            sample_size, c.is_cuda, tile_sums=c_tile_sums,
+            sample_size, c.is_cuda, tile_sums=c_tile_sums, logit_scale=call.plan.logit_scale,
         ) if sample_size else None
         rows = torch.cat([c_tile_sums, self.tilt.rows()]) if self.tilt is not None else c_tile_sums
         return rows.bfloat16() if c.is_cuda else rows

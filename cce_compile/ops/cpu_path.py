@@ -12,10 +12,14 @@ from ..config.keys import n_bucket
 from .filtering import Tilt, flat_rows, mass_sample_rows, tile_widths, tilt_sample_size
 
 
-def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float) -> Tensor:
+def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float,
+            logit_scale: float) -> Tensor:
+    """As kernels/tiles.finish_logits: the bias, the logit scale, then the soft-cap."""
     logits = e32 @ c[ids].to(torch.float32).T
     if bias is not None:
         logits = logits + bias[ids].to(torch.float32)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     if softcap > 0.0:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
@@ -23,7 +27,7 @@ def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, so
 
 def forward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    softcap: float, need_weighted_sum: bool, chunk_v: int, need_mean_logit: bool = False,
+    softcap: float, need_weighted_sum: bool, chunk_v: int, need_mean_logit: bool = False, logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """(lse, target_logit, sum_j w_j l_j or None, sum_j softmax_j l_j or None), each fp32 (N,)."""
     n, v = e.shape[0], c.shape[0]
@@ -35,7 +39,7 @@ def forward_cpu(
     exp_logit_sum = e32.new_zeros((n,))  # sum_j exp(l_j - row_max) l_j, rescaled with row_sumexp
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
-        logits = _logits(e32, c, bias, slice(start, stop), softcap)
+        logits = _logits(e32, c, bias, slice(start, stop), softcap, logit_scale)
         new_max = torch.maximum(row_max, logits.amax(dim=1))
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
         rescale = torch.exp(row_max - shift)
@@ -80,10 +84,11 @@ def backward_cpu(
     coef_softmax: Tensor, coef_target: Tensor, coef_smooth: Tensor | None,
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
     forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
-    coef_entropy: Tensor | None = None, tilt_tokens: int | None = None,
+    coef_entropy: Tensor | None = None, tilt_tokens: int | None = None, logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
-    back empty, its GEMMs skipped.
+    back empty, its GEMMs skipped. The coefficients are d loss / d (scaled logits) times
+    `logit_scale` (ops/backward.py scales them): the chain rule's factor.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row. As in
@@ -98,7 +103,8 @@ def backward_cpu(
     e32 = e.to(torch.float32)
     if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
         row_max = torch.stack([
-            _logits(e32, c, bias, slice(start, start + chunk_v), softcap).amax(dim=1) for start in range(0, v, chunk_v)
+            _logits(e32, c, bias, slice(start, start + chunk_v), softcap, logit_scale).amax(dim=1)
+            for start in range(0, v, chunk_v)
         ]).amax(dim=0)
         flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
         row_mass = e32.new_zeros((e.shape[0],))  # coef_softmax * softmax mass in skipped tiles
@@ -115,7 +121,7 @@ def backward_cpu(
             vocab = torch.arange(start, stop, device=e.device)
         else:
             ids = vocab = vocab_order[start:stop]
-        logits = _logits(e32, c, bias, ids, softcap)
+        logits = _logits(e32, c, bias, ids, softcap, logit_scale)
         softmax = torch.exp(logits - lse[:, None])
         is_target = targets[:, None] == vocab[None, :]
         grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
@@ -146,7 +152,8 @@ def backward_cpu(
     sample_size = tilt_sample_size(n_bucket(tokens), v, e.shape[1]) if filter_eps > 0.0 else 0
     if sample_size and need_grad_e:
         order = vocab_order if vocab_order is not None else torch.arange(v, device=c.device)
-        tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False)
+        tilt = Tilt.estimate(c, bias, order, tile_mass, forward_block_n, sample_size, tensor_cores=False,
+                             logit_scale=logit_scale)
         tilt_rows = tilt.rows()
         grad_e.addmm_(tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt_rows.shape[0]))), tilt_rows)
     return (

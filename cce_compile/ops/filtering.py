@@ -302,7 +302,8 @@ class Tilt:
     to the columns it scores higher (p_ij ~ exp(e_i . c_j)), so sum_j p_ij c_j is not the
     tile's mass times c's mean over it. To first order (exactly, for Gaussian c rows) it is
     that plus the mass times S e_i, with S the covariance of the tile's c rows about their
-    mean (and, with a bias, plus the mass times the covariance of c and bias, K). One S and K
+    mean (and, with a bias, plus the mass times the covariance of c and bias, K), both times the
+    logit scale k where p_ij ~ exp(k (e_i . c_j + b_j)) (a temperature). One S and K
     stand for every tile: averaged over the whole skipped tiles that hold the most mass. On
     LM-like heads this is most of filtered mode's dE error (6.6e-3 -> 0.7e-3 with S from all
     of V, 256 rows of Qwen2.5's head on CPU; 1.4e-2 -> 1.3e-3 with a weaker unigram prior,
@@ -317,7 +318,7 @@ class Tilt:
     @staticmethod
     def estimate(
         c: Tensor, bias: Tensor | None, order: Tensor, tile_mass: Tensor, width: int, sample_size: int,
-        tensor_cores: bool, tile_sums: Tensor | None = None,
+        tensor_cores: bool, tile_sums: Tensor | None = None, logit_scale: float = 1.0,
     ) -> "Tilt":
         """S and K over the cdiv(sample_size, width) whole tiles (of `width` positions in `order`)
         with the largest `tile_mass`: one Gram matrix of their c rows (bf16 operands on the
@@ -339,7 +340,7 @@ class Tilt:
             gram = c_rows.T @ c_rows
         means = (tile_sums[top] / width if tile_sums is not None
                  else c_rows.view(tiles, width, d).mean(dim=1, dtype=torch.float32))
-        covariance = gram / (tiles * width) - means.T @ means / tiles
+        covariance = (gram / (tiles * width) - means.T @ means / tiles) * logit_scale
         bias_covariance = None
         if bias is not None:
             bias_rows = bias.float()[ids]
@@ -347,6 +348,7 @@ class Tilt:
             bias_rows = torch.where(torch.isfinite(bias_rows), bias_rows, 0.0)
             bias_means = bias_rows.view(tiles, width).mean(dim=1)
             bias_covariance = c_rows.float().T @ bias_rows / (tiles * width) - means.T @ bias_means / tiles
+            bias_covariance = bias_covariance * logit_scale
         return Tilt(covariance, bias_covariance)
 
     def rows(self) -> Tensor:

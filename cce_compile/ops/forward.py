@@ -81,7 +81,7 @@ def row_stats(
         return forward_split(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
                              order, tile_stats)
     return forward_cpu(e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v,
-                       need_mean_logit=need_mean_logit)
+                       need_mean_logit=need_mean_logit, logit_scale=plan.logit_scale)
 
 
 def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_mean_logit: bool) -> RowStats:
@@ -98,7 +98,8 @@ def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_
         launch(
             (programs_for(e.device, tiles_of(rows, v, tile), per_sm),),
             *descriptors, targets, tile_lse, target_logit, tile_mean_logit, n, row_start, rows, v, e.shape[1],
-            GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_MEAN_LOGIT=need_mean_logit, **launch_options(per_sm),
+            GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_MEAN_LOGIT=need_mean_logit,
+            LOGIT_SCALE=plan.logit_scale, **launch_options(per_sm),
         )
     lse, mean_logit = merge_tile_stats(tile_lse, tile_mean_logit if need_mean_logit else None)
     return lse, target_logit, None, mean_logit
@@ -139,7 +140,8 @@ def forward_tma(
             (programs_for(e.device, tiles_of(rows, v, tile), 1),), e_desc, c_desc,
             bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
             lse_by_tile, tile_mean_logit, n, row_start, rows, v, e.shape[1], sms, softcap,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, LOGIT_SCALE=plan.logit_scale,
+            HAS_WEIGHT=weight is not None,
             NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, STORE_TILE_MAX=plan.filtered,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
@@ -169,7 +171,8 @@ def forward_split(
         partial, tile_stats if filtered else partial,
         n, v, e.shape[1], tiles_per_split, num_splits, num_splits * n, vocab_tiles,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, LOGIT_SCALE=plan.logit_scale,
+        HAS_WEIGHT=weight is not None,
         NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, FILTER=filtered,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=e.shape[1] % tile.block_k == 0,

@@ -112,6 +112,9 @@ class FusedForward:
         n, d = e.shape
         v = c.shape[0]
         self.scale = reduction_scale(targets, weight, v, ignore_index, reduction)
+        # d loss / d (the kernels' raw logits) per unit of d loss / d (scaled logits): a temperature's chain rule
+        self.logit_scale = plan.logit_scale
+        self.grad_scale = self.scale * self.logit_scale if self.logit_scale != 1.0 else self.scale
         self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
@@ -139,7 +142,7 @@ class FusedForward:
                 self.need_grad_c)
         if not CALLS_COMPILED_AHEAD.first_of_kind(kind):
             return
-        self.kernels.compile_ahead(self.scale, self.losses)
+        self.kernels.compile_ahead(self.grad_scale, self.losses)
         for gradient in (self.grad_e, self.grad_c):  # the backward's scaling, the scale standing in for its own
             if gradient.numel():
                 scale_unless_one(AheadCompiler(scale_unless_one_kernel), gradient, self.scale.reshape(1))
@@ -158,7 +161,8 @@ class FusedForward:
         """Everything the chunk loop's launches read or write: where each tensor is, and the
         settings (the kernels' buffers on CUDA)."""
         kernels = self.kernels
-        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.losses, self.grad_e,
+        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.grad_scale, self.losses,
+                   self.grad_e,
                    self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c, self.smoothing_of_e,
                    *kernels.buffers())
         return (*map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
@@ -168,7 +172,7 @@ class FusedForward:
         if self.plan.fused == "cpu":
             self.cpu_chunk(row_start, rows)
         else:
-            self.kernels.run(row_start, rows, self.scale, self.losses)
+            self.kernels.run(row_start, rows, self.grad_scale, self.losses)
             self.gradients(row_start, rows)
 
     def gradients(self, row_start: int, rows: int) -> None:
@@ -211,7 +215,8 @@ class FusedForward:
         row_end = row_start + rows
         e_rows, targets = self.e[row_start:row_end], self.targets[row_start:row_end]
         lse, target_logit, weighted_sum, _ = forward_cpu(
-            e_rows, self.c, targets, self.bias, self.weight, self.softcap, self.smoothing, chunk_v=self.config.slab_v)
+            e_rows, self.c, targets, self.bias, self.weight, self.softcap, self.smoothing, chunk_v=self.config.slab_v,
+            logit_scale=self.logit_scale)
         v = self.c.shape[0]
         valid = targets != self.ignore_index
         losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
@@ -219,8 +224,8 @@ class FusedForward:
         if self.z_loss > 0.0:
             losses = losses + self.z_loss * torch.where(valid, lse * lse, 0.0)
         self.losses[row_start:row_end] = losses
-        grad_loss = torch.where(valid, self.scale, 0.0).expand(rows)
-        grad_lse = torch.where(valid, 2.0 * self.z_loss * self.scale * lse, 0.0)
+        grad_loss = torch.where(valid, self.grad_scale, 0.0).expand(rows)
+        grad_lse = torch.where(valid, 2.0 * self.z_loss * self.grad_scale * lse, 0.0)
         coef_softmax, coef_target, coef_smooth = grad_coefficients(
             grad_loss, grad_lse, targets, self.weight, v, self.ignore_index, self.label_smoothing)
         tile = self.config.grad_logits
@@ -228,7 +233,7 @@ class FusedForward:
             e_rows, self.c, targets, self.bias, self.weight, lse,
             coef_softmax, coef_target, coef_smooth if self.smoothing else None, self.softcap, 0.0,
             chunk_v=max(self.config.slab_v, self.config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
-            vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c,
+            vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c, logit_scale=self.logit_scale,
         )
         if self.need_grad_e:
             self.grad_e[row_start:row_end].copy_(grad_e)
@@ -280,6 +285,7 @@ class FusedKernels:
         self.e, self.c, self.bias, self.weight, self.targets = e, c, bias, weight, targets
         self.softcap, self.label_smoothing, self.smoothing = softcap, label_smoothing, label_smoothing > 0.0
         self.ignore_index, self.z_loss, self.need_grad_c = ignore_index, z_loss, need_grad_c
+        self.logit_scale = plan.logit_scale
         v, d = c.shape
         rows = plan.workspace_rows
         padded_v = -(-v // 8) * 8
@@ -323,11 +329,14 @@ class FusedKernels:
 
     def run(self, row_start: int, rows: int, scale: Tensor, losses: Tensor) -> None:
         """The chunk's workspace, row scales (and coef_smooth) and scaled rows of e, and its
-        tokens' losses into `losses`; `scale` is d loss / d (a token's loss)."""
+        tokens' losses into `losses`; `scale` is d loss / d (a token's loss), times the logit
+        scale (the gradients' chain rule; the losses do not read it)."""
         e_rows = self.e[row_start:row_start + rows]
         shift = fp32_product(e_rows, self.mean_c)[:, 0]
         if self.mean_bias is not None:
             shift += self.mean_bias
+        if self.logit_scale != 1.0:
+            shift *= self.logit_scale
         if self.softcap > 0.0:
             shift = self.softcap * torch.tanh(shift / self.softcap)
         self.launch_all(self.launchers, row_start, rows, shift, scale, losses)
@@ -377,12 +386,13 @@ class FusedKernels:
             launches.chunk(
                 (programs_for(e.device, tiles_of(rows, v, tile), per_sm),), *self.descriptors, self.targets, shift,
                 stats, self.target_logit, stat_stride, row_start, rows, v, d,
-                GROUP_M=tile.group_m, STAGES=tile.num_stages, **launch_options(per_sm),
+                GROUP_M=tile.group_m, STAGES=tile.num_stages, LOGIT_SCALE=self.logit_scale, **launch_options(per_sm),
             )
             return
         common = dict(
-            HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap > 0.0, HAS_WEIGHT=self.weight is not None,
-            NEED_WEIGHTED_SUM=self.smoothing, UPCAST=self.flags["UPCAST"], IEEE=self.flags["IEEE"],
+            HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap > 0.0, LOGIT_SCALE=self.logit_scale,
+            HAS_WEIGHT=self.weight is not None, NEED_WEIGHTED_SUM=self.smoothing, UPCAST=self.flags["UPCAST"],
+            IEEE=self.flags["IEEE"],
         )
         if kind == "tma":
             tile = self.tile

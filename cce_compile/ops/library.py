@@ -43,15 +43,17 @@ ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 @torch.library.custom_op("cce::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float, settings: str = "",
+    ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float, logit_scale: float = 1.0,
+    settings: str = "",
 ) -> ForwardOutputs:
     """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles, tile_lse, vocab_order).
 
-    loss and lse are fp32; `softcap` 0 means none, `filter_eps` 0 exact mode. With
+    loss and lse are fp32; `softcap` 0 means none, `filter_eps` 0 exact mode, `logit_scale` (1 /
+    temperature) multiplies the logits before the soft-cap (whose `softcap` is in scaled units). With
     filter_eps > 0 the forward also returns what the backward filters with: the vocabulary
     order and, on the Triton path, the kept tiles and tile log-sum-exps (ops/filtering.py);
     otherwise these are empty. `settings`: the traced config and policy ("" resolves them)."""
-    options = options_of(bias, weight, softcap, label_smoothing, filter_eps)
+    options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
 
     def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
         plan = plan_launch(problem_of(e, c), options, config, policy)
@@ -80,7 +82,7 @@ def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, 
 
 
 @linear_cross_entropy_forward.register_fake
-def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps,
+def _forward_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps, logit_scale=1.0,
                   settings="") -> ForwardOutputs:
     n = e.shape[0]
     kept_tiles, tile_lse, _, order = fake_filter_stats(e, c, targets, filter_eps, False, settings)
@@ -92,13 +94,13 @@ def linear_cross_entropy_backward(
     grad_loss: Tensor, grad_lse: Tensor, e: Tensor, c: Tensor, targets: Tensor,
     bias: Tensor | None, weight: Tensor | None, lse: Tensor, kept_tiles: Tensor, tile_lse: Tensor,
     vocab_order: Tensor, ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float,
-    need_grad_e: bool, need_grad_c: bool, settings: str,
+    logit_scale: float, need_grad_e: bool, need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias), with the forward's config and policy (`settings`,
     problem.encode_settings). A gradient not needed (a frozen head under LoRA: need_grad_c
     False) comes back empty and its GEMMs never run; grad_bias is empty when there is no bias."""
     kernel_config, launch_policy = decode_settings(settings)
-    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps),
+    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale),
                        kernel_config, launch_policy)
     grad_e, grad_c, grad_bias = run_backward(
         plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
@@ -111,7 +113,7 @@ def linear_cross_entropy_backward(
 
 @linear_cross_entropy_backward.register_fake
 def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
-                   ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c, settings):
+                   ignore_index, label_smoothing, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c, settings):
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
@@ -120,11 +122,11 @@ def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_t
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps, settings = inputs
+    e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps, logit_scale, settings = inputs
     _, lse, kept_tiles, tile_lse, order = output
     ctx.save_for_backward(e, c, targets, bias, weight, lse, kept_tiles, tile_lse, order)
     ctx.mark_non_differentiable(kept_tiles, tile_lse, order)
-    ctx.options = (ignore_index, label_smoothing, softcap, filter_eps)
+    ctx.options = (ignore_index, label_smoothing, softcap, filter_eps, logit_scale)
     ctx.settings = backward_settings(settings, e, c, filter_eps > 0.0)
 
 
@@ -152,7 +154,7 @@ def _backward(ctx, grad_loss, grad_lse, _grad_kept_tiles, _grad_tile_lse, _grad_
             need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -163,12 +165,13 @@ linear_cross_entropy_backward.register_autograd(no_double_backward("linear_cross
 def linear_cross_entropy_fused(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, ignore_index: int,
     label_smoothing: float, softcap: float, z_loss: float, reduction: str, need_grad_e: bool, need_grad_c: bool,
-    settings: str = "",
+    logit_scale: float = 1.0, settings: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, grad_e, grad_c, grad_bias): the loss reduced ("mean" or "sum"; 0-d fp32),
     z-loss included, and its gradients (empty where not needed, grad_bias without a bias).
-    `settings`: the traced config and policy ("" resolves them)."""
-    options = options_of(bias, weight, softcap, label_smoothing, 0.0)
+    `logit_scale` as in linear_cross_entropy_forward; `settings`: the traced config and policy
+    ("" resolves them)."""
+    options = options_of(bias, weight, softcap, label_smoothing, 0.0, logit_scale)
 
     def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         plan = plan_launch(problem_of(e, c), options, config, policy)
@@ -180,7 +183,7 @@ def linear_cross_entropy_fused(
 
 @linear_cross_entropy_fused.register_fake
 def _fused_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss, reduction, need_grad_e,
-                need_grad_c, settings=""):
+                need_grad_c, logit_scale=1.0, settings=""):
     return (
         e.new_empty((), dtype=torch.float32),
         e.new_empty(e.shape if need_grad_e else (0,)),
@@ -229,14 +232,14 @@ def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
                            "to the first backward to run another")
     gradients = ctx.gradients
     if grad_loss is None:  # the loss itself reached nothing that is differentiated
-        return (None,) * 13
+        return (None,) * 14
     in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
     if in_place:
         ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy
     grad_e, grad_c, grad_bias = (scaled(g, grad_loss, in_place) if g.numel() else g for g in gradients)
     need_grad_e, need_grad_c, need_grad_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if need_grad_bias else None, None, None, None, None, None, None, None, None, None)
+            grad_bias if need_grad_bias else None, None, None, None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)

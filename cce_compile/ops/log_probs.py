@@ -30,23 +30,24 @@ from .problem import backward_settings, decode_settings, launch_settings, option
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float) -> Options:
-    return replace(options_of(bias, None, softcap, 0.0, filter_eps), has_entropy=entropy)
+def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float, logit_scale: float) -> Options:
+    return replace(options_of(bias, None, softcap, 0.0, filter_eps, logit_scale), has_entropy=entropy)
 
 
 @torch.library.custom_op("cce::linear_log_probs_forward", mutates_args=())
 def linear_log_probs_forward(
     e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None, ignore_index: int, softcap: float, entropy: bool,
-    filter_eps: float, settings: str = "",
+    filter_eps: float, logit_scale: float = 1.0, settings: str = "",
 ) -> LogProbOutputs:
     """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, mean_logit, kept_tiles,
     tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and mean_logit
     (sum_j p_j l_j, what the entropy's backward needs) empty without `entropy`; the last four
     what filtered mode's backward filters with (filtering.FilterStats; empty with
-    `filter_eps` 0, exact mode). `softcap` 0 means none. `settings`: the traced config and
+    `filter_eps` 0, exact mode). `softcap` 0 means none; `logit_scale` (1 / temperature)
+    multiplies the logits before it (ops/library.py). `settings`: the traced config and
     policy ("" resolves them)."""
     config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), config, policy)
+    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), config, policy)
     (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(
         plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
     log_probs, entropies = log_prob_terms(lse, target_logit, mean_logit, tokens, c.shape[0], ignore_index)
@@ -56,7 +57,8 @@ def linear_log_probs_forward(
 
 
 @linear_log_probs_forward.register_fake
-def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, settings="") -> LogProbOutputs:
+def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, logit_scale=1.0,
+                  settings="") -> LogProbOutputs:
     n = e.shape[0]
     per_row = e.new_empty((n,), dtype=torch.float32)
     maybe = e.new_empty((n,) if entropy else (0,), dtype=torch.float32)
@@ -68,15 +70,16 @@ def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps
 def linear_log_probs_backward(
     grad_log_probs: Tensor, grad_entropy: Tensor | None, e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None,
     lse: Tensor, mean_logit: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
-    vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, need_grad_e: bool, need_grad_c: bool,
-    settings: str,
+    vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, logit_scale: float, need_grad_e: bool,
+    need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
     None) the entropies, with the forward's filter statistics, config and policy (`settings`).
     A gradient not needed comes back empty, grad_bias empty without a bias."""
     kernel_config, launch_policy = decode_settings(settings)
     entropy = grad_entropy is not None
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps), kernel_config, launch_policy)
+    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
+                       launch_policy)
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
         grad_log_probs, grad_entropy, mean_logit, tokens, ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
@@ -91,7 +94,8 @@ def linear_log_probs_backward(
 
 @linear_log_probs_backward.register_fake
 def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, kept_tiles, tile_lse,
-                   tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, need_grad_e, need_grad_c, settings):
+                   tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c,
+                   settings):
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
@@ -100,11 +104,11 @@ def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_l
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, settings = inputs
+    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, logit_scale, settings = inputs
     _, _, *kept = output  # lse, mean_logit and the filter statistics
     ctx.save_for_backward(e, c, tokens, bias, *kept)
     ctx.mark_non_differentiable(*kept)
-    ctx.options = (ignore_index, softcap, filter_eps)
+    ctx.options = (ignore_index, softcap, filter_eps, logit_scale)
     ctx.entropy = entropy
     ctx.settings = backward_settings(settings, e, c, filter_eps > 0.0)
 
@@ -123,7 +127,7 @@ def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
             need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None)
 
 
 linear_log_probs_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -73,9 +73,9 @@ def problem_of(e: Tensor, c: Tensor) -> Problem:
 
 
 def options_of(bias: Tensor | None, weight: Tensor | None, softcap: float, label_smoothing: float,
-               filter_eps: float) -> Options:
+               filter_eps: float, logit_scale: float) -> Options:
     return Options(has_bias=bias is not None, has_weight=weight is not None, has_softcap=softcap > 0.0,
-                   has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0)
+                   has_smoothing=label_smoothing > 0.0, filtered=filter_eps > 0.0, logit_scale=logit_scale)
 
 
 def needs_grad(*tensors: Tensor | None) -> bool:

@@ -47,8 +47,8 @@ class Recompute:
         if kind == "gluon":
             recompute_warp_specialized(
                 self.launch, self.descriptors, call.targets, call.lse, call.coef_softmax, call.coef_target,
-                call.entropy_coefficients, call.coef_entropy is not None, call.scale, call.scaled, row_start, rows, col_start, cols, call.plan.gluon_tile,
-                call.plan.gluon_programs_per_sm,
+                call.entropy_coefficients, call.coef_entropy is not None, call.scale, call.scaled, row_start, rows,
+                col_start, cols, call.plan.gluon_tile, call.plan.gluon_programs_per_sm, call.plan.logit_scale,
             )
         elif kind == "tma":
             programs = cdiv(rows, tile.block_m) * cdiv(cols, tile.block_n)
@@ -105,7 +105,7 @@ def recompute_descriptors(e: Tensor, c: Tensor, grad_logits: Tensor, tile: TileC
 def recompute_warp_specialized(
     launch: KernelLauncher, descriptors: tuple, targets: Tensor, lse: Tensor, coef_softmax: Tensor,
     coef_target: Tensor, coef_entropy: Tensor, has_entropy: bool, scale: Tensor, scaled: bool, row_start: int,
-    rows: int, col_start: int, cols: int, tile: TileConfig, per_sm: int,
+    rows: int, col_start: int, cols: int, tile: TileConfig, per_sm: int, logit_scale: float,
 ) -> None:
     """One slab's d logits (rows x cols from (row_start, col_start)) by grad_logits_ws_kernel
     into the buffer recompute_descriptors describes (coef_entropy read with has_entropy only:
@@ -114,5 +114,5 @@ def recompute_warp_specialized(
         (programs_for(lse.device, tiles_of(rows, cols, tile), per_sm),), *descriptors, targets, lse,
         coef_softmax, coef_target, coef_entropy, scale, row_start, rows, col_start, cols, descriptors[0].shape[1],  # D
         GROUP_M=tile.group_m, STAGES=tile.num_stages, SCALED=scaled, HAS_ENTROPY=has_entropy,
-        **launch_options(per_sm),
+        LOGIT_SCALE=logit_scale, **launch_options(per_sm),
     )

@@ -34,7 +34,7 @@ _SMOOTHING_ON = 1.0
 @torch.library.custom_op("cce::shard_row_stats", mutates_args=())
 def shard_row_stats(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None, softcap: float,
-    need_weighted_sum: bool, grad_e_group: str, config_v: int, settings: str = "",
+    need_weighted_sum: bool, grad_e_group: str, config_v: int, logit_scale: float = 1.0, settings: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """e (N, D), the shard c (V_shard, D), targets (N,) as shard-local ids (any id outside
     [0, V_shard) - a target in another shard, an ignored token - has target logit 0) ->
@@ -42,10 +42,11 @@ def shard_row_stats(
     logit_j, w = weight or ones) is empty without need_weighted_sum. `grad_e_group`: see the
     module doc ("" for none). The kernel config is the one for vocabulary size `config_v`:
     shards differ in size, and each size its own key would leave the ranks other than 0
-    waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0). `settings`:
-    the traced config and policy ("" resolves them)."""
+    waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0).
+    `logit_scale`: as the unsharded forward op's. `settings`: the traced config and policy (""
+    resolves them)."""
     config, policy = launch_settings(settings, e, c, False, config_v)
-    options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0)
+    options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
     plan = plan_launch(problem_of(e, c), options, config, policy)
     none = targets.new_empty((0,))
     lse, target_logit, weighted_sum, _ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
@@ -55,7 +56,8 @@ def shard_row_stats(
 
 
 @shard_row_stats.register_fake
-def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, settings=""):
+def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, logit_scale=1.0,
+                    settings=""):
     n = e.shape[0]
     return (e.new_empty((n,), dtype=torch.float32), e.new_empty((n,), dtype=torch.float32),
             e.new_empty((n,) if need_weighted_sum else (0,), dtype=torch.float32))
@@ -64,14 +66,14 @@ def _row_stats_fake(e, c, targets, bias, weight, softcap, need_weighted_sum, gra
 @torch.library.custom_op("cce::shard_row_stats_backward", mutates_args=())
 def shard_row_stats_backward(
     grad_lse: Tensor, grad_target_logit: Tensor, grad_weighted_sum: Tensor, e: Tensor, c: Tensor, targets: Tensor,
-    bias: Tensor | None, weight: Tensor | None, lse: Tensor, softcap: float, has_smoothing: bool, need_grad_e: bool,
-    need_grad_c: bool, settings: str,
+    bias: Tensor | None, weight: Tensor | None, lse: Tensor, softcap: float, has_smoothing: bool, logit_scale: float,
+    need_grad_e: bool, need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) of the shard's statistics given their upstream
     gradients; grad_weighted_sum is read only with has_smoothing. As the unsharded backward
     op: a gradient not needed comes back empty, grad_bias is empty without a bias."""
     kernel_config, launch_policy = decode_settings(settings)
-    options = options_of(bias, weight, softcap, _SMOOTHING_ON if has_smoothing else 0.0, 0.0)
+    options = options_of(bias, weight, softcap, _SMOOTHING_ON if has_smoothing else 0.0, 0.0, logit_scale)
     plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
     coef_softmax = grad_lse.to(torch.float32).contiguous()
     coef_target = grad_target_logit.to(torch.float32).neg().contiguous()
@@ -88,21 +90,21 @@ def shard_row_stats_backward(
 
 @shard_row_stats_backward.register_fake
 def _row_stats_backward_fake(grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
-                             has_smoothing, need_grad_e, need_grad_c, settings):
+                             has_smoothing, logit_scale, need_grad_e, need_grad_c, settings):
     return (e.new_empty(e.shape if need_grad_e else (0,)), c.new_empty(c.shape if need_grad_c else (0,)),
             c.new_empty(c.shape[:1] if bias is not None else (0,)))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, settings = inputs
+    e, c, targets, bias, weight, softcap, need_weighted_sum, grad_e_group, config_v, logit_scale, settings = inputs
     ctx.save_for_backward(e, c, targets, bias, weight if need_weighted_sum else None, output[0])
-    ctx.options = (softcap, need_weighted_sum, grad_e_group)
+    ctx.options = (softcap, need_weighted_sum, grad_e_group, logit_scale)
     ctx.settings = backward_settings(settings, e, c, False, config_v)
 
 
 def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):
     e, c, targets, bias, weight, lse = ctx.saved_tensors
-    softcap, need_weighted_sum, grad_e_group = ctx.options
+    softcap, need_weighted_sum, grad_e_group, logit_scale = ctx.options
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
     grad_target_logit = torch.zeros_like(lse) if grad_target_logit is None else grad_target_logit
     if not need_weighted_sum:
@@ -113,12 +115,12 @@ def _backward(ctx, grad_lse, grad_target_logit, grad_weighted_sum):
     with without_autocast(e.device.type):
         grad_e, grad_c, grad_bias = shard_row_stats_backward(
             grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
-            need_weighted_sum, need_grad_e, need_grad_c, ctx.settings,
+            need_weighted_sum, logit_scale, need_grad_e, need_grad_c, ctx.settings,
         )
     if need_grad_e and grad_e_group:
         grad_e = funcol.wait_tensor(funcol.all_reduce(grad_e, "sum", grad_e_group))
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None, None)
 
 
 shard_row_stats.register_autograd(_backward, setup_context=_setup_context)

@@ -158,9 +158,11 @@ def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
 def vocab_parallel_loss(
     e: Tensor, c: Tensor, targets: Tensor, parallel: VocabParallel, *, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: float, filter_eps: float,
+    logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """(loss reduced as `reduction` says, lse (N,)) for e (N, D), this rank's rows c of the
-    classifier (and of bias and weight), global targets (N,) int64."""
+    classifier (and of bias and weight), global targets (N,) int64; `logit_scale` (1 /
+    temperature) multiplies the logits before the soft-cap, as in the unsharded op."""
     if filter_eps > 0.0:
         raise ValueError("filter_eps: filtered mode does not combine over vocabulary shards (its kept tiles are "
                          "chosen against the global log-sum-exp, which no shard has in its forward); pass None")
@@ -178,7 +180,7 @@ def vocab_parallel_loss(
         config_v = -(-v // parallel.world_size)
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
-            parallel.group_name if parallel.reduce_grad_e else "", config_v,
+            parallel.group_name if parallel.reduce_grad_e else "", config_v, logit_scale,
             traced_settings(e, c, False, config_v, backward=needs_grad(e, c, bias)),
         )
     terms = [lse_shard, target_logit]

@@ -63,6 +63,7 @@ class Options:
     has_smoothing: bool = False
     filtered: bool = False
     has_entropy: bool = False  # linear_log_probs' entropy: a softmax-weighted logit sum, and its term in d-logits
+    logit_scale: float = 1.0  # 1 / temperature: multiplies the logits (before the soft-cap)
 
     @property
     def plain_logits(self) -> bool:
@@ -90,6 +91,7 @@ class LaunchPlan:
 
     forward: ForwardKernel
     fused: FusedKernel
+    logit_scale: float  # 1 / temperature: the logits kernels' compile-time LOGIT_SCALE (Options.logit_scale)
     recompute: RecomputeKernel
     gradient_gemms: GradientGemms
     filtered: bool
@@ -192,6 +194,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
     return LaunchPlan(
         forward=forward_kernel(problem, options, policy),
         fused=fused_kernel(problem, options, policy),
+        logit_scale=options.logit_scale,
         recompute=recompute_kernel(problem, options, config, policy),
         gradient_gemms=gradient_gemms(problem, policy),
         filtered=options.filtered,
