@@ -155,7 +155,8 @@ def _temperature_scale(softcap: float | None, temperature: float) -> tuple[float
     s * tanh(l / s) / T = (s / T) * tanh((l / T) / (s / T)). The kernels multiply their fp32
     logits by logit_scale = 1 / T before the soft-cap (kernels/tiles.finish_logits), so no
     operand is scaled and rounded to a 16-bit dtype. Each temperature is a compile-time
-    constant of the kernels: the first call at a new one compiles them (as a new dtype does)."""
+    constant of the kernels: the first call at a new one compiles them (as a new dtype does),
+    and under torch.compile it is a graph of its own (docs/rl.md)."""
     logit_scale = 1.0 / float(temperature)
     return float(softcap or 0.0) * logit_scale, logit_scale
 

@@ -47,7 +47,7 @@ def backward_op(grad_loss, e, c, targets, lse, kept_tiles, tile_lse, order, filt
     settings = encode_settings(config_for(e, c, filter_eps > 0.0, policy), policy)
     return linear_cross_entropy_backward(
         grad_loss, torch.zeros_like(lse), e, c, targets, None, None, lse, kept_tiles, tile_lse, order, -100,
-        label_smoothing, softcap, filter_eps, True, True, settings)
+        label_smoothing, softcap, filter_eps, 1.0, True, True, settings)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -179,17 +179,19 @@ def test_no_grad_is_one_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     assert relative_error(lp, ref_lp) <= 2e-5 and relative_error(h, ref_h) <= 2e-5
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["cpu", "interpreter"])
 @pytest.mark.parametrize("memory", ["workspace", "low"])
 @pytest.mark.parametrize("options", [
     {"temperature": 0.6}, {"temperature": 1.7, "softcap": 5.0, "label_smoothing": 0.1},
 ])
-def test_linear_cross_entropy_temperature(memory: str, options: dict) -> None:
+def test_linear_cross_entropy_temperature(memory: str, options: dict, kernels: bool) -> None:
     """The loss of softmax(logits / T), soft-cap first; the fused forward (workspace) and the
     recompute backward (low) alike, with the bias's gradient."""
     e, c, targets, bias, _ = _case(16, torch.float32, {"bias": True})
     leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
-    loss = cce_compile.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2], memory=memory, **options)
-    loss.backward()
+    with on_kernels(kernels):
+        loss = cce_compile.linear_cross_entropy(*leaves[:2], targets, bias=leaves[2], memory=memory, **options)
+        loss.backward()
     ref_leaves = [t.double().requires_grad_() for t in (e, c, bias)]
     temperature, softcap = options["temperature"], options.get("softcap")
     # softcap(l) / T = (s / T) * tanh((l / T) / (s / T)): the reference on e / T, bias / T, s / T
@@ -545,6 +547,33 @@ def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
     without = run(True)
     for corrected, dropped in zip(kernels[2:], without[2:]):
         assert relative_error(dropped, corrected) > 5e-3, "the entropy's put-back moved the gradients little"
+
+
+@pytest.mark.interpreter
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize("kernels", [False, True], ids=["cpu", "interpreter"])
+def test_filtered_temperature_is_the_call_on_scaled_operands(kernels: bool) -> None:
+    """In fp32 a temperature is the same call on e / T and bias / T (to rounding), filtered mode
+    included: what it skips, puts back and tilts (filtering.Tilt) is in the scaled logits' units."""
+    e, c, tokens = make_inputs("zipf", (160,), 4000, 32, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(4000, generator=g) * 0.1
+    up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
+    temperature = 0.6
+
+    def run(e: torch.Tensor, bias: torch.Tensor, temperature: float) -> list:
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(SMALL_TILES), on_kernels(kernels):
+            log_probs, entropy = cce_compile.linear_log_probs(
+                leaves[0], leaves[1], tokens, bias=leaves[2], entropy=True, filter_eps=2.0**-7, temperature=temperature)
+        ((log_probs * up_lp).sum() + (entropy * up_h).sum()).backward()
+        return [log_probs.detach(), entropy.detach()] + [t.grad for t in leaves]
+
+    ours = run(e, bias, temperature)
+    scaled = run(e / temperature, bias / temperature, 1.0)
+    scaled[2], scaled[4] = scaled[2] / temperature, scaled[4] / temperature  # d/de, d/dbias of f(e / T, bias / T)
+    for name, got, want in zip(("log_probs", "entropy", "dE", "dC", "dbias"), ours, scaled):
+        assert relative_error(got, want) < 1e-4, name
 
 
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
