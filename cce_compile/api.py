@@ -138,6 +138,18 @@ def _check_options(reduction: str, label_smoothing: float, z_loss: float, softca
         raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
 
 
+def check_loss_options(
+    *, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+    softcap: float | None = None, filter_eps: float | str | None = None, memory: str = "workspace",
+    temperature: float = 1.0,
+) -> None:
+    """The options that do not depend on the tensors, checked where a module or an integration
+    is built (LinearCrossEntropyLoss, LossOptions, add_fused_lm_head): a bad one fails there,
+    not at the first training step."""
+    _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
+    _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
+
+
 def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = "targets") -> None:
     """Eager CPU calls get a clear error for an out-of-range target; on the GPU and under
     torch.compile that would cost a host sync, so the op gives that token a NaN loss."""
@@ -350,9 +362,10 @@ class LinearCrossEntropyLoss(nn.Module):
         vocab_parallel: VocabParallel | None = None,
     ) -> None:
         super().__init__()
-        _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
+        check_loss_options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           z_loss=z_loss, softcap=softcap, filter_eps=filter_eps, memory=memory,
+                           temperature=temperature)
         _check_flags(shift=shift, return_lse=return_lse)
-        _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
         if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
                                    or not weight.dtype.is_floating_point):
             raise ValueError(f"weight must be None or a 1-D float tensor (V,), got {weight!r:.80}")

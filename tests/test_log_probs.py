@@ -239,6 +239,28 @@ def test_bf16_temperature_on_peaked_rows(kernels: bool) -> None:
         assert error < 1.25 * at_one
 
 
+@pytest.mark.parametrize("temperature", [0.1, 0.01])
+def test_fp16_entropy_gradient_where_every_logit_is_capped(temperature: float) -> None:
+    """fp16's d-logits are stored divided by a bound on them (ops/backward._d_logits_bound). With
+    the entropy, the coefficient s = h mu grows with the mean logit (1 / T^2, the soft-cap's size
+    here, where |hidden| ~ 300 caps every logit): a bound of |s| left the true d-logits, ~1e-2,
+    in fp16's subnormals or at zero (dE 4e-2 and 0.15 off at T = 0.1 and 0.01)."""
+    g = torch.Generator().manual_seed(1)
+    e = (torch.randn(8, 16, generator=g) * 300).half()
+    c = torch.randn(64, 16, generator=g).half()
+    tokens = torch.randint(0, 64, (8,), generator=g)
+    tokens[3] = -100
+    leaves, ref_leaves = [t.clone().requires_grad_() for t in (e, c)], [t.double().requires_grad_() for t in (e, c)]
+    with on_kernels(True):
+        log_probs, entropy = cce_compile.linear_log_probs(*leaves, tokens, temperature=temperature, entropy=True,
+                                                          softcap=30.0)
+        (log_probs.sum() + 0.3 * entropy.sum()).backward()
+    ref_lp, ref_h = reference_log_probs(*ref_leaves, tokens, temperature=temperature, entropy=True, softcap=30.0)
+    (ref_lp.sum() + 0.3 * ref_h.sum()).backward()
+    for leaf, ref in zip(leaves, ref_leaves):
+        assert relative_error(leaf.grad, ref.grad) < TOLERANCE[torch.float16]
+
+
 def test_loss_module_takes_a_temperature() -> None:
     e, c, targets, _, _ = _case(17, torch.float32, {})
     module = cce_compile.LinearCrossEntropyLoss(temperature=0.5, reduction="sum")

@@ -223,6 +223,24 @@ def test_patch_rejects_what_it_cannot_handle() -> None:
         unpatch(tiny_model(sorted(FAMILIES)[0]))
 
 
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"temperature": 0}, ValueError, "temperature must be a finite number > 0"),
+    ({"label_smoothing": 2.0}, ValueError, "label_smoothing"),
+    ({"memory": "bogus"}, ValueError, "memory must be one of"),
+    ({"filter_eps": "fast"}, ValueError, "filter_eps"),
+    ({"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+    ({"return_logits": "yes"}, TypeError, "return_logits must be a bool"),
+])
+def test_patch_checks_its_options_before_any_step(options: dict, error: type, match: str) -> None:
+    """A bad option fails at patch(), naming itself, not at the first training step; the model
+    is left unpatched."""
+    model = tiny_model(sorted(FAMILIES)[0])
+    with pytest.raises(error, match=match):
+        patch(model, **options)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+
+
 @parametrize_families
 def test_cache_goes_in_and_out_of_the_training_forward_as_hf(family: str) -> None:
     """A training step on a continuation of a cached prefix: the cache, given under the installed

@@ -143,6 +143,15 @@ def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
         add_fused_lm_head(model, outputs=change.get("outputs", ("log_probs",)))
 
 
+@pytest.mark.parametrize(("temperature", "error"), [(0.0, ValueError), (float("nan"), ValueError), ("hot", TypeError)])
+def test_a_bad_temperature_is_refused_when_the_head_is_added(temperature: object, error: type) -> None:
+    """Not at the first fused call, after a rollout; the model keeps its own forward."""
+    model = tiny_llama()
+    with pytest.raises(error, match="temperature"):
+        add_fused_lm_head(model, temperature=temperature)
+    assert "forward" not in vars(model)
+
+
 def test_a_default_moe_model_is_taken() -> None:
     """Mixtral's config sets a router loss coefficient but leaves output_router_logits off, as
     TRL's trainers leave it: its head is taken and scores as the model's own logits do."""

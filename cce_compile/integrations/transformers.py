@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ..api import linear_cross_entropy, shift_targets
+from ..api import check_loss_options, linear_cross_entropy, shift_targets
 from ..plan.launch import Memory
 
 Function = TypeVar("Function", bound=Callable[..., Any])
@@ -100,6 +100,7 @@ class LossOptions:
     return_logits also returns detached logits (for metrics logged during training); they cost
     the (tokens, vocab) memory the op saves, though not the float32 copy HF's loss keeps.
     temperature divides the (soft-capped) logits in the loss, not the returned logits.
+    Every option is checked here: a bad one fails at patch(), not at the first training step.
     """
 
     ignore_index: int = -100
@@ -109,6 +110,12 @@ class LossOptions:
     memory: Memory = "workspace"
     return_logits: bool = False
     temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_loss_options(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                           filter_eps=self.filter_eps, memory=self.memory, temperature=self.temperature)
+        if not isinstance(self.return_logits, bool):
+            raise TypeError(f"return_logits must be a bool, got {type(self.return_logits).__name__}")
 
 
 def available_families() -> dict[str, type[PreTrainedModel]]:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..api import linear_log_probs
+from ..api import check_loss_options, linear_log_probs
 from .transformers import linear_head, replaced_forward
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
@@ -80,6 +80,7 @@ def add_fused_lm_head(
     linear_log_probs over the labeled positions only (logits / temperature, Gemma-2's final
     soft-cap included); without it, the original forward (generation unchanged). Add it
     before wrapping the model with PEFT."""
+    check_loss_options(temperature=temperature)
     _check_supported(model, outputs)
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")

@@ -3,6 +3,7 @@ plan.backward names (the plain-PyTorch path, backward_dense or backward_filtered
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -76,7 +77,7 @@ def backward_from_coefficients(
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it, so they
     # are stored scaled up; otherwise `lse` stands in for the unread pointer.
     scaled = e.dtype == torch.float16
-    scale = (_largest_coefficient(coefficients).clamp_min(1e-30).reshape(1) if scaled else lse)
+    scale = (_d_logits_bound(coefficients, lse).clamp_min(1e-30).reshape(1) if scaled else lse)
     call = BackwardCall(
         e, c, targets, bias, weight, lse, vocab_order, coef_softmax, coef_target, coef_smooth, scale, scaled,
         softcap, label_smoothing, need_grad_e, need_grad_c, config, plan, kernel_flags(e), coef_entropy,
@@ -97,10 +98,17 @@ def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
     return Coefficients(*(None if coef is None else coef * logit_scale for coef in coefficients))
 
 
-def _largest_coefficient(coefficients: Coefficients) -> Tensor:
-    """fp16's d-logits scale: the largest coefficient. The entropy term, h * p_j * logit_j,
-    divided by it stays within fp16's range for logits under ~60000 in size."""
+def _d_logits_bound(coefficients: Coefficients, lse: Tensor) -> Tensor:
+    """fp16's d-logits scale: a bound on every |d logit| of the call, so the stored d-logits
+    neither overflow nor sink below fp16's normal range. Without entropy, the largest
+    coefficient. With it (linear_log_probs), d_j = p_j (s - h l_j) - t [j == y] where s - t =
+    h mu (mu the softmax-weighted mean logit), so |d_j| <= 2 |t| + |h| max(lse - mu, 1/e): the
+    entropy's term is p_j h (mu - l_j), which the softmax keeps within |h| times the row's
+    entropy. |s| itself grows with |mu| (with 1 / T^2, and to the soft-cap's size where every
+    logit is capped), which flushed fp16's small d-logits to zero."""
     largest = torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
-    if coefficients.entropy is not None:
-        largest = torch.maximum(largest, coefficients.entropy.abs().max())
-    return largest
+    if coefficients.entropy is None:
+        return largest
+    h, target = coefficients.entropy, coefficients.target
+    spread = torch.where(h != 0, h * lse - (coefficients.softmax - target), 0.0).abs()  # |h| (lse - mu)
+    return (2 * target.abs() + torch.maximum(spread, h.abs() / math.e)).max()
