@@ -96,10 +96,12 @@ def _check_inputs(
     if weight is not None and weight.requires_grad:
         raise ValueError("weight must not require grad: the loss is not differentiated by the class weights "
                          "(as F.cross_entropy's); pass weight.detach()")
-    _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
+    check_loss_options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       z_loss=z_loss, softcap=softcap, memory=memory, temperature=temperature)
 
 
-def _check_flags(**flags: object) -> None:
+def check_flags(**flags: object) -> None:
+    """Each flag is a bool (numpy's included by name in the error)."""
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {_type_name(value)}")
@@ -119,10 +121,14 @@ def _check_number(name: str, value: object, expected: str, holds: Callable[[floa
         raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
 
 
-def _check_options(reduction: str, label_smoothing: float, z_loss: float, softcap: float | None, memory: str,
-                   temperature: float, ignore_index: int) -> None:
-    """The options that do not depend on the tensors (LinearCrossEntropyLoss checks them at
-    construction)."""
+def check_loss_options(
+    *, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+    softcap: float | None = None, filter_eps: float | str | None = None, memory: str = "workspace",
+    temperature: float = 1.0,
+) -> None:
+    """The options that do not depend on the tensors: checked on every call, and where a module
+    or an integration is built (LinearCrossEntropyLoss, LossOptions, add_fused_lm_head), so a bad
+    one fails there, not at the first training step."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_number("label_smoothing", label_smoothing, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
@@ -136,17 +142,6 @@ def _check_options(reduction: str, label_smoothing: float, z_loss: float, softca
         raise ValueError(f"ignore_index must fit in int64 (the targets' dtype), got {ignore_index}")
     if memory not in _MEMORY:
         raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}")
-
-
-def check_loss_options(
-    *, reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-    softcap: float | None = None, filter_eps: float | str | None = None, memory: str = "workspace",
-    temperature: float = 1.0,
-) -> None:
-    """The options that do not depend on the tensors, checked where a module or an integration
-    is built (LinearCrossEntropyLoss, LossOptions, add_fused_lm_head): a bad one fails there,
-    not at the first training step."""
-    _check_options(reduction, label_smoothing, z_loss, softcap, memory, temperature, ignore_index)
     _resolve_filter_eps(filter_eps, torch.float32)  # "auto" is resolved per call, by the input's dtype
 
 
@@ -239,8 +234,8 @@ def linear_cross_entropy(
     c, bias, weight, vocab_parallel = sharded_operands(c, bias, weight, vocab_parallel)
     _check_inputs(e, c, targets, bias, weight, reduction, label_smoothing, z_loss, softcap, memory, temperature,
                   ignore_index)
-    _check_flags(shift=shift, return_lse=return_lse)
-    cap, logit_scale = _temperature_scale(softcap, temperature)
+    check_flags(shift=shift, return_lse=return_lse)
+    scaled_softcap, logit_scale = _temperature_scale(softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
@@ -255,25 +250,25 @@ def linear_cross_entropy(
         out, lse = vocab_parallel_loss(
             e.reshape(-1, d), c, flat_targets, vocab_parallel, bias=bias, weight=weight, ignore_index=int(ignore_index),
             reduction=reduction, label_smoothing=float(label_smoothing), z_loss=float(z_loss),
-            softcap=cap, filter_eps=eps, logit_scale=logit_scale)
+            softcap=scaled_softcap, filter_eps=eps, logit_scale=logit_scale)
         out = out.reshape(lead_shape) if reduction == "none" else out
         return (out, lse.reshape(lead_shape)) if return_lse else out
     backward = needs_grad(e, c, bias)
-    options = options_of(bias, weight, cap, float(label_smoothing), eps, logit_scale)
+    options = options_of(bias, weight, scaled_softcap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
     if backward and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
                                                               has_z_loss=z_loss > 0.0):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
-                cap, float(z_loss), reduction, e.requires_grad, c.requires_grad, logit_scale,
+                scaled_softcap, float(z_loss), reduction, e.requires_grad, c.requires_grad, logit_scale,
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
     with without_autocast(e.device.type):
         loss, lse, *_ = ops.linear_cross_entropy_forward(
             flat_e, c, flat_targets, bias, weight,
-            int(ignore_index), float(label_smoothing), cap, eps, logit_scale,
+            int(ignore_index), float(label_smoothing), scaled_softcap, eps, logit_scale,
             traced_settings(flat_e, c, eps > 0.0, backward=backward),
         )
     valid = flat_targets != ignore_index
@@ -319,8 +314,8 @@ def linear_log_probs(
     e, c, bias = _autocast_operands(e, c, bias)
     _check_inputs(e, c, tokens, bias, None, "none", 0.0, 0.0, softcap, "low", temperature, ignore_index,
                   targets_name="tokens")
-    _check_flags(entropy=entropy, shift=shift)
-    cap, logit_scale = _temperature_scale(softcap, temperature)
+    check_flags(entropy=entropy, shift=shift)
+    scaled_softcap, logit_scale = _temperature_scale(softcap, temperature)
     bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     backward = needs_grad(e, c, bias)
@@ -335,7 +330,7 @@ def linear_log_probs(
     flat_e = e.reshape(-1, c.shape[1])
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
-            flat_e, c, flat_tokens, bias, int(ignore_index), cap, entropy, eps, logit_scale,
+            flat_e, c, flat_tokens, bias, int(ignore_index), scaled_softcap, entropy, eps, logit_scale,
             traced_settings(flat_e, c, eps > 0.0, backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
@@ -365,7 +360,7 @@ class LinearCrossEntropyLoss(nn.Module):
         check_loss_options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                            z_loss=z_loss, softcap=softcap, filter_eps=filter_eps, memory=memory,
                            temperature=temperature)
-        _check_flags(shift=shift, return_lse=return_lse)
+        check_flags(shift=shift, return_lse=return_lse)
         if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
                                    or not weight.dtype.is_floating_point):
             raise ValueError(f"weight must be None or a 1-D float tensor (V,), got {weight!r:.80}")

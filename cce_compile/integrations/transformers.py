@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ..api import check_loss_options, linear_cross_entropy, shift_targets
+from ..api import check_flags, check_loss_options, linear_cross_entropy, shift_targets
 from ..plan.launch import Memory
 
 Function = TypeVar("Function", bound=Callable[..., Any])
@@ -114,8 +114,7 @@ class LossOptions:
     def __post_init__(self) -> None:
         check_loss_options(ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                            filter_eps=self.filter_eps, memory=self.memory, temperature=self.temperature)
-        if not isinstance(self.return_logits, bool):
-            raise TypeError(f"return_logits must be a bool, got {type(self.return_logits).__name__}")
+        check_flags(return_logits=self.return_logits)
 
 
 def available_families() -> dict[str, type[PreTrainedModel]]:

@@ -18,8 +18,10 @@ def grad_from_logits(
     With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
         d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j] - h[i] * p[i, j] * logit[i, j]
     (the last with HAS_ENTROPY: linear_log_probs' entropy), then the soft-cap's chain rule
-    (`logits` are the capped ones). With SCALED (fp16), the tile is divided by scale_ptr[0] (the largest coefficient) so small gradients stay in
-    fp16's normal range; the GEMMs multiply it back. Every vocab id of the tile lies in
+    (`logits` are the capped ones; the coefficients carry a temperature's 1 / T already). With
+    SCALED (fp16), the tile is divided by scale_ptr[0] (a bound on the call's d-logits,
+    ops/backward._d_logits_bound) so small gradients stay in fp16's normal range; the GEMMs
+    multiply it back. Every vocab id of the tile lies in
     [vocab_first, vocab_last]: tiles that no row's target can fall in skip the search for it.
     """
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)

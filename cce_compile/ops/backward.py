@@ -22,12 +22,14 @@ from .problem import kernel_flags
 
 class Coefficients(NamedTuple):
     """The d-logits' per-token coefficients (ops/loss_terms.py), fp32 (N,): `smooth` is read
-    only with label smoothing, `entropy` is None but for linear_log_probs' entropy."""
+    only with label smoothing, `entropy` is None but for linear_log_probs' entropy, whose
+    `row_entropy` (each row's entropy, lse - mean logit) bounds fp16's d-logits."""
 
     softmax: Tensor
     target: Tensor
     smooth: Tensor
     entropy: Tensor | None = None
+    row_entropy: Tensor | None = None
 
 
 def run_backward(
@@ -57,7 +59,7 @@ def backward_from_coefficients(
     v = c.shape[0]
     vocab_order = filter_stats.vocab_order
     coefficients = _scaled(coefficients, plan.logit_scale)
-    coef_softmax, coef_target, coef_smooth, coef_entropy = coefficients
+    coef_softmax, coef_target, coef_smooth, coef_entropy, _ = coefficients
     if plan.filtered and vocab_order.shape[0] != v:
         raise ValueError(f"vocab_order: filtered mode needs the forward's order of all {v} tokens")
     if plan.backward is None:
@@ -77,7 +79,7 @@ def backward_from_coefficients(
     # fp16's range is narrow: d logits of a mean loss (~p / N) would fall below it, so they
     # are stored scaled up; otherwise `lse` stands in for the unread pointer.
     scaled = e.dtype == torch.float16
-    scale = (_d_logits_bound(coefficients, lse).clamp_min(1e-30).reshape(1) if scaled else lse)
+    scale = (_d_logits_bound(coefficients).clamp_min(1e-30).reshape(1) if scaled else lse)
     call = BackwardCall(
         e, c, targets, bias, weight, lse, vocab_order, coef_softmax, coef_target, coef_smooth, scale, scaled,
         softcap, label_smoothing, need_grad_e, need_grad_c, config, plan, kernel_flags(e), coef_entropy,
@@ -93,22 +95,25 @@ def backward_from_coefficients(
 
 
 def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
+    """d loss / d (the kernels' unscaled logits) is logit_scale (1 / T) times d loss / d (the
+    logits the softmax sees): every coefficient times it."""
     if logit_scale == 1.0:
         return coefficients
-    return Coefficients(*(None if coef is None else coef * logit_scale for coef in coefficients))
+    softmax, target, smooth, entropy, _ = coefficients
+    return coefficients._replace(softmax=softmax * logit_scale, target=target * logit_scale,
+                                 smooth=smooth * logit_scale, entropy=None if entropy is None else entropy * logit_scale)
 
 
-def _d_logits_bound(coefficients: Coefficients, lse: Tensor) -> Tensor:
+def _d_logits_bound(coefficients: Coefficients) -> Tensor:
     """fp16's d-logits scale: a bound on every |d logit| of the call, so the stored d-logits
     neither overflow nor sink below fp16's normal range. Without entropy, the largest
-    coefficient. With it (linear_log_probs), d_j = p_j (s - h l_j) - t [j == y] where s - t =
-    h mu (mu the softmax-weighted mean logit), so |d_j| <= 2 |t| + |h| max(lse - mu, 1/e): the
-    entropy's term is p_j h (mu - l_j), which the softmax keeps within |h| times the row's
-    entropy. |s| itself grows with |mu| (with 1 / T^2, and to the soft-cap's size where every
-    logit is capped), which flushed fp16's small d-logits to zero."""
-    largest = torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
-    if coefficients.entropy is None:
-        return largest
-    h, target = coefficients.entropy, coefficients.target
-    spread = torch.where(h != 0, h * lse - (coefficients.softmax - target), 0.0).abs()  # |h| (lse - mu)
-    return (2 * target.abs() + torch.maximum(spread, h.abs() / math.e)).max()
+    coefficient. With it (linear_log_probs), d_j = p_j (s - h l_j) - t [j == y] with s = h mu - g
+    and t = -g (mu the row's softmax-weighted mean logit), so |d_j| <= 2 |t| + |h| max(H, 1/e) with
+    H = lse - mu the row's entropy: p_j (l_j - mu) is at most H above mu and 1/e below it. |s|
+    grows with |mu| (1 / T^2, and the soft-cap's size where every logit is capped), far past the
+    d-logits."""
+    if coefficients.entropy is None or coefficients.row_entropy is None:
+        return torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
+    h, row_entropy = coefficients.entropy.abs(), coefficients.row_entropy
+    spread = torch.where(h != 0, h * torch.clamp_min(row_entropy, 1.0 / math.e), 0.0)  # a row of no token: 0
+    return (2 * coefficients.target.abs() + spread).max()

@@ -9,7 +9,7 @@ Per token chunk (plan.workspace_rows rows):
    than SAFE_GAP above its shift is done again with its largest logit as the shift (a rare,
    very peaked row; nothing overflows then): kernels/fused_rows.py flags them.
 3. With the chunk's coefficients (ops/loss_terms.py's algebra, in kernels/fused_rows.py; the
-   loss's 1/denominator and z-loss folded in), d_logits = s * q - coef_smooth * w with
+   loss's 1/denominator, z-loss and a temperature's 1/T folded in), d_logits = s * q - coef_smooth * w with
    s = coef_softmax * exp(shift - lse) per row, and the target's -coef_target folded into its
    own workspace entry. So dE[chunk] = s * (q @ c) - coef_smooth * (w @ c) and
    dC += q.T @ (s * e[chunk]) are cuBLAS GEMMs on the workspace as the kernel left it (dE on a
@@ -112,9 +112,8 @@ class FusedForward:
         n, d = e.shape
         v = c.shape[0]
         self.scale = reduction_scale(targets, weight, v, ignore_index, reduction)
-        # d loss / d (the kernels' raw logits) per unit of d loss / d (scaled logits): a temperature's chain rule
-        self.logit_scale = plan.logit_scale
-        self.grad_scale = self.scale * self.logit_scale if self.logit_scale != 1.0 else self.scale
+        # what the gradients scale by: with a temperature, the chain rule's 1/T as well
+        self.grad_scale = self.scale * plan.logit_scale if plan.logit_scale != 1.0 else self.scale
         self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
@@ -216,7 +215,7 @@ class FusedForward:
         e_rows, targets = self.e[row_start:row_end], self.targets[row_start:row_end]
         lse, target_logit, weighted_sum, _ = forward_cpu(
             e_rows, self.c, targets, self.bias, self.weight, self.softcap, self.smoothing, chunk_v=self.config.slab_v,
-            logit_scale=self.logit_scale)
+            logit_scale=self.plan.logit_scale)
         v = self.c.shape[0]
         valid = targets != self.ignore_index
         losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
@@ -233,7 +232,8 @@ class FusedForward:
             e_rows, self.c, targets, self.bias, self.weight, lse,
             coef_softmax, coef_target, coef_smooth if self.smoothing else None, self.softcap, 0.0,
             chunk_v=max(self.config.slab_v, self.config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
-            vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c, logit_scale=self.logit_scale,
+            vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c,
+            logit_scale=self.plan.logit_scale,
         )
         if self.need_grad_e:
             self.grad_e[row_start:row_end].copy_(grad_e)
@@ -285,7 +285,6 @@ class FusedKernels:
         self.e, self.c, self.bias, self.weight, self.targets = e, c, bias, weight, targets
         self.softcap, self.label_smoothing, self.smoothing = softcap, label_smoothing, label_smoothing > 0.0
         self.ignore_index, self.z_loss, self.need_grad_c = ignore_index, z_loss, need_grad_c
-        self.logit_scale = plan.logit_scale
         v, d = c.shape
         rows = plan.workspace_rows
         padded_v = -(-v // 8) * 8
@@ -335,8 +334,8 @@ class FusedKernels:
         shift = fp32_product(e_rows, self.mean_c)[:, 0]
         if self.mean_bias is not None:
             shift += self.mean_bias
-        if self.logit_scale != 1.0:
-            shift *= self.logit_scale
+        if self.plan.logit_scale != 1.0:
+            shift *= self.plan.logit_scale
         if self.softcap > 0.0:
             shift = self.softcap * torch.tanh(shift / self.softcap)
         self.launch_all(self.launchers, row_start, rows, shift, scale, losses)
@@ -386,11 +385,12 @@ class FusedKernels:
             launches.chunk(
                 (programs_for(e.device, tiles_of(rows, v, tile), per_sm),), *self.descriptors, self.targets, shift,
                 stats, self.target_logit, stat_stride, row_start, rows, v, d,
-                GROUP_M=tile.group_m, STAGES=tile.num_stages, LOGIT_SCALE=self.logit_scale, **launch_options(per_sm),
+                GROUP_M=tile.group_m, STAGES=tile.num_stages, LOGIT_SCALE=self.plan.logit_scale,
+                **launch_options(per_sm),
             )
             return
         common = dict(
-            HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap > 0.0, LOGIT_SCALE=self.logit_scale,
+            HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap > 0.0, LOGIT_SCALE=self.plan.logit_scale,
             HAS_WEIGHT=self.weight is not None, NEED_WEIGHTED_SUM=self.smoothing, UPCAST=self.flags["UPCAST"],
             IEEE=self.flags["IEEE"],
         )

@@ -83,7 +83,9 @@ def linear_log_probs_backward(
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
         grad_log_probs, grad_entropy, mean_logit, tokens, ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
-        plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_target, coef_entropy), e, c, tokens, bias,
+        plan, kernel_config,
+        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, lse - mean_logit if entropy else None),
+        e, c, tokens, bias,
         None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
         need_grad_e, need_grad_c,
     )

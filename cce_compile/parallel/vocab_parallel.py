@@ -158,7 +158,7 @@ def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
 def vocab_parallel_loss(
     e: Tensor, c: Tensor, targets: Tensor, parallel: VocabParallel, *, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: float, filter_eps: float,
-    logit_scale: float = 1.0,
+    logit_scale: float,
 ) -> tuple[Tensor, Tensor]:
     """(loss reduced as `reduction` says, lse (N,)) for e (N, D), this rank's rows c of the
     classifier (and of bias and weight), global targets (N,) int64; `logit_scale` (1 /

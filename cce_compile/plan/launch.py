@@ -55,7 +55,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class Options:
-    """The loss options that change which kernels can run."""
+    """The loss options that change which kernels can run, or what they are compiled with."""
 
     has_bias: bool = False
     has_weight: bool = False
