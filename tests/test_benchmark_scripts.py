@@ -76,6 +76,18 @@ def test_filtered_log_probs_probe_prints_its_table() -> None:
         assert all(0.0 < float(cell) < 0.1 for cell in row[3:5]), row
 
 
+def test_temperature_script_measures_against_fp32_and_the_rounding_it_replaced(tmp_path: Path) -> None:
+    """benchmarks/temperature.py's CPU run: peaked bf16 rows, the op within 1e-4 nat of fp32 and
+    hidden / T rounded to bf16 far outside it."""
+    out = tmp_path / "temperature.json"
+    run_script("benchmarks/temperature.py", "--small", "--out", str(out), interpreter=False)
+    (row,) = [value for name, value in json.loads(out.read_text()).items() if "x" in name]
+    accuracy = row["accuracy"]
+    assert accuracy["mean entropy"] < 0.5 and accuracy["log-prob max error"] < 1e-4
+    assert accuracy["hidden / T rounded: log-prob max error"] > 20 * accuracy["log-prob max error"]
+    assert accuracy["dE relative error"] < 5e-3 and accuracy["dC relative error"] < 5e-3
+
+
 def test_fresh_process_runs_alternate_and_record_failures() -> None:
     """Every other round runs in reverse; each child gets caches of its own, empty; and a child
     that fails, or prints no result, comes back as an error, not as an exception that would
