@@ -19,6 +19,7 @@ from torch import Tensor
 
 import cce_compile
 from cce_compile.bench.inputs import lm_like_inputs
+from cce_compile.bench.metrics import relative_error
 
 
 def fp32_reference(e: Tensor, c: Tensor, tokens: Tensor, temperature: float, up_lp: Tensor, up_h: Tensor,
@@ -46,10 +47,6 @@ def fp32_reference(e: Tensor, c: Tensor, tokens: Tensor, temperature: float, up_
     return log_probs, entropy, grad_e, grad_c
 
 
-def relative(a: Tensor, b: Tensor) -> float:
-    return float((a.float() - b).norm() / b.norm())
-
-
 def accuracy(e: Tensor, c: Tensor, tokens: Tensor, temperature: float) -> dict[str, float]:
     g = torch.Generator(device=e.device).manual_seed(5)
     up_lp = torch.randn(e.shape[0], device=e.device, generator=g)
@@ -65,23 +62,15 @@ def accuracy(e: Tensor, c: Tensor, tokens: Tensor, temperature: float) -> dict[s
         "mean entropy": float(ref_h.mean()), "log-prob max error": float((log_probs - ref_lp).abs().max()),
         "entropy max error": float((entropy - ref_h).abs().max()),
         "hidden / T rounded: log-prob max error": float((rounded - ref_lp).abs().max()),
-        "dE relative error": relative(leaves[0].grad, ref_e), "dC relative error": relative(leaves[1].grad, ref_c),
+        "dE relative error": relative_error(leaves[0].grad, ref_e),
+        "dC relative error": relative_error(leaves[1].grad, ref_c),
     }
 
 
-def median_ms(fn: Callable[[], None], reps: int = 15) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn: Callable[[], None]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, return_mode="median")
 
 
 def timing(e: Tensor, c: Tensor, tokens: Tensor, temperature: float, rounds: int) -> dict[str, dict[str, float]]:

@@ -112,8 +112,9 @@ def _d_logits_bound(coefficients: Coefficients) -> Tensor:
     H = lse - mu the row's entropy: p_j (l_j - mu) is at most H above mu and 1/e below it. |s|
     grows with |mu| (1 / T^2, and the soft-cap's size where every logit is capped), far past the
     d-logits."""
-    if coefficients.entropy is None or coefficients.row_entropy is None:
+    if coefficients.entropy is None:
         return torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
+    assert coefficients.row_entropy is not None, "an entropy term comes with its rows' entropies"
     h, row_entropy = coefficients.entropy.abs(), coefficients.row_entropy
     spread = torch.where(h != 0, h * torch.clamp_min(row_entropy, 1.0 / math.e), 0.0)  # a row of no token: 0
     return (2 * coefficients.target.abs() + spread).max()
