@@ -292,6 +292,9 @@ def sparse_matmul_kernel(
             return
     else:
         m_tile = pid_m
+    if ACCUMULATE and not FINAL:
+        if tl.load(count_ptr + lists_offset + m_tile) == 0:
+            return  # nothing kept: `out` stays as it is, without the tile's setup and masked store
     sparse_tile(
         a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
         begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
