@@ -236,6 +236,30 @@ def test_harness_times_the_op_compiled(cpu_harness: None, tmp_path: Path) -> Non
         ("cce_exact", "0"), ("cce_exact", "1"), ("cce_exact:reduce-overhead", "1"), ("torch", "1")]
 
 
+def test_reduce_overhead_rows_take_c_as_one_model_parameter(cpu_harness: None) -> None:
+    """Under reduce-overhead every call gets c as one nn.Parameter (a model's head weight, which
+    CUDA graph trees read in place instead of copying it in), with and without grad; the other
+    modes get the plain draws."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def recording(mode: str) -> Callable[[], Loaded]:
+        def load() -> Loaded:
+            def fn(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+                seen.setdefault(mode, []).append(c)
+                return F.cross_entropy(e.float() @ c.float().T, targets)
+            return Loaded(fn)
+        return load
+
+    impls = [Impl("probe", "probe", recording(mode), on_uniform=False, compilable=True, compile_mode=mode)
+             for mode in ("default", "reduce-overhead")]
+    (run,) = harness.run_benchmark([TINY], ["lm_like"], impls, Settings(input_sets=2))
+    assert [result.status for result in run.impls] == ["ok", "ok"], [result.reason for result in run.impls]
+    static = seen["reduce-overhead"]
+    assert all(type(c) is torch.nn.Parameter and c.requires_grad for c in static)
+    assert len({id(c) for c in static}) == 1 and len(static) > 2
+    assert seen["default"] and not any(isinstance(c, torch.nn.Parameter) for c in seen["default"])
+
+
 def test_each_compiled_impl_gets_its_own_recompile_budget(cpu_harness: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """cce_exact and cce_filtered are loaded from one lambda, so their graphs sit on one code
     object, whose recompile limit fullgraph=True turns into a failure: each compiled impl starts

@@ -109,10 +109,9 @@ def _load_eager() -> Loaded:
 def _compiled(load: Callable[[], Loaded], mode: CompileMode) -> Callable[[], Loaded]:
     """`load`'s function inside torch.compile (fullgraph, static shapes: each benchmark shape
     gets its own graph, as a training run would). Under reduce-overhead each call starts a new
-    CUDA-graph step, as a training loop's iteration does. e and c are plain inputs there, which
-    CUDA graph trees copy into the graphs' buffers at every call (c is dC's size: 0.02-0.05 x
-    GEMM of time, +1 x the gradients of memory), where a model's head weight is a static
-    parameter: marked static, the rows failed on the H200 (docs/notes/h200-runs.md)."""
+    CUDA-graph step, as a training loop's iteration does; the harness passes c as an
+    nn.Parameter there, as a model's head weight is (harness._as_model_head). Plain tensors are
+    not marked static: two draws marked so failed every row on the H200 (docs/notes/h200-runs.md)."""
 
     def load_compiled() -> Loaded:
         loaded = load()
