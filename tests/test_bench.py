@@ -236,10 +236,11 @@ def test_harness_times_the_op_compiled(cpu_harness: None, tmp_path: Path) -> Non
         ("cce_exact", "0"), ("cce_exact", "1"), ("cce_exact:reduce-overhead", "1"), ("torch", "1")]
 
 
-def test_reduce_overhead_rows_take_c_as_one_model_parameter(cpu_harness: None) -> None:
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["trained head", "frozen head"])
+def test_reduce_overhead_rows_take_c_as_one_model_parameter(cpu_harness: None, frozen_head: bool) -> None:
     """Under reduce-overhead every call gets c as one nn.Parameter (a model's head weight, which
-    CUDA graph trees read in place instead of copying it in), with and without grad; the other
-    modes get the plain draws."""
+    CUDA graph trees read in place instead of copying it in), frozen or not, with and without
+    grad, holding the first draw's data (the reference's); the other modes get the plain draws."""
     seen: dict[str, list[torch.Tensor]] = {}
 
     def recording(mode: str) -> Callable[[], Loaded]:
@@ -252,11 +253,14 @@ def test_reduce_overhead_rows_take_c_as_one_model_parameter(cpu_harness: None) -
 
     impls = [Impl("probe", "probe", recording(mode), on_uniform=False, compilable=True, compile_mode=mode)
              for mode in ("default", "reduce-overhead")]
-    (run,) = harness.run_benchmark([TINY], ["lm_like"], impls, Settings(input_sets=2))
+    settings = Settings(input_sets=2, frozen_head=frozen_head)
+    (run,) = harness.run_benchmark([TINY], ["lm_like"], impls, settings)
     assert [result.status for result in run.impls] == ["ok", "ok"], [result.reason for result in run.impls]
     static = seen["reduce-overhead"]
-    assert all(type(c) is torch.nn.Parameter and c.requires_grad for c in static)
+    assert all(type(c) is torch.nn.Parameter and c.requires_grad != frozen_head for c in static)
     assert len({id(c) for c in static}) == 1 and len(static) > 2
+    first_draw = lm_like_inputs(TINY.n, TINY.d, TINY.v, harness.DTYPE, "cpu", settings.seed)[1]
+    assert torch.equal(static[0].detach(), first_draw)
     assert seen["default"] and not any(isinstance(c, torch.nn.Parameter) for c in seen["default"])
 
 

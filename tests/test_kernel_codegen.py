@@ -108,7 +108,7 @@ SPARSE = {
     "step_bounds_ptr": "*i32", "step_index": "i32", "entry_slots_ptr": "*i32", "entry_tiles_ptr": "*i32",
     "entries_offset": "i32",
     "scale_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_bk": "i32", "stride_bn": ONE,
-    "FINAL": FALSE, "SCALED": FALSE, "BLOCK_N": constexpr(128), "BLOCK_K": constexpr(64),
+    "SKIP_EMPTY": FALSE, "FINAL": FALSE, "SCALED": FALSE, "BLOCK_N": constexpr(128), "BLOCK_K": constexpr(64),
     "GROUP_M": constexpr(8), **FLAGS,
 }
 # Per GEMM: which operand dimension is contiguous (stride 1) is what decides vectorization.
@@ -120,6 +120,10 @@ GEMMS = {
         "ACCUMULATE": FALSE}),
     "sparse dE, gathered c rows": (sparse_matmul_kernel, {
         **SPARSE, "BY_COLUMN": FALSE, "STRIDED": FALSE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128), "TILE_K": constexpr(256)}),
+    # under a CUDA graph capture: a tile row with nothing kept returns at once
+    "sparse dE, empty rows skipped": (sparse_matmul_kernel, {
+        **SPARSE, "BY_COLUMN": FALSE, "STRIDED": FALSE, "SKIP_EMPTY": TRUE, "ACCUMULATE": TRUE, "TILE_M": constexpr(128),
+        "TILE_K": constexpr(256)}),
     "sparse dC, scattered rows": (sparse_matmul_kernel, {
         **SPARSE, "out_ptr": "*bf16", "BY_COLUMN": TRUE, "STRIDED": FALSE, "ACCUMULATE": FALSE, "TILE_M": constexpr(256),
         "TILE_K": constexpr(128)}),

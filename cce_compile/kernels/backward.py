@@ -251,9 +251,9 @@ def sparse_matmul_kernel(
     entry_slots_ptr, entry_tiles_ptr, entries_offset,
     scale_ptr, M, N, K,
     stride_bk, stride_bn,
-    BY_COLUMN: tl.constexpr, STRIDED: tl.constexpr, ACCUMULATE: tl.constexpr, FINAL: tl.constexpr,
-    SCALED: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BY_COLUMN: tl.constexpr, STRIDED: tl.constexpr, SKIP_EMPTY: tl.constexpr, ACCUMULATE: tl.constexpr,
+    FINAL: tl.constexpr, SCALED: tl.constexpr, TILE_M: tl.constexpr, TILE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """out[M, N] (+)= a @ b[K, N] where `a` is the d-logits tiles the filter kept, stored
     compactly by grad_logits_kernel (one BLOCK_M x BLOCK_N row-major tile per slot): filtered
@@ -273,7 +273,8 @@ def sparse_matmul_kernel(
       the slots) and entry_tiles gives each slot's tile row; dC[vocab_order[...]] (+)=
       tiles.T @ e chunk (out's rows scattered through out_index), M = V, K = chunk rows.
     Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
-    accumulating program with no kept tile leaves `out` untouched.
+    accumulating program with no kept tile leaves `out` untouched, and with SKIP_EMPTY (for
+    launches of steps only the device knows, most of them empty) returns before the tile's setup.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     if BY_COLUMN:
@@ -292,9 +293,9 @@ def sparse_matmul_kernel(
             return
     else:
         m_tile = pid_m
-    if ACCUMULATE and not FINAL:
+    if SKIP_EMPTY and ACCUMULATE and not FINAL:
         if tl.load(count_ptr + lists_offset + m_tile) == 0:
-            return  # nothing kept: `out` stays as it is, without the tile's setup and masked store
+            return
     sparse_tile(
         a_ptr, b_ptr, b_offset, b_index_ptr, out_ptr, out_offset, out_index_ptr, final_ptr, final_offset,
         begin_ptr, count_ptr, lists_offset, entry_slots_ptr, entry_tiles_ptr, entries_offset, scale_ptr,
