@@ -212,6 +212,40 @@ def test_kernels_and_cpu_path_filter_the_same_tiles(case: str, read_back: bool, 
 
 
 @pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+def test_device_only_steps_give_the_same_gradients_for_any_strided_program_count(
+    use_policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps only the device knows are walked by Policy.filtered_strided_programs_per_sm programs
+    per SM (three SMs under the interpreter): one program walking several slots and columns, or
+    more programs than a step has, compute each tile as the read-back launch does, to the bit."""
+    from cce_compile.ops import backward_filtered
+
+    launched = []
+    launch_steps = backward_filtered.FilteredBackward.launch_steps
+    monkeypatch.setattr(backward_filtered.FilteredBackward, "launch_steps",
+                        lambda self: (launched.append(self.strided_sizes), launch_steps(self))[1])
+    spec = FILTER_CASES["chunks, slabs, bias, weights, smoothing"]
+    e, c, targets = make_inputs("zipf", spec["lead"], spec["v"], spec["d"], torch.float32, seed=4)
+    e = e * 3.0
+    bias = torch.randn(spec["v"], generator=torch.Generator().manual_seed(5)) * 0.1
+
+    def grads(read_back: bool, per_sm: int) -> list[torch.Tensor]:
+        use_policy(filtered_read_back=read_back, filtered_strided_programs_per_sm=per_sm)
+        leaves = [t.clone().requires_grad_() for t in (e, c, bias)]
+        with cce_compile.override_config(spec["config"]), on_kernels(True):
+            cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=leaves[2], filter_eps=2.0**-12,
+                                             **spec["options"]).backward()
+        return [t.grad for t in leaves]
+
+    read_back = grads(True, 2)
+    for per_sm in (1, 2, 40):
+        for got, want in zip(grads(False, per_sm), read_back):
+            assert torch.equal(got, want)
+    slots, columns = zip(*launched[1:])
+    assert slots[0] == 3 < slots[1] == 6 < slots[2] and columns[0] <= columns[1] <= columns[2]
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
 def test_flat_rows_are_computed_whole() -> None:
     """Rows whose softmax reaches filter_eps nowhere (an untrained head's; filtering.flat_rows)
     get exact mode's dE from the kernels and from the CPU path, with their row blocks; the

@@ -24,14 +24,6 @@ from .launch import KernelLauncher
 from .problem import cdiv, device_limits
 from .recompute import launch_pointer_recompute
 
-STRIDED_PROGRAMS_PER_SM = 2
-"""Programs per SM of the recompute and dC GEMM for a step the host launches without knowing it
-(under a CUDA graph capture): each walks the step's slots or columns, so an empty step costs a
-launch of a few hundred programs, not one per slot (2048) or per column and column block (18000
-on Gemma-2's head). Two dC programs fit an SM at 3 pipeline stages (96 KiB of shared memory, the
-bundled Gemma-2 and Qwen2.5 tiles), one at 5; the recompute's 192 KiB fit one: the others wait."""
-
-
 class FilteredBackward:
     """Made before the gradients are allocated (its work lists and put-back rows are built
     on the device first, so their temporaries never add to the peak); `run(gradients)` then
@@ -68,7 +60,7 @@ class FilteredBackward:
                                    if call.bias is not None else None)
         # Steps only the device knows: the recompute's and dC GEMM's programs stride over each
         # step's slots and columns, this many of them.
-        strided_programs = STRIDED_PROGRAMS_PER_SM * device_limits(e.device)[0]
+        strided_programs = call.plan.strided_programs_per_sm * device_limits(e.device)[0]
         column_blocks = cdiv(d, call.config.grad_classifier.block_n)
         self.strided_sizes = (min(self.capacity, strided_programs),
                               min(self.vocab_tiles, max(1, strided_programs // column_blocks)))

@@ -104,6 +104,7 @@ class LaunchPlan:
     grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside dC's (not in a caller's capture)
     gluon_tile: TileConfig
     gluon_programs_per_sm: int
+    strided_programs_per_sm: int  # filtered steps only the device knows: programs striding over them
     dense_fraction: float
     backward: BackwardPlan | None
 
@@ -208,6 +209,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         grad_e_side_stream=policy.fused_side_stream_grad_e and problem.on_cuda and not problem.capturing,
         gluon_tile=policy.gluon_tile,
         gluon_programs_per_sm=policy.gluon_programs_per_sm,
+        strided_programs_per_sm=policy.filtered_strided_programs_per_sm,
         dense_fraction=policy.dense_fraction,
         backward=(policy.backward_plan or plan_backward(
             problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,

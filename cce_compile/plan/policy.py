@@ -65,6 +65,12 @@ class Policy:
     """Filtered steps read back to the host (one sync), each launched at its size; off: as under a caller's
     CUDA graph capture, every step packing may make, its programs striding over any step."""
 
+    filtered_strided_programs_per_sm: int = 2
+    """Steps only the device knows: this many recompute and dC programs per SM stride over each step's slots and
+    columns, so an empty step costs a launch of a few hundred programs, not one per slot (2048) or per column and
+    column block (18000 on Gemma-2). Two dC programs fit an SM at 3 stages (the bundled Gemma-2 and Qwen2.5 tiles),
+    one at 5, one recompute: the rest queue."""
+
     dense_fraction: float = 0.4
     """A filtered backward that keeps more than this share of tiles runs the dense path: block-sparse costs ~0.4 + 7 x share GEMMs."""
 
