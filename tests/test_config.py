@@ -203,3 +203,13 @@ def test_the_gluon_kernels_run_for_the_options_they_compute() -> None:
         kernels[name] = (plan.forward, plan.recompute, plan.fused)
     assert kernels == {"plain": ("gluon", "gluon", "gluon"), "entropy": ("tma", "gluon", "tma"),
                        "entropy, Gluon forward": ("gluon", "gluon", "tma"), "bias": ("tma", "pointer", "tma")}
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+@pytest.mark.parametrize("field", ["gluon_programs_per_sm", "filtered_strided_programs_per_sm"])
+def test_programs_per_sm_must_be_a_positive_integer(field: str, value: object) -> None:
+    """A launch of no programs leaves its outputs unwritten without an error: refused where a
+    Policy is made (A/B scripts pass values as text)."""
+    with pytest.raises(ValueError, match=f"Policy.{field}: expected a positive integer"):
+        replace(Policy(), **{field: value})
+    assert getattr(replace(Policy(), **{field: 3}), field) == 3

@@ -273,8 +273,9 @@ def sparse_matmul_kernel(
       the slots) and entry_tiles gives each slot's tile row; dC[vocab_order[...]] (+)=
       tiles.T @ e chunk (out's rows scattered through out_index), M = V, K = chunk rows.
     Out, final: row-major with N columns. ACCUMULATE, FINAL and SCALED as in finish_gemm; an
-    accumulating program with no kept tile leaves `out` untouched, and with SKIP_EMPTY (for
-    launches of steps only the device knows, most of them empty) returns before the tile's setup.
+    accumulating program with no kept tile leaves `out` untouched, and with SKIP_EMPTY (dE's
+    launches of steps only the device knows, most of them empty; not FINAL) returns before the
+    tile's setup.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), m_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     if BY_COLUMN:

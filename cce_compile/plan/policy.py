@@ -134,6 +134,13 @@ class Policy:
     backward_plan: BackwardPlan | None = None
     """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
 
+    def __post_init__(self) -> None:
+        # A launch of no programs would leave its outputs unwritten, silently (ab_switch.py takes values as text).
+        for name in ("gluon_programs_per_sm", "filtered_strided_programs_per_sm"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Policy.{name}: expected a positive integer, got {value!r}")
+
 
 _local = threading.local()
 
