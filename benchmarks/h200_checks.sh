@@ -10,6 +10,8 @@
 #   first-call      benchmarks/first_call.py on three heads, with a profile (~3 min)
 #   profile-ro      filtered mode's kernels eager and under reduce-overhead, Gemma-2 and Qwen2.5
 #                   heads (profile_kernels.py; ~3 min): where the compiled time above eager goes
+#   ab-strided      filtered mode under reduce-overhead at 2, 4 and 8 strided programs per SM
+#                   (Policy.filtered_strided_programs_per_sm), alternated, on $AB_SHAPES (one a call)
 # e.g. CCE_BENCH_COMMIT=abc1234 BENCH_BUDGET_S=300 benchmarks/h200_checks.sh filtered-tests bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +56,11 @@ for step in "$@"; do
           python3 benchmarks/profile_kernels.py --shape "$shape" --modes filtered --compile "$mode" \
             --out "$0/profile-filtered-$shape-$mode.json" || exit 1
         done; done' "$OUT" ;;
-    *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call, profile-ro)" >&2; status=2 ;;
+    ab-strided)
+      run_step "$step" 540 python3 benchmarks/ab_switch.py --policy filtered_strided_programs_per_sm=2,4,8 \
+        --impls cce_filtered --compile reduce-overhead --shapes "${AB_SHAPES:-gemma2-2b}" --rounds 1 ;;
+    *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call, profile-ro, ab-strided)" >&2
+       status=2 ;;
   esac
 done
 exit "$status"
