@@ -12,17 +12,23 @@ from ..config.keys import n_bucket
 from .filtering import Tilt, flat_rows, mass_sample_rows, tile_widths, tilt_sample_size
 
 
+def scale_and_cap(logits: Tensor, logit_scale: float, softcap: float) -> Tensor:
+    """What kernels/tiles.finish_logits does after the bias: the logit scale, then the soft-cap
+    (`softcap` in scaled units)."""
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap > 0.0:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
 def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, softcap: float,
             logit_scale: float) -> Tensor:
     """As kernels/tiles.finish_logits: the bias, the logit scale, then the soft-cap."""
     logits = e32 @ c[ids].to(torch.float32).T
     if bias is not None:
         logits = logits + bias[ids].to(torch.float32)
-    if logit_scale != 1.0:
-        logits = logits * logit_scale
-    if softcap > 0.0:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
+    return scale_and_cap(logits, logit_scale, softcap)
 
 
 def forward_cpu(

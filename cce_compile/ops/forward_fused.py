@@ -35,7 +35,7 @@ from ..kernels.fused_rows import row_finish_kernel, row_shift_kernel
 from ..kernels.warp_specialized import fused_forward_ws_kernel
 from ..plan.launch import LaunchPlan
 from . import graphs, streams
-from .cpu_path import backward_cpu, forward_cpu
+from .cpu_path import backward_cpu, forward_cpu, scale_and_cap
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import AheadCompiler, KernelLauncher, RecentKinds, integer_class
 from .loss_terms import grad_coefficients, target_weight, token_loss
@@ -334,10 +334,7 @@ class FusedKernels:
         shift = fp32_product(e_rows, self.mean_c)[:, 0]
         if self.mean_bias is not None:
             shift += self.mean_bias
-        if self.plan.logit_scale != 1.0:
-            shift *= self.plan.logit_scale
-        if self.softcap > 0.0:
-            shift = self.softcap * torch.tanh(shift / self.softcap)
+        shift = scale_and_cap(shift, self.plan.logit_scale, self.softcap)
         self.launch_all(self.launchers, row_start, rows, shift, scale, losses)
 
     def compile_ahead(self, scale: Tensor, losses: Tensor) -> None:
