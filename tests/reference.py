@@ -37,7 +37,8 @@ def reference_loss(
     else:  # F.cross_entropy's weighted mean (0 where its weights sum to 0) and the z terms' plain mean
         count = valid.sum().double()
         denom = count if w is None else torch.where(valid, w[flat.clamp(0, c.shape[0] - 1)], 0.0).sum()
-        loss = per_token.sum() / torch.where(denom != 0, denom, 1.0) + z_terms.sum() / count.clamp(min=1)
+        mean = per_token.sum() / torch.where(denom != 0, denom, 1.0)
+        loss = torch.where(denom != 0, mean, 0.0) + z_terms.sum() / count.clamp(min=1)
     return (loss, lse.reshape(lead)) if return_lse else loss
 
 

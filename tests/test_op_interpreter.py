@@ -18,7 +18,7 @@ from cce_compile.plan.policy import active_policy
 from .op_cases import (
     FROZEN_MODES, check_against_reference, check_frozen_operands, make_inputs, on_kernels, relative_error, with_row_stride,
 )
-from .test_op_options import make_case
+from .test_op_options import check_mean_over_cancelling_weights, make_case
 
 pytestmark = pytest.mark.interpreter
 
@@ -592,6 +592,11 @@ def test_out_of_range_target_gives_nan_without_reading_it(dtype: torch.dtype) ->
     loss, lse, *_ = torch.ops.cce.linear_cross_entropy_forward(e, c, targets, None, None, -100, 0.0, 0.0, 0.0)
     assert torch.isnan(loss[5]) and torch.isnan(loss[6])
     assert torch.isfinite(loss[:5]).all() and torch.isfinite(loss[7:]).all() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_mean_over_cancelling_weights_is_zero(memory: str) -> None:
+    check_mean_over_cancelling_weights(memory)
 
 
 def test_all_ignored_batch() -> None:

@@ -234,6 +234,28 @@ def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_out
     assert outputs == [(3 * 41 * 24, 389 * 24), (3 * 41 * 24, 0), (0, 389 * 24)]
 
 
+def check_mean_over_cancelling_weights(memory: str) -> None:
+    """A class-weighted mean whose targets' weights sum to 0 is 0, with zero gradients (the
+    README's convention; F.cross_entropy gives NaN): where label smoothing's term is not 0,
+    where signed weights cancel, and with z-loss, whose own mean over the tokens remains."""
+    e, c, targets = make_inputs("zipf", (12,), 40, 16, torch.float32, seed=3)
+    targets[:6], targets[6:] = 0, 1
+    targets_weigh_nothing = torch.ones(40).index_fill_(0, torch.tensor([0, 1]), 0.0)
+    cancelling = torch.ones(40).index_fill_(0, torch.tensor([1]), -1.0)
+    for weight, options in ((targets_weigh_nothing, {"label_smoothing": 0.1}), (cancelling, {})):
+        leaf_e, leaf_c = e.clone().requires_grad_(), c.clone().requires_grad_()
+        loss = cce_compile.linear_cross_entropy(leaf_e, leaf_c, targets, weight=weight, memory=memory, **options)
+        loss.backward()
+        assert loss.item() == 0.0 and not leaf_e.grad.any() and not leaf_c.grad.any(), (options, loss.item())
+    # (a class-weighted mean with z-loss takes the recompute whatever `memory` says)
+    check_against_reference(e, c, targets, {"z_loss": 1e-2, "label_smoothing": 0.1}, weight=targets_weigh_nothing)
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_mean_over_cancelling_weights_is_zero(memory: str) -> None:
+    check_mean_over_cancelling_weights(memory)
+
+
 @pytest.mark.parametrize("memory", ["workspace", "low"])
 def test_class_weights_of_any_sign_and_scale(memory: str) -> None:
     """A class-weighted mean divides by the targets' weights as F.cross_entropy does, negative

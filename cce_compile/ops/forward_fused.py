@@ -38,7 +38,7 @@ from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu, scale_and_cap
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import AheadCompiler, KernelLauncher, RecentKinds, integer_class
-from .loss_terms import grad_coefficients, target_weight, token_loss
+from .loss_terms import grad_coefficients, mean_scale, target_weight, token_loss
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
 SAFE_GAP = 60.0
@@ -74,11 +74,10 @@ def fp32_product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
 
 def reduction_scale(targets: Tensor, weight: Tensor | None, v: int, ignore_index: int, reduction: str) -> Tensor:
     """d loss / d (a token's loss): 1 for "sum", 1 / (the valid tokens, or their weights) for
-    "mean"; 0-d fp32 on the device, no host sync."""
+    "mean" (0 where that is 0: loss_terms.mean_scale); 0-d fp32 on the device, no host sync."""
     if reduction == "sum":
         return torch.ones((), dtype=torch.float32, device=targets.device)
-    denominator = target_weight(targets, weight, targets != ignore_index, v).sum()
-    return 1.0 / torch.where(denominator != 0, denominator, 1.0)
+    return mean_scale(target_weight(targets, weight, targets != ignore_index, v).sum())
 
 
 def run_fused(

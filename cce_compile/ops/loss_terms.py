@@ -63,16 +63,23 @@ def loss_of_terms(
     return torch.where(valid & ~in_range, float("nan"), loss)
 
 
+def mean_scale(denominator: Tensor) -> Tensor:
+    """1 / denominator, and 0 where it is 0: a mean over no weight (no valid token, or class
+    weights of the targets that cancel) is 0, gradients too, where F.cross_entropy gives NaN."""
+    nonzero = denominator != 0
+    return torch.where(nonzero, 1.0 / torch.where(nonzero, denominator, 1.0), 0.0)
+
+
 def reduce_token_loss(loss: Tensor, reduction: str, valid: Tensor, target_weight: Tensor | None) -> Tensor:
     """"none", "sum", or "mean": the sum over the valid tokens' weight (their count without
     class weights; `target_weight` 0 where not valid), as F.cross_entropy, whatever the
-    weights' sign; 0 where that is 0 (no valid token)."""
+    weights' sign; 0 where that is 0 (mean_scale)."""
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
     denominator = valid.sum().to(torch.float32) if target_weight is None else target_weight.sum()
-    return loss.sum() / torch.where(denominator != 0, denominator, 1.0)
+    return loss.sum() * mean_scale(denominator)
 
 
 def reduce_with_z_loss(loss: Tensor, lse: Tensor, z_loss: float, reduction: str, valid: Tensor,
