@@ -254,6 +254,8 @@ def linear_cross_entropy(
         out = out.reshape(lead_shape) if reduction == "none" else out
         return (out, lse.reshape(lead_shape)) if return_lse else out
     backward = needs_grad(e, c, bias)
+    if not backward:
+        eps = 0.0  # as in linear_log_probs: no tile statistics, no graph per power of two of N
     options = options_of(bias, weight, scaled_softcap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
     if backward and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,

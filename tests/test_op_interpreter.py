@@ -608,12 +608,20 @@ def test_all_ignored_batch() -> None:
     assert loss.item() == 0.0 and not e.grad.any() and not c.grad.any()
 
 
+@pytest.mark.parametrize("filter_eps", [None, 2**-10])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_empty_batch(dtype: torch.dtype) -> None:
-    """No tokens: a loss of 0 and zero gradients on both paths (a tensor descriptor cannot
-    describe an empty tensor, so the 16-bit call takes the pointer kernels)."""
-    e = torch.randn(0, 16, dtype=dtype, requires_grad=True)
-    c = torch.randn(40, 16, dtype=dtype, requires_grad=True)
-    loss = cce_compile.linear_cross_entropy(e, c, torch.zeros(0, dtype=torch.long), reduction="sum")
-    loss.backward()
-    assert loss.item() == 0.0 and e.grad.shape == (0, 16) and not c.grad.any()
+def test_empty_batch(dtype: torch.dtype, filter_eps: float | None) -> None:
+    """No tokens: a loss of 0 and zero gradients, exact or filtered, on the kernels and the
+    plain-PyTorch path (a tensor descriptor cannot describe an empty tensor, so the 16-bit
+    call takes the pointer kernels); the log-probs alike."""
+    for kernels in (True, False):
+        e = torch.randn(0, 16, dtype=dtype, requires_grad=True)
+        c = torch.randn(40, 16, dtype=dtype, requires_grad=True)
+        tokens = torch.zeros(0, dtype=torch.long)
+        with on_kernels(kernels):
+            loss = cce_compile.linear_cross_entropy(e, c, tokens, reduction="sum", filter_eps=filter_eps)
+            loss.backward()
+            assert loss.item() == 0.0 and e.grad.shape == (0, 16) and not c.grad.any(), kernels
+            log_probs, entropy = cce_compile.linear_log_probs(e, c, tokens, entropy=True, filter_eps=filter_eps)
+            (log_probs.sum() + entropy.sum()).backward()
+            assert log_probs.shape == entropy.shape == (0,) and not c.grad.any(), kernels

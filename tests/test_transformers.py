@@ -167,6 +167,20 @@ def test_patched_model_compiles_fullgraph(family: str) -> None:
     assert_close(model.lm_head.weight.grad, eager_model.lm_head.weight.grad)
 
 
+@parametrize_families
+def test_patched_model_compiles_fullgraph_where_it_falls_back_to_hf(family: str) -> None:
+    """Without labels, or under no_grad (evaluation, generation), the patched instance calls
+    the class's own forward, which fullgraph=True traces too (a types.MethodType bound there
+    was refused); HF's logits come back."""
+    reference, patched = twins(family)
+    input_ids, labels = batch(seed=8)
+    for kwargs, grad in (({}, True), ({"labels": labels}, False)):
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            compiled = torch.compile(lambda ids: patched(ids, **kwargs).logits, fullgraph=True, backend="eager")
+            assert_close(compiled(input_ids), reference(input_ids, **kwargs).logits.detach(), rtol=1e-5)
+
+
 def test_loss_helper_compiles_fullgraph_with_every_option() -> None:
     generator = torch.Generator().manual_seed(6)
     hidden = torch.randn(2, 24, 64, generator=generator, requires_grad=True)

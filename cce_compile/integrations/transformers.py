@@ -17,6 +17,7 @@ only where transformers is installed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import types
@@ -263,9 +264,10 @@ def _patched_forward(
 def replaced_forward(model: PreTrainedModel, attribute: str) -> Callable[..., Any]:
     """The forward a patch replaced on this instance, kept under `attribute` (its own, e.g. an
     accelerate hook, or None for the class's): looked up on the model at call time, not
-    captured, so a deepcopy calls its own forward."""
+    captured, so a deepcopy calls its own forward. The class's is bound with functools.partial,
+    which torch.compile(fullgraph=True) traces (it refuses types.MethodType there)."""
     replaced = vars(model)[attribute]
-    return replaced if replaced is not None else types.MethodType(type(model).forward, model)
+    return replaced if replaced is not None else functools.partial(type(model).forward, model)
 
 
 def _forward_replaced_on_instance(model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:

@@ -81,7 +81,8 @@ def _tile_row_means(x: Tensor, block_n: int) -> Tensor:
     """Each row's mean over each block_n-column tile (the last may be short), repeated over
     the tile's columns."""
     rows, cols = x.shape
-    sums = torch.nn.functional.pad(x, (0, (-cols) % block_n)).reshape(rows, -1, block_n).sum(dim=2)
+    padded = torch.nn.functional.pad(x, (0, (-cols) % block_n))
+    sums = padded.reshape(rows, padded.shape[1] // block_n, block_n).sum(dim=2)  # no -1: rows may be 0
     return (sums / tile_widths(cols, block_n, x.device)).repeat_interleave(block_n, dim=1)[:, :cols]
 
 

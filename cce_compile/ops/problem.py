@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.keys import ProblemKey, n_bucket
@@ -147,8 +148,26 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
     if not (torch.compiler.is_compiling() and (filtered or backward)):
         return ""
     v = operator.index(c.shape[0] if key_v is None else key_v)
-    return _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype), n_bucket(e.shape[0]),
-                             filtered)
+    return _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype),
+                             _traced_n_bucket(e.shape[0]), filtered)
+
+
+DATA_DEPENDENT_N_BUCKET = 8192
+"""The token bucket a traced call resolves its config for where N is data-dependent (the tokens
+a boolean mask selects): no value to bucket while tracing, so one graph serves every N, with the
+bucket the bundled configs were tuned at. The config only picks tiles; plans count the actual N."""
+
+
+def _traced_n_bucket(n: int | torch.SymInt) -> int:
+    """config.keys.n_bucket of N as Dynamo traces it, one range guard a power of two where N has
+    a value; DATA_DEPENDENT_N_BUCKET where a comparison cannot be decided either way (N without
+    a value: guard_or_false answers False there instead of raising)."""
+    bucket = 1
+    while not guard_or_false(bucket >= n):
+        if not guard_or_false(bucket < n):
+            return DATA_DEPENDENT_N_BUCKET
+        bucket *= 2
+    return bucket
 
 
 @torch.compiler.assume_constant_result
