@@ -200,27 +200,6 @@ def _fused_setup_context(ctx, inputs, output) -> None:
     # Held as attributes, detached: saving outputs of this node for its own backward would make
     # a reference cycle through their grad_fn that frees them only at a garbage collection.
     ctx.gradients = (grad_e.detach(), grad_c.detach(), grad_bias.detach())
-    ctx.anchors = (inputs[0], inputs[1]) if _traced(ctx.gradients) else None
-
-
-def _traced(tensors: tuple[Tensor, ...]) -> bool:
-    """Whether torch.compile's AOTAutograd is tracing: fake or functional tensors."""
-    return any(is_fake(t) or type(t) is not Tensor for t in tensors)
-
-
-@torch.library.custom_op("cce::backward_anchor", mutates_args=())
-def backward_anchor(grad_loss: Tensor, e: Tensor, c: Tensor) -> Tensor:
-    """grad_loss, copied; e and c are not read. The fused op's compiled backward passes them
-    through it, so AOTAutograd saves them for the backward (c is a parameter, e what a model's
-    head keeps for its own backward) and, seeing saved tensors that require grad, refuses a
-    double backward (create_graph=True) with its own error. With only the forward's detached
-    gradients saved, a gradient penalty got first-order gradients, silently."""
-    return grad_loss.clone()
-
-
-@backward_anchor.register_fake
-def _backward_anchor_fake(grad_loss: Tensor, e: Tensor, c: Tensor) -> Tensor:
-    return torch.empty_like(grad_loss)
 
 
 def _keep_graph() -> bool:
@@ -243,7 +222,7 @@ def scaled(gradient: Tensor, grad_loss: Tensor, in_place: bool) -> Tensor:
 
 def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
     # torch.compile's AOTAutograd traces this with fake or functional tensors: no kernel launch, no in-place.
-    traced = ctx.gradients is not None and _traced(ctx.gradients)
+    traced = ctx.gradients is not None and any(is_fake(g) or type(g) is not Tensor for g in ctx.gradients)
     if torch.is_grad_enabled() and not traced:
         raise RuntimeError(
             "linear_cross_entropy computes its gradients in the forward (memory='workspace'), so it cannot record "
@@ -254,8 +233,6 @@ def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
     gradients = ctx.gradients
     if grad_loss is None:  # the loss itself reached nothing that is differentiated
         return (None,) * 14
-    if traced:
-        grad_loss = backward_anchor(grad_loss, *ctx.anchors)
     in_place = not traced and not _keep_graph()  # traced, the product is Inductor's to place
     if in_place:
         ctx.gradients = None  # handed to autograd, which may keep them as .grad without a copy
