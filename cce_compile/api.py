@@ -264,6 +264,7 @@ def linear_cross_entropy(
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
                 scaled_softcap, float(z_loss), reduction, e.requires_grad, c.requires_grad, logit_scale,
+                traced_settings(flat_e, c, False, backward=False),  # its backward only scales: no config in it
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.

@@ -395,6 +395,43 @@ def test_a_later_run_that_resolves_other_tiles_compiles_for_them(
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+_FUSED_GRAD_SCRIPT = """
+import torch, cce_compile
+assert cce_compile.__file__.startswith(__import__("os").getcwd()), cce_compile.__file__
+torch.manual_seed(0)
+e, c, t = torch.randn(64, 16) * 3, torch.randn(300, 16), torch.randint(0, 300, (64,))
+ee = e.clone().requires_grad_()
+torch.compile(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t), fullgraph=True)(ee, c, t).backward()
+print(ee.grad.norm().item())
+"""
+
+
+def test_a_compiled_graph_of_another_version_of_the_package_is_not_reused(tmp_path: Path) -> None:
+    """torch.compile's on-disk caches key on the traced graph, not on the Python behind the
+    ops' autograd; the settings every traced call carries hold the package's source version.
+    A copy of the package compiles the fused loss, then its backward's code changes (the
+    gradients doubled) and a new process sharing the caches must run the new backward: the
+    graph the first process traced holds the old one."""
+    import shutil
+
+    shutil.copytree(Path(cce_compile.__file__).parent, tmp_path / "cce_compile",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(tmp_path)}
+
+    def grad_norm() -> float:
+        run = subprocess.run([sys.executable, "-c", _FUSED_GRAD_SCRIPT], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return float(run.stdout.split()[-1])
+
+    before = grad_norm()
+    library = tmp_path / "cce_compile" / "ops" / "library.py"
+    traced_product = "return gradient * grad_loss.to(gradient.dtype)"
+    assert traced_product in library.read_text()
+    library.write_text(library.read_text().replace(traced_product, traced_product + " * 2"))
+    assert grad_norm() == pytest.approx(2 * before, rel=1e-6)
+
+
 @pytest.mark.interpreter
 def test_a_compiled_call_keeps_the_policy_it_was_traced_with_until_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside one process a compiled call runs with the Policy it was traced under (its

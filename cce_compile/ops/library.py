@@ -52,7 +52,9 @@ def linear_cross_entropy_forward(
     temperature) multiplies the logits before the soft-cap (whose `softcap` is in scaled units). With
     filter_eps > 0 the forward also returns what the backward filters with: the vocabulary
     order and, on the Triton path, the kept tiles and tile log-sum-exps (ops/filtering.py);
-    otherwise these are empty. `settings`: the traced config and policy ("" resolves them)."""
+    otherwise these are empty.
+    `settings`: problem.traced_settings (the traced config and policy; without them the call
+    resolves its own)."""
     options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
 
     def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
@@ -169,8 +171,9 @@ def linear_cross_entropy_fused(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, grad_e, grad_c, grad_bias): the loss reduced ("mean" or "sum"; 0-d fp32),
     z-loss included, and its gradients (empty where not needed, grad_bias without a bias).
-    `logit_scale` as in linear_cross_entropy_forward; `settings`: the traced config and policy
-    ("" resolves them)."""
+    `logit_scale` as in linear_cross_entropy_forward;
+    `settings`: problem.traced_settings (the traced config and policy; without them the call
+    resolves its own)."""
     options = options_of(bias, weight, softcap, label_smoothing, 0.0, logit_scale)
 
     def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -44,8 +44,9 @@ def linear_log_probs_forward(
     (sum_j p_j l_j, what the entropy's backward needs) empty without `entropy`; the last four
     what filtered mode's backward filters with (filtering.FilterStats; empty with
     `filter_eps` 0, exact mode). `softcap` 0 means none; `logit_scale` (1 / temperature)
-    multiplies the logits before it (ops/library.py). `settings`: the traced config and
-    policy ("" resolves them)."""
+    multiplies the logits before it (ops/library.py).
+    `settings`: problem.traced_settings (the traced config and policy; without them the call
+    resolves its own)."""
     config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), config, policy)
     (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(

@@ -21,6 +21,7 @@ from ..config.keys import ProblemKey, n_bucket
 from ..plan.launch import Options, Problem
 from ..plan.policy import Policy, active_policy, policy_from_json, policy_to_json
 from ..resolve.ladder import launch_failed, resolve_config
+from ..resolve.platform import package_source_version
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 T = TypeVar("T")
@@ -109,47 +110,56 @@ def encode_settings(config: KernelConfig, policy: Policy) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode()
 
 
+def _encoded_part(settings: str) -> str:
+    """The encoded config and Policy of a settings argument, "" where it has none. A traced
+    call's settings begin with the package's source version and a "." (traced_settings),
+    which base64 never holds."""
+    return settings.rpartition(".")[2]
+
+
 @lru_cache(maxsize=64)
 def decode_settings(settings: str) -> tuple[KernelConfig, Policy]:
-    config, policy = base64.urlsafe_b64decode(settings).decode().split("\n")
+    config, policy = base64.urlsafe_b64decode(_encoded_part(settings)).decode().split("\n")
     return KernelConfig.from_dict(json.loads(config)), policy_from_json(policy)
 
 
 def launch_settings(settings: str, e: Tensor, c: Tensor, filtered: bool,
                     key_v: int | None = None) -> tuple[KernelConfig, Policy]:
-    """(config, policy) a forward op's call launches with: its traced `settings` decoded, or
-    for an eager call ("") the active Policy and the config resolved for it now."""
-    if settings:
+    """(config, policy) a forward op's call launches with: its `settings` decoded where they
+    hold them (traced_settings), else the active Policy and the config resolved for it now."""
+    if _encoded_part(settings):
         return decode_settings(settings)
     policy = active_policy()
     return config_for(e, c, filtered, policy, key_v), policy
 
 
 def backward_settings(settings: str, e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None) -> str:
-    """The settings a call's backward op launches with: the traced ones, or an eager call's
-    (launch_settings) encoded."""
-    return settings or encode_settings(*launch_settings(settings, e, c, filtered, key_v))
+    """The settings a call's backward op launches with: the traced ones, or those the forward
+    resolved as it ran (launch_settings) encoded."""
+    return settings if _encoded_part(settings) else encode_settings(*launch_settings(settings, e, c, filtered, key_v))
 
 
 def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None, *, backward: bool) -> str:
-    """The settings argument of a forward op's call: "" for an eager call, and for a traced
-    one whose outputs' sizes and backward do not depend on the config (exact mode without a
-    backward: the op resolves as it runs). Otherwise, under torch.compile, the config and
-    Policy resolved now, where the call is traced (filtered mode's tile statistics are sized
-    by the config; `backward`: autograd will run the op's backward, which launches with the
+    """The settings argument of a forward op's call: "" for an eager call (the op resolves
+    its config as it runs). Under torch.compile, the package's source version, a ".", and,
+    where the outputs' sizes or the backward depend on the config, the config and Policy
+    resolved now, where the call is traced (filtered mode's tile statistics are sized by the
+    config; `backward`: autograd will run the op's backward, which launches with the
     forward's). The graph holds them as a constant, so the op runs, its fake function sizes
     and its backward launches with the config it was traced for, and torch.compile's caches,
-    which key on the graph, never hand a later process a graph traced for another config or
-    Policy. Inside one process a graph keeps what it was traced with (Dynamo does not guard
-    on them): torch._dynamo.reset() retraces. V and D are read as constants (operator.index,
-    which Dynamo specializes: a dynamic V or D, dynamic=True, recompiles per value, as the
-    config's key needs); N counts by its bucket, one range guard (and compile) per power of
-    two."""
-    if not (torch.compiler.is_compiling() and (filtered or backward)):
+    which key on the graph, never hand a later process a graph traced for another config,
+    Policy or version of this package's code. Inside one process a graph keeps what it was
+    traced with (Dynamo does not guard on them): torch._dynamo.reset() retraces. V and D are
+    read as constants (operator.index, which Dynamo specializes: a dynamic V or D,
+    dynamic=True, recompiles per value, as the config's key needs); N counts by its bucket,
+    one range guard (and compile) per power of two."""
+    if not torch.compiler.is_compiling():
         return ""
+    if not (filtered or backward):
+        return _traced_source_version() + "."
     v = operator.index(c.shape[0] if key_v is None else key_v)
-    return _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype),
-                             _traced_n_bucket(e.shape[0]), filtered)
+    return _traced_source_version() + "." + _settings_for_key(
+        e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype), _traced_n_bucket(e.shape[0]), filtered)
 
 
 DATA_DEPENDENT_N_BUCKET = 8192
@@ -171,6 +181,11 @@ def _traced_n_bucket(n: int | torch.SymInt) -> int:
 
 
 @torch.compiler.assume_constant_result
+def _traced_source_version() -> str:
+    return package_source_version()
+
+
+@torch.compiler.assume_constant_result
 def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool) -> str:
     policy = active_policy()
     return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy)), policy)
@@ -178,7 +193,7 @@ def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, fi
 
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
                        launch: Callable[[KernelConfig, Policy], T]) -> T:
-    """`launch(config, policy)` with the call's settings: `settings` where it was traced
+    """`launch(config, policy)` with the call's settings: `settings` where they hold a config
     (traced_settings), else the active Policy and the config resolved now. A resolved config
     from outside the process that fails to launch (Triton refusing it) costs this call one
     failed launch per source: the ladder drops that source for the key and the next rung's
@@ -194,7 +209,7 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            if settings:
+            if _encoded_part(settings):
                 if resolve_config(key) != config or launch_failed(key, error):
                     raise RuntimeError(
                         f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "

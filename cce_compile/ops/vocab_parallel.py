@@ -43,8 +43,9 @@ def shard_row_stats(
     module doc ("" for none). The kernel config is the one for vocabulary size `config_v`:
     shards differ in size, and each size its own key would leave the ranks other than 0
     waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0).
-    `logit_scale`: as the unsharded forward op's. `settings`: the traced config and policy (""
-    resolves them)."""
+    `logit_scale`: as the unsharded forward op's.
+    `settings`: problem.traced_settings (the traced config and policy; without them the call
+    resolves its own)."""
     config, policy = launch_settings(settings, e, c, False, config_v)
     options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
     plan = plan_launch(problem_of(e, c), options, config, policy)

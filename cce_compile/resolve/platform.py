@@ -64,6 +64,19 @@ def kernel_version() -> str:
 
 
 @lru_cache(maxsize=1)
+def package_source_version() -> str:
+    """A short hash of this package's Python source, every file as it is. torch.compile's
+    on-disk caches key on the traced graph, not on the Python behind the ops' fake functions
+    and autograd formulas: a traced call carries this in its settings (ops/problem.py), so
+    that a graph traced by another version of the package is never handed back."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parents[1]
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
 def triton_version() -> str:
     try:
         import triton
