@@ -120,10 +120,11 @@ class Policy:
     A/B on the H200, fwd+bwd x GEMM off / on: Qwen2.5 3.56 / 3.47, Gemma-2 3.32 / 3.28, Llama-3.2 1B 3.27 / 3.20,
     Llama-3 3.14 / 3.15. Costs a second cuBLAS workspace (32 MiB per thread that runs the fused forward)."""
 
-    fused_gluon_max_k_steps: int = 48
-    """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 3072), the persistent
-    128 x 256 TMA kernel beyond: alternating A/B on the H200, Llama-3 (D = 4096) 3.17 against 3.26-3.33 x GEMM on TMA,
-    Gemma-2 (D = 2304) 3.27 against 3.29 on Gluon, Llama-3.2 1B (D = 2048) even (docs/notes/fused-forward.md)."""
+    fused_gluon_max_k_steps: int = 16
+    """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 1024), the persistent
+    128 x 256 TMA kernel beyond. Alternating A/Bs, TMA against Gluon: on an H100, 9-10% faster at D = 2304, 2560 and
+    3072, 3% at 2048; on the H200, Llama-3 (D = 4096) 3.17 against 3.26-3.33 x GEMM, D = 2048 0.7% faster, Gemma-2
+    (D = 2304) 0.9% slower (docs/notes/fused-forward.md)."""
 
     compile_ahead: bool = True
     """The fused forward's first call of a kind compiles its kernels side by side on threads before its first launch,
