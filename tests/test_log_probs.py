@@ -561,7 +561,7 @@ def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
         sums, _ = skipped_sums(self, *args)
         return sums, sums.sum(dim=1)
 
-    def without_entropy(self, tile_lse, coef_softmax, computed):
+    def without_entropy(self, tile_lse, coef_softmax, computed, softcap_slopes=None):
         sums = filtering.SkippedTiles._skipped_mass(tile_lse, coef_softmax, computed)
         return sums, sums.sum(dim=1)
 

@@ -170,7 +170,8 @@ class FilteredBackward:
         entropy = None if call.coef_entropy is None else SkippedEntropy(
             call.coef_entropy[row_start:row_end], call.lse[row_start:row_end], self.tile_mean_logit[row_start:row_end])
         d_logits, row_mass = self.skipped.d_logits(
-            self.tile_lse[row_start:row_end], call.coef_softmax[row_start:row_end], coef_smooth, row_start, entropy)
+            self.tile_lse[row_start:row_end], call.coef_softmax[row_start:row_end], coef_smooth, row_start, entropy,
+            call.lse[row_start:row_end], call.softcap)
         e_rows = call.e[row_start:row_end]
         on_cuda = call.e.is_cuda
         if call.need_grad_e:

@@ -137,16 +137,20 @@ def backward_cpu(
         if coef_smooth is not None:
             w = weight[ids].to(torch.float32) if weight is not None else 1.0
             grad = grad - coef_smooth[:, None] * w
-        if softcap > 0.0:
-            grad = grad * (1.0 - (logits / softcap) ** 2)
+        # the soft-cap's slope; a skipped entry's tilt weight takes it squared (filtering.SkippedTiles)
+        slope = 1.0 - (logits / softcap) ** 2 if softcap > 0.0 else None
+        if slope is not None:
+            grad = grad * slope
         if filter_eps > 0.0:
             distance = torch.where(is_target | flat[:, None], 1.0, softmax)
             skipped = ~_tile_keep(distance, *keep_tile, 0, start, filter_eps)
             grad = torch.where(skipped, _tile_row_means(torch.where(skipped, grad, 0.0), forward_block_n), grad)
             skipped_mass = torch.where(skipped, softmax, 0.0)
-            row_mass += coef_softmax * skipped_mass.sum(dim=1)
+            leaning_mass = skipped_mass if slope is None else skipped_mass * slope**2
+            row_mass += coef_softmax * leaning_mass.sum(dim=1)
             if coef_entropy is not None:  # the entropy's tilt (filtering.SkippedEntropy); p = 0 counts 0
-                row_mass -= coef_entropy * torch.where(skipped & (softmax > 0), softmax * (logits + 1.0), 0.0).sum(dim=1)
+                row_mass -= coef_entropy * torch.where(skipped & (softmax > 0), leaning_mass * (logits + 1.0),
+                                                       0.0).sum(dim=1)
             tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
             tile_mass.index_add_(0, tile_of_column, coef_softmax[sample].abs() @ skipped_mass[sample])
         if need_grad_e:

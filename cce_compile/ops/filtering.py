@@ -168,8 +168,10 @@ class SkippedTiles:
     sum_T d[i, T] * (c summed over T), dC[j] gains sum_i d[i, T(j)] * e[i], dbias[j]
     sum_i d[i, T(j)]. A row's sum over a tile is coef_softmax * exp(tile_lse - lse) -
     coef_smooth * (weights over the tile), from the forward's tile log-sum-exps: no logits are
-    recomputed. Soft-capping's derivative is left out of it (near 1 for small logits, which
-    skipped ones are). Built once per backward; `d_logits` per token chunk.
+    recomputed. Under a soft-cap s each sum is times the cap's slope 1 - (y / s)^2 at the tile's
+    log-mean-exp capped logit y (where the cap saturates, a logit moves its softmax entry a
+    fraction as much), and the tilt's weight times its square (`softcap_slopes`). Built once per
+    backward; `d_logits` per token chunk.
     """
 
     computed: Tensor  # (row blocks, forward tiles) bool: the backward computes the tile
@@ -179,25 +181,35 @@ class SkippedTiles:
 
     def d_logits(
         self, tile_lse: Tensor, coef_softmax: Tensor, coef_smooth: Tensor | None, first_row,
-        entropy: "SkippedEntropy | None" = None,
+        entropy: "SkippedEntropy | None" = None, lse: Tensor | None = None, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         """(rows, forward tiles) fp32 for the rows from `first_row` (a multiple of block_m), from
         their tile log-sum-exps less lse (backward_tile_stats): the d-logit each column of a
         skipped tile stands in for, 0 where the tile is computed; and (rows,) the tilt's weight
         (Tilt): the rows' softmax mass in skipped tiles times coef_softmax, with `entropy` the
-        SkippedEntropy's."""
+        SkippedEntropy's. With `softcap` (in the softmax's units), `lse` the rows' log-sum-exps."""
         rows = tile_lse.shape[0]
         first_block = first_row // self.block_m
         computed = self.computed[first_block:first_block + cdiv(rows, self.block_m)]
         computed = computed.repeat_interleave(self.block_m, dim=0)[:rows]
+        slopes = self.softcap_slopes(tile_lse, lse, softcap) if softcap > 0.0 else None
         if entropy is None:
             sums = self._skipped_mass(tile_lse, coef_softmax, computed)
-            row_mass = sums.sum(dim=1)
+            row_mass = (sums if slopes is None else sums * slopes.square()).sum(dim=1)
         else:
-            sums, row_mass = entropy.skipped_sums(tile_lse, coef_softmax, computed)
+            sums, row_mass = entropy.skipped_sums(tile_lse, coef_softmax, computed, slopes)
         if coef_smooth is not None:
             sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
+        if slopes is not None:
+            sums.mul_(slopes)
         return sums.div_(self.columns), row_mass
+
+    def softcap_slopes(self, tile_lse: Tensor, lse: Tensor, softcap: float) -> Tensor:
+        """(rows, tiles) fp32: the soft-cap's slope d y / d logit = 1 - (y / softcap)^2 at each
+        tile's log-mean-exp capped logit y, the logit its softmax mass sits nearest (0 where a
+        tile holds no mass)."""
+        capped = (tile_lse.float() + lse[:, None]).sub_(self.columns.log()).div_(softcap)
+        return capped.square_().neg_().add_(1.0).clamp_(min=0.0)
 
     def tile_mass(self, tile_lse: Tensor, coef_softmax: Tensor) -> Tensor:
         """(forward tiles,) fp32: |coef_softmax| times the softmax mass each tile skips, summed
@@ -227,14 +239,18 @@ class SkippedEntropy(NamedTuple):
     lse: Tensor  # (rows,) fp32
     tile_mean_logit: Tensor  # (rows, forward tiles) fp16: mu_T less lse (backward_tile_stats)
 
-    def skipped_sums(self, tile_lse: Tensor, coef_softmax: Tensor, computed: Tensor) -> tuple[Tensor, Tensor]:
-        """(rows, tiles) each skipped tile's d-logit row sum, 0 where computed; (rows,) the tilt's weight."""
+    def skipped_sums(self, tile_lse: Tensor, coef_softmax: Tensor, computed: Tensor,
+                     softcap_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(rows, tiles) each skipped tile's d-logit row sum, 0 where computed; (rows,) the tilt's
+        weight, each tile's times its soft-cap slope squared where given (SkippedTiles)."""
         h = self.coef_entropy[:, None]
         mass = SkippedTiles._skipped_mass(tile_lse, None, computed)
-        row_mass = mass.sum(dim=1)
         coef = self.tile_mean_logit.float().mul_(-h).add_((coef_softmax - self.coef_entropy * self.lse)[:, None])
         sums = coef.mul_(mass)
-        return sums, sums.sum(dim=1) - self.coef_entropy * row_mass
+        lean = mass.mul_(-h).add_(sums)
+        if softcap_slopes is not None:
+            lean.mul_(softcap_slopes.square())
+        return sums, lean.sum(dim=1)
 
 
 def skipped_tiles(
