@@ -168,9 +168,10 @@ class SkippedTiles:
     sum_T d[i, T] * (c summed over T), dC[j] gains sum_i d[i, T(j)] * e[i], dbias[j]
     sum_i d[i, T(j)]. A row's sum over a tile is coef_softmax * exp(tile_lse - lse) -
     coef_smooth * (weights over the tile), from the forward's tile log-sum-exps: no logits are
-    recomputed. Under a soft-cap s each sum is times the cap's slope 1 - (y / s)^2 at the tile's
-    log-mean-exp capped logit y (where the cap saturates, a logit moves its softmax entry a
-    fraction as much), and the tilt's weight times its square (`softcap_slopes`). Built once per
+    recomputed. Under a soft-cap s each softmax sum is times the cap's slope 1 - (y / s)^2 at the
+    tile's log-mean-exp capped logit y (where the cap saturates, a logit moves its softmax entry
+    a fraction as much), and the tilt's weight times its square (`softcap_slopes`); label
+    smoothing's share, spread over all the tile's columns, keeps a slope of 1. Built once per
     backward; `d_logits` per token chunk.
     """
 
@@ -198,10 +199,10 @@ class SkippedTiles:
             row_mass = (sums if slopes is None else sums * slopes.square()).sum(dim=1)
         else:
             sums, row_mass = entropy.skipped_sums(tile_lse, coef_softmax, computed, slopes)
-        if coef_smooth is not None:
-            sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
         if slopes is not None:
             sums.mul_(slopes)
+        if coef_smooth is not None:  # spread evenly over the columns, not where the softmax sits: no slope
+            sums.sub_((coef_smooth[:, None] * self.smoothing_weights).masked_fill_(computed, 0.0))
         return sums.div_(self.columns), row_mass
 
     def softcap_slopes(self, tile_lse: Tensor, lse: Tensor, softcap: float) -> Tensor:
