@@ -264,7 +264,7 @@ def linear_cross_entropy(
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
                 scaled_softcap, float(z_loss), reduction, e.requires_grad, c.requires_grad, logit_scale,
-                traced_settings(flat_e, c, False, backward=False),  # its backward only scales: no config in it
+                traced_settings(flat_e, c, False, config_in_backward=False),
             )
         return loss
     # The op accumulates in fp32 on purpose: autocast must not recast its inner matmuls.
@@ -272,7 +272,7 @@ def linear_cross_entropy(
         loss, lse, *_ = ops.linear_cross_entropy_forward(
             flat_e, c, flat_targets, bias, weight,
             int(ignore_index), float(label_smoothing), scaled_softcap, eps, logit_scale,
-            traced_settings(flat_e, c, eps > 0.0, backward=backward),
+            traced_settings(flat_e, c, eps > 0.0, config_in_backward=backward),
         )
     valid = flat_targets != ignore_index
     weights = None if weight is None else target_weight(flat_targets, weight, valid, v)
@@ -334,7 +334,7 @@ def linear_log_probs(
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
             flat_e, c, flat_tokens, bias, int(ignore_index), scaled_softcap, entropy, eps, logit_scale,
-            traced_settings(flat_e, c, eps > 0.0, backward=backward))
+            traced_settings(flat_e, c, eps > 0.0, config_in_backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)
     return log_probs.reshape(tokens.shape)

@@ -139,13 +139,14 @@ def backward_settings(settings: str, e: Tensor, c: Tensor, filtered: bool, key_v
     return settings if _encoded_part(settings) else encode_settings(*launch_settings(settings, e, c, filtered, key_v))
 
 
-def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None, *, backward: bool) -> str:
+def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = None, *,
+                    config_in_backward: bool) -> str:
     """The settings argument of a forward op's call: "" for an eager call (the op resolves
     its config as it runs). Under torch.compile, the package's source version, a ".", and,
     where the outputs' sizes or the backward depend on the config, the config and Policy
     resolved now, where the call is traced (filtered mode's tile statistics are sized by the
-    config; `backward`: autograd will run the op's backward, which launches with the
-    forward's). The graph holds them as a constant, so the op runs, its fake function sizes
+    config; `config_in_backward`: autograd will run an op's backward that launches with the
+    forward's config, not the fused loss's, which only scales). The graph holds them as a constant, so the op runs, its fake function sizes
     and its backward launches with the config it was traced for, and torch.compile's caches,
     which key on the graph, never hand a later process a graph traced for another config,
     Policy or version of this package's code. Inside one process a graph keeps what it was
@@ -155,11 +156,12 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
     one range guard (and compile) per power of two."""
     if not torch.compiler.is_compiling():
         return ""
-    if not (filtered or backward):
-        return _traced_source_version() + "."
+    version = _traced_source_version() + "."
+    if not (filtered or config_in_backward):
+        return version
     v = operator.index(c.shape[0] if key_v is None else key_v)
-    return _traced_source_version() + "." + _settings_for_key(
-        e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype), _traced_n_bucket(e.shape[0]), filtered)
+    return version + _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype),
+                                       _traced_n_bucket(e.shape[0]), filtered)
 
 
 DATA_DEPENDENT_N_BUCKET = 8192

@@ -181,7 +181,7 @@ def vocab_parallel_loss(
         lse_shard, target_logit, weighted_sum = shard_row_stats(
             e, c, local_targets, bias, weight if smoothing else None, float(softcap), smoothing,
             parallel.group_name if parallel.reduce_grad_e else "", config_v, logit_scale,
-            traced_settings(e, c, False, config_v, backward=needs_grad(e, c, bias)),
+            traced_settings(e, c, False, config_v, config_in_backward=needs_grad(e, c, bias)),
         )
     terms = [lse_shard, target_logit]
     if smoothing:
