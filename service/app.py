@@ -23,7 +23,7 @@ from service.settings import ServiceSettings
 from tuning_db import store
 from tuning_db.engine import make_engine, resolve_db_url
 from tuning_db.migrate import upgrade
-from tuning_db.records import clip
+from tuning_db.records import MAX_REPORTED_ERRORS, clip
 
 _STORE_ERROR_STATUS = {
     store.NotFoundError: status.HTTP_404_NOT_FOUND,
@@ -34,8 +34,6 @@ _STORE_ERROR_STATUS = {
 
 MAX_DETAIL_CHARS = 1000
 """An error's text in an answer is cut here (it may quote megabytes of input)."""
-MAX_REPORTED_ERRORS = 20
-"""A 422 names this many bad fields at most (a body of 10,000 unknown keys has as many)."""
 
 
 def create_app(settings: ServiceSettings | None = None) -> FastAPI:
@@ -72,7 +70,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def store_error(_request: Request, error: Exception) -> JSONResponse:
         body = {"detail": clip(str(error), limit=MAX_DETAIL_CHARS)}
         if isinstance(error, store.ImportFormatError):
-            body["line"] = error.line_number
+            body |= {"line": error.line_number, "lines_imported": error.lines_imported}
         return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)])
 
     for error_type in _STORE_ERROR_STATUS:

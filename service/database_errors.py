@@ -1,5 +1,6 @@
 """Database failures as HTTP answers: what a client can wait out (a lock, a database that
-is down or not yet upgraded) is 503 with Retry-After, never a bare 500."""
+is down or not yet upgraded) is 503 with Retry-After, a read-only database 503 without it,
+never a bare 500."""
 
 from __future__ import annotations
 
@@ -14,15 +15,30 @@ SCHEMA_RETRY_AFTER_S = 30
 """A schema waits for an operator to run `cce db upgrade`."""
 
 
+READ_ONLY_SQLSTATE = "25006"
+
+
+def read_only(error: DBAPIError) -> bool:
+    """SQLite's 'attempt to write a readonly database', PostgreSQL's read_only_sql_transaction
+    (a hot standby, or default_transaction_read_only): no retry mends either."""
+    return getattr(error.orig, "sqlstate", None) == READ_ONLY_SQLSTATE or "readonly database" in str(error.orig)
+
+
 def _missing_schema(error: DBAPIError) -> bool:
     """PostgreSQL's undefined_table, SQLite's 'no such table'."""
     return getattr(error.orig, "sqlstate", None) == UNDEFINED_TABLE_SQLSTATE or "no such table" in str(error.orig)
 
 
 async def database_error(_request: Request, error: Exception) -> JSONResponse:
-    """503 for a missing schema or an unavailable or locked database; 500 without the
-    driver's text (it may quote the statement) for anything else."""
+    """503 for a missing schema, a read-only database (without Retry-After: it will not pass
+    by itself), or an unavailable or locked database; 500 without the driver's text (it may
+    quote the statement) for anything else."""
     assert isinstance(error, DBAPIError)
+    if read_only(error):
+        return JSONResponse(
+            {"detail": "the database is read-only: writes fail until an operator makes it writable"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
     if _missing_schema(error):
         detail = "the database schema is not set up: run `cce db upgrade`"
         retry_after = SCHEMA_RETRY_AFTER_S

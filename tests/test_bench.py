@@ -397,6 +397,13 @@ def test_cli_render_needs_no_gpu(tmp_path: Path) -> None:
     missing = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)])
     assert missing.exit_code == 2 and "no results" in missing.output
     results.append_rows(tmp_path / "bench.csv", [_row()])
+    no_table = tmp_path / "notes.md"
+    no_table.write_text("# no table here\n")
+    for target, said in ((tmp_path, "is not a file"), (tmp_path / "missing.md", "is not a file"),
+                         (no_table, "no `<!-- cce-bench-table")):
+        refused = CliRunner().invoke(app, ["--render", "--out", str(tmp_path), "--sync", str(target)])
+        assert refused.exit_code == 1 and "--sync" in refused.output and said in refused.output
+    assert not (tmp_path / "latest.md").exists()  # checked before anything was written
     done = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)])
     assert done.exit_code == 0, done.output
     assert (tmp_path / "latest.md").exists() and (tmp_path / "latest.png").exists()

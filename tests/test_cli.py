@@ -4,9 +4,11 @@ start, and the README's service example working as written."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -59,18 +61,53 @@ def test_a_misused_option_is_one_line_with_status_2() -> None:
         assert done.returncode == 2
 
 
-def test_an_unforeseen_failure_is_one_line_and_its_traceback_on_request(tmp_path: Path) -> None:
-    """An SQLite file in a folder that does not exist: `db upgrade` does not check for it, the
-    wrapper still reports it."""
-    missing_db = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'tuning.db'}"
-    assert_one_line_failure(cce("db", "upgrade", "--db-url", missing_db), "OperationalError")
-    shown = cce("db", "upgrade", "--db-url", missing_db, env={"CCE_TRACEBACK": "1"})
+def test_an_unforeseen_failure_is_one_line_and_its_traceback_on_request() -> None:
+    """A bug (here: the token source broken by the prelude) is one line naming the exception;
+    CCE_TRACEBACK=1 shows the traceback for a report."""
+    broken = "import secrets\nsecrets.token_urlsafe = None"
+    assert_one_line_failure(cce("token", prelude=broken), "TypeError")
+    shown = cce("token", prelude=broken, env={"CCE_TRACEBACK": "1"})
     assert shown.returncode != 0 and "Traceback" in shown.stderr
 
 
-def test_a_bad_token_spec_stops_serve_in_one_line() -> None:
+def test_db_upgrade_names_the_database_it_cannot_open_or_upgrade(tmp_path: Path) -> None:
+    """A missing folder, a file that is not SQLite, tables made by something else, a newer
+    release's schema: one line naming --db-url, and for the last no advice to upgrade it."""
+    not_sqlite = tmp_path / "random.db"
+    not_sqlite.write_bytes(bytes(range(256)) * 16)
+    for path in (tmp_path / "no" / "such" / "dir" / "tuning.db", not_sqlite):
+        assert_one_line_failure(cce("db", "upgrade", "--db-url", f"sqlite:///{path}"),
+                                f"--db-url sqlite:///{path}: cannot open the database")
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as connection:
+        connection.execute("CREATE TABLE gpus (id INTEGER PRIMARY KEY)")
+    assert_one_line_failure(cce("db", "upgrade", "--db-url", f"sqlite:///{foreign}"),
+                            f"--db-url sqlite:///{foreign}: cannot upgrade the schema", "already exists")
+    newer = tmp_path / "newer.db"
+    assert cce("db", "upgrade", "--db-url", f"sqlite:///{newer}").returncode == 0
+    with sqlite3.connect(newer) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = 'ffff9999'")
+    for args in (["db", "upgrade"], ["export"], ["serve", "--port", str(free_port())]):
+        done = cce(*args, "--db-url", f"sqlite:///{newer}")
+        assert_one_line_failure(done, "schema ffff9999", "newer release", "upgrade cce_compile")
+        assert "cce db upgrade" not in done.stderr
+
+
+def test_a_bad_token_spec_stops_serve_in_one_line(tmp_path: Path) -> None:
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS": "short:read"})
     assert_one_line_failure(done, "CCE_SERVICE_TOKENS", "8+", "cce token")
+    for tokens_file in (tmp_path, tmp_path / "missing"):
+        done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS_FILE": str(tokens_file)})
+        assert_one_line_failure(done, f"CCE_SERVICE_TOKENS_FILE: cannot read {tokens_file}")
+
+
+def test_tokens_and_scopes_are_checked_where_they_are_given() -> None:
+    """`--scopes 'read;admin'` once failed on the token's length; `--token` with a non-ASCII
+    character raised UnicodeEncodeError from the HTTP client."""
+    for scopes in ("read;admin", "read#x"):
+        assert_one_line_failure(cce("token", "--scopes", scopes), "--scopes", "unknown scope")
+    done = cce("export", "--url", f"http://127.0.0.1:{free_port()}", "--token", "t\u00f6k\u00e9n-token")
+    assert_one_line_failure(done, "--token", "ASCII")
 
 
 def test_a_bad_setting_stops_serve_in_one_line() -> None:
@@ -117,6 +154,42 @@ def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> 
     done = cce("export", "--db-url", "", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert_one_line_failure(done, "--db-url", "empty")
     assert done.returncode == 2
+
+
+def test_empty_service_url_and_host_are_refused_not_a_fallback(tmp_path: Path) -> None:
+    """An unset shell variable must not import into the local database instead of the service,
+    nor make the service listen on every interface."""
+    local = tmp_path / "local.db"
+    assert cce("db", "upgrade", "--db-url", f"sqlite:///{local}").returncode == 0
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text(cce("export", "--db-url", f"sqlite:///{local}").stdout)
+    for args in (["import", str(export_file), "--url", ""], ["export", "--url", " "],
+                 ["serve", "--host", "", "--db-url", f"sqlite:///{local}"]):
+        done = cce(*args, env={"CCE_TUNING_DB_URL": f"sqlite:///{local}"})
+        assert_one_line_failure(done, "--url" if "--url" in args else "--host", "empty")
+        assert done.returncode == 2
+
+
+def test_a_bad_log_level_names_the_option_and_the_levels() -> None:
+    done = cce("serve", "--port", str(free_port()), "--log-level", "bogus")
+    assert_one_line_failure(done, "--log-level", "'warning'")
+    assert done.returncode == 2
+
+
+def test_a_bad_import_file_is_one_clipped_line_naming_the_file(tmp_path: Path) -> None:
+    """Not UTF-8, or a line of 50,000 unknown keys (once a 2 MB line of stderr)."""
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"format": "cce-tuning-db"}\n\xff\xfe\x00garbage\n')
+    assert_one_line_failure(cce("import", str(binary), "--db-url", database), str(binary), "not UTF-8",
+                            "nothing was imported")
+    header = '{"format": "cce-tuning-db", "schema_version": 1, "entries": 1, "measurements": 1}'
+    many_keys = tmp_path / "many.jsonl"
+    many_keys.write_text(header + "\n" + json.dumps({f"key{i}": i for i in range(50_000)}) + "\n")
+    done = cce("import", str(many_keys), "--db-url", database)
+    assert_one_line_failure(done, str(many_keys), "line 2", "more", "nothing was imported")
+    assert len(done.stderr) < 5000
 
 
 def test_lookup_refuses_what_the_service_refuses() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, text
+from sqlalchemy.engine import make_url
 
 from tests.db_fixtures import GPU_H100, POSTGRES_URL, bearer, lookup_params, measurement_data
 from service.app import create_app
@@ -46,8 +47,8 @@ def _post(client: TestClient, body: dict[str, Any]) -> Any:
     return client.post("/v1/measurements", json=body, headers=bearer(WRITE_TOKEN))
 
 
-@pytest.mark.parametrize("name", ["___", "   ", "_ _"])
-def test_a_gpu_name_empty_after_normalization_is_422(client: TestClient, name: str) -> None:
+@pytest.mark.parametrize("name", ["___", "   ", "_ _", "...", "-", "(-)", "._.", ". . ."])
+def test_a_gpu_name_without_a_letter_or_digit_is_422(client: TestClient, name: str) -> None:
     response = _post(client, measurement_data(gpu={**GPU_H100, "name": name}))
     assert response.status_code == 422, response.text
     assert "gpu" in json.dumps(response.json()["detail"][0]["loc"])
@@ -259,6 +260,25 @@ def test_a_write_that_times_out_on_the_lock_is_503_with_retry_after(
         assert response.status_code == 503, response.text
         assert int(response.headers["Retry-After"]) >= 1
         assert _post(locked_client, measurement_data()).status_code == 201
+
+
+def test_a_read_only_database_is_503_without_retry_after(db_url: str) -> None:
+    """SQLite opened read-only, PostgreSQL in read-only transactions (a hot standby): no retry
+    mends it, so no Retry-After (it once said 'busy, retry later', forever); reads still work."""
+    with make_client(db_url) as writable:
+        post_measurement(writable)
+    if db_url.startswith("sqlite"):
+        read_only_url = f"sqlite:///file:{db_url.removeprefix('sqlite:///')}?mode=ro&uri=true"
+    else:
+        options = make_url(db_url).query["options"]
+        read_only_url = make_url(db_url).update_query_dict(
+            {"options": f"{options} -cdefault_transaction_read_only=on"}).render_as_string(hide_password=False)
+    with make_client(read_only_url) as read_only:
+        response = _post(read_only, measurement_data(V=4096))
+        assert response.status_code == 503, response.text
+        assert "read-only" in response.json()["detail"] and "Retry-After" not in response.headers
+        assert read_only.get("/v1/configs/best", params=lookup_params(), headers=bearer(READ_TOKEN)).status_code == 200
+        assert exported(read_only).count("\n") == 2
 
 
 def test_a_large_import_commits_in_bounded_transactions_on_sqlite_and_once_on_postgres(engine: Engine) -> None:

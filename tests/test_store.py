@@ -332,3 +332,27 @@ def test_an_import_that_fails_while_writing_leaves_nothing_on_postgres(postgres_
     assert measurement_count(engine) == 1  # the racer's only
     engine.dispose()
     racer.dispose()
+
+
+def test_an_sqlite_import_stopped_by_a_later_batch_says_what_it_imported(sqlite_url: str) -> None:
+    """On SQLite the batches before a failing one stay (documented); the error once said
+    nothing was imported. The racer registers the late line's GPU differently right after the
+    first batch commits."""
+    engine, racer = make_engine(sqlite_url), make_engine(sqlite_url)
+    other_gpu = {"name": "Racing GPU", "compute_capability": "8.0", "sm_count": 108, "memory_bytes": 1}
+    late_line = store.IMPORT_BATCH_LINES + 41
+    lines = _import_file(store.IMPORT_BATCH_LINES + 50, gpu_of={late_line: other_gpu})
+
+    @event.listens_for(engine, "commit")
+    def _register_it_differently_after_the_first_batch(_conn: Any) -> None:
+        if measurement_count(racer) == 0:
+            store.record_measurement(racer, measurement(gpu=dict(other_gpu, sm_count=7)))
+
+    with pytest.raises(store.ImportFormatError) as raised:
+        store.import_jsonl(engine, lines)
+    imported = measurement_count(engine) - 1  # less the racer's
+    assert imported > 0 and raised.value.lines_imported == imported
+    assert raised.value.line_number == late_line
+    assert f"the {imported} lines before its batch were imported" in str(raised.value)
+    engine.dispose()
+    racer.dispose()

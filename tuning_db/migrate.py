@@ -32,6 +32,11 @@ def head_revision() -> str:
     return head
 
 
+def known_revision(revision: str) -> bool:
+    """Whether `revision` is one of this code's migrations (a newer release's is not)."""
+    return revision in {script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()

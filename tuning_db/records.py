@@ -37,8 +37,8 @@ Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+\-]{1,128}$")]
 
 
 def _named(key: str) -> str:
-    """Refuse a name that normalizes to nothing ('___', '   '): it would be a key of no GPU."""
-    if not key:
+    """Refuse a name without a letter or digit ('___', '...', '(-)'): it would be a key of no GPU."""
+    if not any(character.isalnum() for character in key):
         raise ValueError("the GPU name must contain a letter or digit")
     return key
 
@@ -94,6 +94,10 @@ StoredMoment = Annotated[datetime, AfterValidator(_stored_moment)]
 
 CLIPPED_CHARS = 200
 """How much of one piece of input an error message may quote."""
+
+
+MAX_REPORTED_ERRORS = 20
+"""An error names this many bad fields at most (a body or line of 50,000 unknown keys has as many)."""
 
 
 def clip(text: str, limit: int = CLIPPED_CHARS) -> str:

@@ -28,6 +28,7 @@ from tuning_db.engine import read_session, write_session
 from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement
 from tuning_db.records import (
     MATCH_LEVELS,
+    MAX_REPORTED_ERRORS,
     NEAREST_BUCKET_FACTOR,
     BestEntry,
     ConfigFilters,
@@ -60,9 +61,14 @@ class ConflictError(StoreError):
 
 
 class ImportFormatError(StoreError):
-    def __init__(self, line_number: int, message: str) -> None:
+    """A line of an import file that cannot be imported. `lines_imported` counts the lines
+    written before it: 0 but where an SQLite import's later batch met a concurrent writer."""
+
+    def __init__(self, line_number: int, message: str, lines_imported: int = 0) -> None:
         super().__init__(f"line {line_number}: {message}")
         self.line_number = line_number
+        self.reason = message
+        self.lines_imported = lines_imported
 
 
 _FILTER_COLUMNS: dict[str, Any] = {
@@ -391,10 +397,13 @@ def export_jsonl(engine: Engine) -> list[str]:
 
 
 def _validation_message(error: ValidationError) -> str:
-    """Each error's place and message, clipped: the input may be megabytes long."""
-    return "; ".join(
-        f"{clip('.'.join(map(str, item['loc'])) or 'line')}: {clip(item['msg'])}" for item in error.errors()
+    """The first errors' places and messages, clipped: the input may be megabytes long."""
+    errors = error.errors()
+    shown = "; ".join(
+        f"{clip('.'.join(map(str, item['loc'])) or 'line')}: {clip(item['msg'])}"
+        for item in errors[:MAX_REPORTED_ERRORS]
     )
+    return shown if len(errors) <= MAX_REPORTED_ERRORS else f"{shown}; and {len(errors) - MAX_REPORTED_ERRORS} more"
 
 
 ImportLine = tuple[int, ExportLine]
@@ -533,10 +542,22 @@ def import_jsonl(
     if engine.dialect.name != "sqlite":
         _write_lines(engine, entries, mode, dry_run, counts)
     else:
+        written = 0
         for index, batch in enumerate(_batches(entries)):
             if index:
                 time.sleep(SQLITE_BATCH_PAUSE_S)
-            _write_lines(engine, batch, mode, dry_run, counts)
+            try:
+                _write_lines(engine, batch, mode, dry_run, counts)
+            except ImportFormatError as error:
+                if not written or dry_run:
+                    raise
+                raise ImportFormatError(
+                    error.line_number,
+                    f"{error.reason}; the {written} lines before its batch were imported (SQLite takes a file "
+                    "in batches): import the file again once this is mended, it adds nothing twice",
+                    lines_imported=written,
+                ) from None
+            written += len(batch)
     return ImportReport(
         lines=len(entries),
         measurements_added=counts["measurements_added"],

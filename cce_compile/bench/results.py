@@ -135,6 +135,11 @@ def _selected(rows: list[Row], filters: str) -> list[Row]:
     return [row for row in rows if all(row[name] in values for name, values in wanted.items())]
 
 
+def has_tables(text: str) -> bool:
+    """Whether `text` has a table block for synced_text to rewrite."""
+    return _TABLE_START.search(text) is not None
+
+
 def synced_text(text: str, rows: list[Row]) -> str:
     """`text` with every `<!-- cce-bench-table FILTERS -->` ... `<!-- /cce-bench-table -->`
     block rewritten as the table of the latest of `rows` that match its filters."""

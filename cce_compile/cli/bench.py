@@ -26,6 +26,11 @@ def _render(out: Path, sync: list[Path] | None) -> None:
     csv_path = out / results.CSV_NAME
     if not csv_path.exists():
         fail(f"--render: no results at {csv_path}", status=2)
+    for path in sync or []:  # checked before anything is written
+        if not path.is_file():
+            fail(f"--sync: {path} is not a file")
+        if not results.has_tables(path.read_text()):
+            fail(f"--sync: {path} has no `<!-- cce-bench-table ... -->` block to rewrite")
     for path in [*results.render(csv_path), *results.sync_tables(csv_path, sync or [])]:
         typer.echo(f"wrote {path}")
 

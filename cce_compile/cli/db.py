@@ -25,6 +25,14 @@ def _non_empty(url: str | None) -> str | None:
     return url
 
 
+def _non_empty_service(url: str | None) -> str | None:
+    """An empty --url is an unset shell variable too: falling back to a local database would
+    write where nobody asked."""
+    if url is not None and not url.strip():
+        raise typer.BadParameter("the URL is empty; leave --url out to use --db-url")
+    return url
+
+
 DbUrlOption = Annotated[
     Optional[str],
     typer.Option(
@@ -33,7 +41,8 @@ DbUrlOption = Annotated[
     ),
 ]
 ServiceUrlOption = Annotated[
-    Optional[str], typer.Option("--url", help="a running service's base URL, instead of --db-url")
+    Optional[str],
+    typer.Option("--url", callback=_non_empty_service, help="a running service's base URL, instead of --db-url"),
 ]
 TokenOption = Annotated[
     Optional[str],
@@ -48,12 +57,41 @@ db_app = typer.Typer(help="Tuning database maintenance.", no_args_is_help=True)
 @db_app.command("upgrade")
 def upgrade_command(db_url: DbUrlOption = None) -> None:
     """Create or migrate the schema to the latest revision."""
-    from tuning_db.engine import resolve_db_url
+    typer.echo(f"tuning database at revision {upgraded(db_url)}", err=True)
+
+
+def upgraded(db_url: str | None) -> str | None:
+    """Bring the database to the code's schema revision; a database that cannot be opened or
+    upgraded (a newer release's revision, tables made by something else) stops with one line
+    naming --db-url."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    from tuning_db.engine import resolve_db_url, shown_url
     from tuning_db.migrate import upgrade
 
     url = resolve_db_url(db_url)
-    revision = upgrade(url)
-    typer.echo(f"tuning database at revision {revision}", err=True)
+    engine = opened_engine(url)
+    try:
+        _refuse_unknown_revision(engine, url)
+    finally:
+        engine.dispose()
+    try:
+        return upgrade(url)
+    except (CommandError, DBAPIError) as error:
+        fail(f"--db-url {shown_url(url)}: cannot upgrade the schema: {getattr(error, 'orig', None) or error}")
+
+
+def _refuse_unknown_revision(engine: Engine, url: str) -> None:
+    """A revision this code has no migration for was written by a newer release: neither
+    upgrading nor using the database can work."""
+    from tuning_db.engine import shown_url
+    from tuning_db.migrate import current_revision, known_revision
+
+    revision = current_revision(engine)
+    if revision is not None and not known_revision(revision):
+        fail(f"--db-url {shown_url(url)}: the database has schema {revision}, which this cce_compile does not "
+             "know (a newer release wrote it); upgrade cce_compile")
 
 
 def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
@@ -90,8 +128,11 @@ def store_engine(db_url: str | None) -> Engine:
     engine = opened_engine(db_url, existing=True)
     revision = current_revision(engine)
     if revision != head_revision():
-        engine.dispose()
         url = shown_url(resolve_db_url(db_url))
+        try:
+            _refuse_unknown_revision(engine, url)
+        finally:
+            engine.dispose()
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
         fail(f"--db-url {url}: the database {state}; run `cce db upgrade --db-url {url}`")
     return engine
@@ -101,6 +142,8 @@ def _service_request(method: str, url: str, path: str, token: str | None, **kwar
     """One call to the service; exits with its error detail on a failure status."""
     import httpx
 
+    if token and not token.isascii():
+        fail("--token: a token is ASCII (URL-safe characters, as `cce token` makes them)")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kwargs)
@@ -139,14 +182,21 @@ def import_command(
         params = {"mode": mode, "dry_run": str(dry_run).lower()}
         typer.echo(_service_request("POST", url, "/v1/import", token, params=params, content=file.read_bytes()))
         return
+    from sqlalchemy.exc import DBAPIError
+
+    from tuning_db.engine import resolve_db_url, shown_url
     from tuning_db.store import ImportFormatError, import_jsonl
 
     engine = store_engine(db_url)
     try:
         with file.open(encoding="utf-8") as lines:
             report = import_jsonl(engine, lines, mode=mode, dry_run=dry_run)
+    except UnicodeDecodeError as error:
+        fail(f"{file}: not UTF-8 text (byte {error.start}: {error.reason}); nothing was imported")
     except ImportFormatError as error:
-        fail(f"{file}: {error}; nothing was imported")
+        fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
+    except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
+        fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:
         engine.dispose()
     typer.echo(json.dumps(report.model_dump()))

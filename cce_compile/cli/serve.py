@@ -9,23 +9,34 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from cce_compile.cli.db import DbUrlOption, opened_engine
+from cce_compile.cli.db import DbUrlOption, upgraded
 from cce_compile.cli.errors import fail
 
 if TYPE_CHECKING:
     from service.settings import ServiceSettings
 
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+"""uvicorn's log levels."""
+
+
+def _host_named(host: str) -> str:
+    """An empty host (an unset shell variable) would listen on every interface."""
+    if not host.strip():
+        raise typer.BadParameter("the address is empty; leave --host out for loopback (127.0.0.1)")
+    return host
+
 
 def serve(
-    host: Annotated[str, typer.Option(help="address to listen on (keep loopback unless behind a proxy)")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(
+        callback=_host_named, help="address to listen on (keep loopback unless behind a proxy)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     db_url: DbUrlOption = None,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level; 'warning' drops the access log")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="uvicorn log level; 'warning' drops the access log")] = "info",
 ) -> None:
     """Serve the tuning database over HTTP (an SQLite database is upgraded on start).
 
@@ -94,8 +105,9 @@ def _checked_settings() -> ServiceSettings:
     """The environment's settings, checked here so that a bad one stops `cce serve` with one
     line before uvicorn starts workers that would each fail with a traceback.
 
-    An SQLite database is opened here, as each worker upgrades it at start; a PostgreSQL
-    server is not: while it is down the service answers 503 (/readyz too) and waits."""
+    An SQLite database is upgraded here (each worker does it again at start, a no-op then),
+    so that one it cannot be (a newer release's schema) stops here too; a PostgreSQL server is
+    not opened: while it is down the service answers 503 (/readyz too) and waits."""
     from pydantic import ValidationError
 
     from service.settings import ServiceSettings
@@ -106,11 +118,14 @@ def _checked_settings() -> ServiceSettings:
         settings.token_scopes()
     except ValidationError as error:
         fail(f"bad CCE_SERVICE_* setting: {error.errors()[0]['loc']} {error.errors()[0]['msg']}")
-    except (ValueError, OSError) as error:
-        fail(f"CCE_SERVICE_TOKENS: {error} (`cce token` makes one)")
+    except OSError as error:
+        fail(f"CCE_SERVICE_TOKENS_FILE: cannot read {settings.tokens_file}: {error.strerror or error}")
+    except ValueError as error:
+        source = "CCE_SERVICE_TOKENS" + ("/CCE_SERVICE_TOKENS_FILE" if settings.tokens_file else "")
+        fail(f"{source}: {error} (`cce token` makes one)")
     db_url = resolve_db_url(settings.db_url)
     if db_url.startswith("sqlite"):
-        opened_engine(db_url).dispose()
+        upgraded(db_url)
     else:
         make_engine(db_url).dispose()  # loads the database driver: a missing psycopg fails here
     return settings
