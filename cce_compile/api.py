@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 
 from . import ops
 from .ops.loss_terms import reduce_with_z_loss, target_weight
@@ -63,6 +64,7 @@ def _check_inputs(
     for name, value in (("bias", bias), ("weight", weight)):
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"{name} must be None or a torch.Tensor, got {type(value).__name__}")
+    _refuse_function_transforms(e, c, bias)
     if e.device.type == "meta":
         raise ValueError("e is on the meta device, which holds no values to compute a loss from; "
                          "move the model to cpu or cuda (or trace shapes with torch.compile, whose fake tensors work)")
@@ -100,6 +102,26 @@ def _check_inputs(
                        z_loss=z_loss, softcap=softcap, memory=memory, temperature=temperature)
 
 
+def _refuse_function_transforms(*operands: Tensor | None) -> None:
+    """torch.func's transforms and forward-mode AD do not reach through torch.library's custom
+    ops: jvp and dual tensors get a zero tangent without an error, grad and vmap fail with
+    torch's internals' messages. Refused here by name instead; reverse mode (backward,
+    torch.autograd.grad) is the supported way."""
+    if torch.compiler.is_compiling():
+        return
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    transforms = sorted({interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()})
+    if transforms:
+        raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func transforms "
+                                  f"(here: {', '.join(transforms)}); use backward() or torch.autograd.grad")
+    if forward_ad._current_level >= 0 and any(
+        operand is not None and forward_ad.unpack_dual(operand).tangent is not None for operand in operands
+    ):
+        raise NotImplementedError("linear_cross_entropy and linear_log_probs have no forward-mode AD (dual tensors "
+                                  "would get a zero tangent); use backward() or torch.autograd.grad")
+
+
 def check_flags(**flags: object) -> None:
     """Each flag is a bool (numpy's included by name in the error)."""
     for name, value in flags.items():
@@ -135,7 +157,9 @@ def check_loss_options(
     _check_number("z_loss", z_loss, ">= 0", lambda x: x >= 0.0)
     if softcap is not None:
         _check_number("softcap", softcap, "> 0 (or None)", lambda x: x > 0.0)
-    _check_number("temperature", temperature, "> 0", lambda x: x > 0.0)
+    # The kernels scale float32 logits by 1 / temperature: below 1e-20 logits of everyday size would
+    # leave float32's range (1e-300 gave NaN). Literals: Dynamo made a module-level float a graph input.
+    _check_number("temperature", temperature, ">= 1e-20", lambda x: x >= 1e-20)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {_type_name(ignore_index)}")
     if not -(2**63) <= ignore_index < 2**63:
@@ -223,7 +247,7 @@ def linear_cross_entropy(
     mode, fp16, soft-capping with label smoothing and a class-weighted mean with z_loss always
     take the second.
 
-    temperature (> 0) divides the (soft-capped) logits first: the loss of softmax(logits / T),
+    temperature (>= 1e-20) divides the (soft-capped) logits first: the loss of softmax(logits / T),
     lse included.
 
     vocab_parallel: c (with bias and weight) is this rank's shard of the classifier's rows,
@@ -236,7 +260,7 @@ def linear_cross_entropy(
                   ignore_index)
     check_flags(shift=shift, return_lse=return_lse)
     scaled_softcap, logit_scale = _temperature_scale(softcap, temperature)
-    bias = None if bias is None else bias.contiguous()  # the kernels read it as a dense vector
+    bias, weight = (None if vector is None else vector.contiguous() for vector in (bias, weight))  # read as dense
     eps = _resolve_filter_eps(filter_eps, e.dtype)
     if shift:
         if targets.dim() < 1:

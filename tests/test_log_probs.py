@@ -273,10 +273,10 @@ def test_loss_module_takes_a_temperature() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"temperature": 0.0}, ValueError, "temperature must be a finite number > 0"),
+    ({"temperature": 0.0}, ValueError, "temperature must be a finite number >= 1e-20"),
     ({"temperature": -1.0}, ValueError, "temperature"),
     ({"temperature": float("nan")}, ValueError, "temperature"),
-    ({"temperature": True}, TypeError, "temperature must be a number > 0, got bool"),
+    ({"temperature": True}, TypeError, "temperature must be a number >= 1e-20, got bool"),
     ({"entropy": 1}, TypeError, "entropy must be a bool"),
     ({"softcap": 0.0}, ValueError, "softcap"),
     ({"filter_eps": 1.5}, ValueError, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),

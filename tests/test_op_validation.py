@@ -47,7 +47,8 @@ def test_bad_tensors(change, error, pattern) -> None:
         ({"softcap": float("inf")}, r"softcap must be a finite number > 0 \(or None\), got inf"),
         ({"z_loss": -1.0}, r"z_loss must be a finite number >= 0"),
         ({"z_loss": float("nan")}, r"z_loss must be a finite number >= 0, got nan"),
-        ({"temperature": 0}, r"temperature must be a finite number > 0, got 0"),
+        ({"temperature": 0}, r"temperature must be a finite number >= 1e-20, got 0"),
+        ({"temperature": 1e-300}, r"temperature must be a finite number >= 1e-20, got 1e-300"),
         ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
         ({"bias": torch.randn(19)}, r"bias must have shape \(20,\)"),
         ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be a float tensor"),
@@ -113,7 +114,7 @@ def test_targets_of_any_integer_dtype_give_the_int64_answer(dtype: torch.dtype) 
         ({"label_smoothing": 1.5}, r"label_smoothing must be a finite number in \[0, 1\]"),
         ({"softcap": 0.0}, r"softcap must be a finite number > 0"),
         ({"z_loss": -1.0}, r"z_loss must be a finite number >= 0"),
-        ({"temperature": 0.0}, r"temperature must be a finite number > 0"),
+        ({"temperature": 0.0}, r"temperature must be a finite number >= 1e-20"),
         ({"memory": "huge"}, r"memory must be one of"),
         ({"filter_eps": "fast"}, r"filter_eps must be None, 'auto' or a float"),
         ({"weight": torch.ones(3, 3)}, r"weight must be None or a 1-D float tensor"),
@@ -144,3 +145,26 @@ def test_the_module_takes_every_option_of_the_function() -> None:
         cce_compile.LinearCrossEntropyLoss(return_lse=[0])
     with pytest.raises(TypeError, match="shift must be a bool, got str"):
         cce_compile.linear_log_probs(*good(), shift="no")
+
+
+@pytest.mark.parametrize("transform", ["jvp", "grad", "vmap", "dual tensors"])
+@pytest.mark.parametrize("function", ["loss", "log_probs"])
+def test_function_transforms_and_forward_mode_are_refused_by_name(transform: str, function: str) -> None:
+    """torch.library's custom ops give jvp and dual tensors a zero tangent without an error
+    (once a silently wrong directional derivative) and fail grad and vmap in torch's internals."""
+    e, c, t = good()
+    call = {"loss": lambda x: cce_compile.linear_cross_entropy(x, c, t),
+            "log_probs": lambda x: cce_compile.linear_log_probs(x, c, t)}[function]
+    with pytest.raises(NotImplementedError, match=r"torch.func transforms|forward-mode AD") as raised:
+        if transform == "jvp":
+            torch.func.jvp(call, (e,), (torch.randn_like(e),))
+        elif transform == "grad":
+            torch.func.grad(lambda x: call(x).sum())(e)
+        elif transform == "vmap":
+            torch.func.vmap(call)(e[None].expand(2, -1, -1))
+        else:
+            with torch.autograd.forward_ad.dual_level():
+                call(torch.autograd.forward_ad.make_dual(e, torch.randn_like(e)))
+    assert "backward()" in str(raised.value)
+    with torch.autograd.forward_ad.dual_level():  # plain tensors inside a dual level are not refused
+        assert torch.isfinite(call(e)).all()

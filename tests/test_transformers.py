@@ -238,7 +238,7 @@ def test_patch_rejects_what_it_cannot_handle() -> None:
 
 
 @pytest.mark.parametrize(("options", "error", "match"), [
-    ({"temperature": 0}, ValueError, "temperature must be a finite number > 0"),
+    ({"temperature": 0}, ValueError, "temperature must be a finite number >= 1e-20"),
     ({"label_smoothing": 2.0}, ValueError, "label_smoothing"),
     ({"memory": "bogus"}, ValueError, "memory must be one of"),
     ({"filter_eps": "fast"}, ValueError, "filter_eps"),
