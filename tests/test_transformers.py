@@ -169,9 +169,9 @@ def test_patched_model_compiles_fullgraph(family: str) -> None:
 
 @parametrize_families
 def test_patched_model_compiles_fullgraph_where_it_falls_back_to_hf(family: str) -> None:
-    """Without labels, or under no_grad (evaluation, generation), the patched instance calls
-    the class's own forward, which fullgraph=True traces too (a types.MethodType bound there
-    was refused); HF's logits come back."""
+    """Without labels (generation) the patched instance calls the class's own forward, which
+    fullgraph=True traces too (a types.MethodType bound there was refused); under no_grad with
+    labels (evaluation) the op's no-grad pass and the head's logits. HF's logits come back."""
     reference, patched = twins(family)
     input_ids, labels = batch(seed=8)
     for kwargs, grad in (({}, True), ({"labels": labels}, False)):
@@ -193,6 +193,44 @@ def test_loss_helper_compiles_fullgraph_with_every_option() -> None:
     )
     compiled(hidden, labels).backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+def test_evaluation_computes_the_training_loss_with_the_patch_options() -> None:
+    """Under no_grad (the Trainer's evaluation loop) the loss once came from HF's own loss: the
+    options were dropped (temperature, smoothing, z-loss: 5.70 against 6.05 in training) and an
+    ignore_index other than -100 raised IndexError."""
+    input_ids, labels = batch(seed=9)
+    labels = torch.where(labels == -100, -1, labels)
+    model = patch(tiny_model("llama"), ignore_index=-1, temperature=0.5, label_smoothing=0.2, z_loss=1e-2)
+    trained = model(input_ids, labels=labels)
+    with torch.no_grad():
+        evaluated = model(input_ids, labels=labels)
+    assert_close(evaluated.loss, trained.loss.detach(), rtol=1e-5)
+    assert trained.logits is None and evaluated.logits.shape == (*input_ids.shape, VOCAB)
+    unpatch(model)
+    with torch.no_grad():
+        assert_close(evaluated.logits, model(input_ids).logits, rtol=1e-5)
+
+
+def test_peft_trainable_tokens_on_the_head_train_as_hf_does() -> None:
+    """PEFT's trainable_token_indices wraps a tied lm_head in a TrainableTokensWrapper whose
+    .weight is the merged weight and which has no .bias of its own (once AttributeError)."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch(seed=10)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 4, 5])
+    base = tiny_model("llama")
+    base.config.tie_word_embeddings = True
+    base.tie_weights()
+    reference = peft.get_peft_model(base, config)
+    patched = peft.get_peft_model(patch(copy.deepcopy(base)), copy.deepcopy(config))
+    patched.load_state_dict(reference.state_dict())
+    expected, actual = reference(input_ids, labels=labels).loss, patched(input_ids, labels=labels).loss
+    assert_close(actual, expected, rtol=1e-5)
+    expected.backward()
+    actual.backward()
+    for name, parameter in reference.named_parameters():
+        if parameter.requires_grad and "trainable_tokens" in name:
+            assert_close(patched.get_parameter(name).grad, parameter.grad)
 
 
 @parametrize_families

@@ -12,6 +12,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForC
 
 from cce_compile import linear_log_probs
 from cce_compile.integrations import trl as trl_integration
+from cce_compile.integrations.transformers import patch
 from cce_compile.integrations.trl import add_fused_lm_head
 
 from .op_cases import relative_error
@@ -71,6 +72,19 @@ def test_fused_head_matches_the_models_own_logits(build) -> None:
     for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
         if ref_param.grad is not None and ref_param.grad.abs().max() > 0:
             assert relative_error(param.grad, ref_param.grad) < 1e-4, name
+
+
+def test_the_flag_survives_a_later_patch() -> None:
+    """add_fused_lm_head, then patch(): the patched forward once passed fused_lm_head=True down
+    to the decoder, which dropped it, and returned the loss without log_probs."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    input_ids = torch.randint(0, 211, (2, 12))
+    add_fused_lm_head(model)
+    patch(model)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs.shape == (2, 11)  # shifted
 
 
 def test_without_the_flag_the_forward_is_the_models() -> None:

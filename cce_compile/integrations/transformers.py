@@ -153,7 +153,10 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
         raise TypeError(f"lm_head: a {type(head).__name__} with its own forward (a quantized layer?), which the "
                         "fused loss, reading lm_head.weight, would bypass")
-    return head.weight, head.bias
+    bias = getattr(head, "bias", None)
+    if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
+        bias = getattr(getattr(head, "original_module", None), "bias", None)
+    return head.weight, bias
 
 
 def causal_lm_loss(
@@ -238,7 +241,7 @@ def _patched_forward(
             "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
             _CACHE: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache,
         }
-        if labels is None or not torch.is_grad_enabled():
+        if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         outputs = self.model(**model_inputs, **kwargs)
         softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -248,7 +251,7 @@ def _patched_forward(
             num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=options,
         )
         logits = None
-        if options.return_logits:
+        if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
             with torch.no_grad():
                 logits = _soft_capped(self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)), softcap)
         return CausalLMOutputWithPast(
