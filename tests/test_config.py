@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
 from cce_compile.config.keys import ProblemKey, n_bucket
-from cce_compile.plan.backward import plan_backward, planning_tokens
+from cce_compile.plan.backward import BackwardPlan, plan_backward, planning_tokens
 from cce_compile.plan.policy import Policy
 from cce_compile.resolve.heuristic import heuristic_config
 
@@ -210,6 +211,27 @@ def test_the_gluon_kernels_run_for_the_options_they_compute() -> None:
 def test_programs_per_sm_must_be_a_positive_integer(field: str, value: object) -> None:
     """A launch of no programs leaves its outputs unwritten without an error: refused where a
     Policy is made (A/B scripts pass values as text)."""
-    with pytest.raises(ValueError, match=f"Policy.{field}: expected a positive integer"):
+    with pytest.raises(ValueError, match=f"Policy.{field}: expected an integer >= 1"):
         replace(Policy(), **{field: value})
     assert getattr(replace(Policy(), **{field: 3}), field) == 3
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"min_chunk_rows": 0}, "min_chunk_rows: expected an integer >= 1"),  # planned forever
+    ({"forward_chunk_rows": 0}, "forward_chunk_rows: expected an integer >= 1"),
+    ({"fused_gluon_max_k_steps": -1}, "fused_gluon_max_k_steps: expected an integer >= 0"),
+    ({"cuda_graphs": "no"}, "cuda_graphs: expected True or False"),  # once read as true
+    ({"gemm_backend": "cuBLAS"}, "gemm_backend: expected one of ('cublas', 'triton')"),  # once ran Triton's GEMMs
+    ({"workspace_fraction": float("nan")}, "workspace_fraction: expected a finite number"),
+    ({"dense_fraction": -0.5}, "dense_fraction: expected a finite number >= 0"),
+    ({"scratch_fraction": 0.0}, "must be > 0"),
+])
+def test_a_policy_field_of_the_wrong_kind_is_refused_where_it_is_made(change: dict, said: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
+        replace(Policy(), **change)
+
+
+def test_a_backward_plan_needs_a_chunk_and_a_slab() -> None:
+    for fields in ((0, 1024, True), (2, 0, True), (2, 1024, True, -1)):
+        with pytest.raises(ValueError, match="BackwardPlan: expected n_chunks >= 1"):
+            BackwardPlan(*fields)

@@ -126,11 +126,13 @@ class FakeService:
     body: bytes | None
     requests: list[str | None] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @contextmanager
-def fake_service(status: int, body: bytes | None) -> Iterator[tuple[str, FakeService]]:
-    fake = FakeService(status, body)
+def fake_service(status: int, body: bytes | None, headers: dict[str, str] | None = None
+                 ) -> Iterator[tuple[str, FakeService]]:
+    fake = FakeService(status, body, headers=headers or {})
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -141,6 +143,8 @@ def fake_service(status: int, body: bytes | None) -> Iterator[tuple[str, FakeSer
             self.send_response(fake.status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(fake.body)))
+            for name, value in fake.headers.items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(fake.body)
 
@@ -337,6 +341,44 @@ def test_bad_answers_are_rejected_and_the_ladder_goes_on(
     assert not (tmp_path / "configs").exists(), "only accepted service answers reach the disk cache"
 
 
+def test_whatever_breaks_in_the_lookup_is_a_miss_not_the_callers_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that is not the gzip its header says (httpx.DecodingError), a port out of range
+    (an ExceptionGroup from anyio), a non-ASCII token (UnicodeEncodeError): each once escaped
+    from the op's call into the training step."""
+    _bundle(tmp_path / "bundled", KEY, {"slab_v": 2048})
+    with fake_service(200, b"not gzip at all", {"Content-Encoding": "gzip"}) as (url, fake):
+        for service_url, token in ((url, "secret-token"), ("http://127.0.0.1:99999", "secret-token"),
+                                   (url, "t\u00f6ken-token")):
+            resolve.reset()
+            monkeypatch.setenv(sources.URL_ENV, service_url)
+            monkeypatch.setenv(sources.TOKEN_ENV, token)
+            assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=2048), "bundled", "exact")
+            assert client._service_down is not None
+    assert fake.requests == ["Bearer secret-token"], "the non-ASCII token is refused before a request"
+    assert "CCE_TUNING_TOKEN is not ASCII" in client._service_down
+
+
+def test_a_hung_name_lookup_keeps_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncio.run waits for the resolver's thread after the deadline cancels the request: a
+    host whose DNS lookup hangs (an unreachable resolver) once held the op 8 s, not 1.5."""
+    resolving = socket.getaddrinfo
+
+    def hanging(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host in ("tuning.invalid", b"tuning.invalid"):
+            time.sleep(6)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return resolving(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    settings = sources.Settings("http://tuning.invalid:8000", None, False, Path("unused"), 0.0)
+    start = time.monotonic()
+    assert client.fetch_from_service(settings, H100, KEY) is None
+    assert time.monotonic() - start < client.SERVICE_TIMEOUT_S + 1.0
+    assert "within" in client._service_down
+
+
 def test_an_invalid_bundled_entry_is_skipped(tmp_path: Path) -> None:
     _bundle(tmp_path / "bundled", KEY, {"grad_hidden": {"num_warps": 3}})
     assert resolution_for(KEY) == _heuristic(KEY)
@@ -393,6 +435,23 @@ def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: P
         assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
         assert launch_with_config(e, c, False, "", launch) == "ran with slab_v=512"
     assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
+
+
+def test_a_served_config_that_fails_to_launch_is_not_launched_again_from_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """look_up writes a served config to the disk cache; when it failed, the next resolution
+    once launched that copy (and failed again) before reaching the bundle."""
+    e, c, _targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, False, policy)
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched: list[KernelConfig] = []
+    with fake_service(200, _answer({"slab_v": 256})) as (url, _fake), override_policy(policy):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, launched)) == "ran with slab_v=512"
+    assert [config.slab_v for config in launched] == [256, 512]
+    assert not sources.cache_path(_settings(), H100, key).exists()
 
 
 def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> None:
@@ -548,6 +607,19 @@ def test_cce_lookup_prints_the_service_config(service: str, monkeypatch: pytest.
     assert table.exit_code == 0 and "disk" in table.stdout and "exact" in table.stdout
     refused = CliRunner().invoke(cce, [*args, "--dtype", "int8"])
     assert refused.exit_code == 2 and "unknown dtype" in refused.output
+
+
+def test_cce_lookup_names_the_key_the_op_uses_on_this_machine() -> None:
+    """Under the interpreter the op keys its configs 'interpreter' (as cce tune does); cce
+    lookup without --gpu once looked up 'cpu' and reported the heuristic instead."""
+    e, c, _targets = _small_inputs()
+    args = ["lookup", "--vocab", str(SMALL["v"]), "--hidden", str(SMALL["d"]), "--tokens", str(SMALL["n"]),
+            "--dtype", "fp32", "--json"]
+    for kernels in (True, False):
+        with override_policy(Policy(triton_on_cpu=kernels)):
+            result = CliRunner().invoke(cce, args)
+            assert result.exit_code == 0, result.output
+            assert json.loads(result.stdout)["gpu"] == problem_key(e, c, False, Policy(triton_on_cpu=kernels)).device
 
 
 # (7) torch.distributed ----------------------------------------------------------------

@@ -85,10 +85,13 @@ def _platform(gpu: str | None) -> Platform:
     from cce_compile.config.keys import normalize_gpu_name
     from cce_compile.resolve.platform import Platform, kernel_version, local_platform, triton_version
 
-    if gpu is None:
+    if gpu is None:  # the device the op's key names here (TRITON_INTERPRET=1: the interpreter, as the op and cce tune)
         import torch
 
-        return local_platform("cuda" if torch.cuda.is_available() else "cpu")
+        from cce_compile.plan.policy import active_policy
+
+        return local_platform("cuda" if torch.cuda.is_available()
+                              else "interpreter" if active_policy().triton_on_cpu else "cpu")
     name = gpu if gpu in ("cpu", "interpreter") else normalize_gpu_name(gpu)
     return Platform(name, None, None, None, kernel_version(), triton_version())
 

@@ -39,6 +39,10 @@ class BackwardPlan:
     fp32_accumulator: bool
     slots: int = 0
 
+    def __post_init__(self) -> None:
+        if self.n_chunks < 1 or self.slab_v < 1 or self.slots < 0:
+            raise ValueError(f"BackwardPlan: expected n_chunks >= 1, slab_v >= 1 and slots >= 0, got {self}")
+
     def rows_per_chunk(self, n):
         """n tokens' share per chunk, rounded up (n may be symbolic under torch.compile)."""
         return (n + self.n_chunks - 1) // self.n_chunks

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal, get_args
 
 from ..config.kernel_config import TileConfig
 
@@ -136,11 +137,39 @@ class Policy:
     """One backward plan for every call, for A/B runs and tests; None: plan_backward sizes each call's."""
 
     def __post_init__(self) -> None:
-        # A launch of no programs would leave its outputs unwritten, silently (ab_switch.py takes values as text).
-        for name in ("gluon_programs_per_sm", "filtered_strided_programs_per_sm"):
+        """Each field checked by kind: a value of the wrong kind once failed far from here or not
+        at all (min_chunk_rows=0 planned forever, cuda_graphs="no" read as true, gemm_backend
+        "cuBLAS" ran Triton's GEMMs, a launch of 0 programs left its outputs unwritten), and
+        ab_switch.py takes values as text."""
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Policy.{name}: expected True or False, got {getattr(self, name)!r}")
+        for name, least in _COUNTS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Policy.{name}: expected a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"Policy.{name}: expected an integer >= {least}, got {value!r}")
+        for name, least in _SHARES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
+                raise ValueError(f"Policy.{name}: expected a finite number >= {least}, got {value!r}")
+        if self.scratch_fraction <= 0 or self.workspace_fraction <= 0 or self.filtered_scratch_fraction <= 0:
+            raise ValueError("Policy: scratch_fraction, workspace_fraction and filtered_scratch_fraction must be > 0")
+        if self.gemm_backend not in get_args(GemmBackend):
+            raise ValueError(f"Policy.gemm_backend: expected one of {get_args(GemmBackend)}, got {self.gemm_backend!r}")
+
+
+_FLAGS = ("triton_on_cpu", "forward_gluon_with_entropy", "cuda_graphs", "filtered_read_back",
+          "fused_side_stream_grad_e", "compile_ahead")
+_COUNTS = {
+    "forward_gluon_max_k_steps": 0, "recompute_gluon_max_k_steps": 0, "recompute_tma_min_k_steps": 0,
+    "fused_gluon_max_k_steps": 0, "loss_row_buffers": 0, "entropy_row_buffers": 0, "scratch_floor_bytes": 0,
+    "forward_chunk_rows": 1, "gluon_programs_per_sm": 1, "filtered_strided_programs_per_sm": 1, "max_slots": 1,
+    "min_chunk_rows": 1, "max_dc_roundings": 1,
+}
+"""Integer fields and their least value (0 turns a kernel's range off; a count of rows or programs needs 1)."""
+_SHARES = {"dense_fraction": 0.0, "scratch_fraction": 0.0, "other_buffers_fraction": 0.0,
+           "filtered_scratch_fraction": 0.0, "workspace_fraction": 0.0}
+"""Fractional fields: finite, not negative (the three budgets also > 0, checked above)."""
 
 
 _local = threading.local()

@@ -5,19 +5,20 @@ httpx loads only when the service is asked, so `import cce_compile` stays free o
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 from typing import Any
 
 from ..config.keys import KERNEL_NAME, ProblemKey
 from .platform import Platform
-from .sources import Found, Settings, match_level_of, parse_json
+from .sources import TOKEN_ENV, Found, Settings, match_level_of, parse_json
 
 log = logging.getLogger("cce_compile.config")
 
 SERVICE_TIMEOUT_S = 1.5
 """The whole lookup's deadline, connect to last byte, retry included."""
+JOIN_SLACK_S = 0.25
+"""How long past the deadline the caller waits for the lookup's thread to hand its answer over."""
 MAX_ANSWER_BYTES = 1 << 20
 """A config answer is about a kilobyte; anything near this is not one."""
 
@@ -52,9 +53,17 @@ def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) 
     import asyncio
 
     # A thread of its own runs the event loop, so a caller already inside one (a notebook)
-    # is served too; the loop's wait_for is what makes the deadline total.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        outcome = executor.submit(asyncio.run, _fetch_within_deadline(settings, platform, key)).result()
+    # is served too. The loop's wait_for ends the request at the deadline, but asyncio.run then
+    # waits for the resolver's thread (a DNS lookup that hangs took 8 s): so the caller waits
+    # for the thread only a little past the deadline, and a daemon thread finishes on its own.
+    answers: list[bytes | str] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(asyncio.run(_fetch_within_deadline(settings, platform, key))),
+        name="cce-config-lookup", daemon=True,
+    )
+    thread.start()
+    thread.join(SERVICE_TIMEOUT_S + JOIN_SLACK_S)
+    outcome = answers[0] if answers else f"no complete answer within {SERVICE_TIMEOUT_S}s (a hung name lookup?)"
     if isinstance(outcome, str):
         _trip(settings.url, outcome)
         return None
@@ -69,12 +78,17 @@ async def _fetch_within_deadline(settings: Settings, platform: Platform, key: Pr
         return await asyncio.wait_for(_fetch(settings, platform, key), SERVICE_TIMEOUT_S)
     except asyncio.TimeoutError:
         return f"no complete answer within {SERVICE_TIMEOUT_S}s"
+    except Exception as error:  # an optional source: whatever fails (a body that is not the gzip it says, a port
+        # out of range) is a miss and a tripped breaker, never the training step's exception
+        return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
 
 async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
     import httpx
 
     assert settings.url is not None
+    if settings.token and not settings.token.isascii():
+        return f"{TOKEN_ENV} is not ASCII (a token is URL-safe characters, as `cce token` makes them)"
     url = settings.url.rstrip("/") + "/v1/configs/best"
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     failure = "no attempt"

@@ -31,9 +31,12 @@ log = logging.getLogger("cce_compile.config")
 
 BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
 WAIT_ENV = "CCE_CONFIG_WAIT_S"
-DEFAULT_WAIT_S = 600.0
+DEFAULT_WAIT_S = 30.0
+"""How long a rank waits for rank 0's config for a key: past the ranks' skew in reaching it (they
+trace and compile side by side), far inside NCCL's 10-minute timeout. A key rank 0 never meets (a
+token bucket only another rank's batch falls in) costs that rank this once; at 600 s it stalled a
+data-parallel step until the other ranks' gradient all-reduce timed out."""
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-"""How long a rank waits for rank 0's config for a key (rank 0 may be compiling)."""
 
 
 _local = threading.local()
@@ -126,10 +129,13 @@ def launch_failed(key: ProblemKey, error: Exception) -> bool:
             if failed is not None:
                 _memo[key] = failed
             return False
-        _failed_sources[key] = _failed_sources.get(key, frozenset()) | {failed.source}
+        # The disk cache holds what the service answered: a served config that failed is skipped
+        # there too (it once launched again from the copy look_up had just written).
+        skipped = {failed.source, "disk"} if failed.source == "service" else {failed.source}
+        _failed_sources[key] = _failed_sources.get(key, frozenset()) | skipped
     log.warning("the %s config for %s failed to launch (%s: %s); trying the next source",
                 failed.source, key, type(error).__name__, error)
-    if failed.source == "disk":
+    if "disk" in skipped:
         sources.remove_cache(sources.Settings.from_env(), local_platform(key.device), key)
     return True
 
