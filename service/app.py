@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, status
+from fastapi import Depends, FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from service.body_limit import BodySizeLimitMiddleware
 from service.database_errors import database_error
+from service.deps import single_valued_query
 from service.metrics import RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
 from service.routes import configs, gpus, health, measurements, transfer
@@ -55,6 +56,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         version="1",
         summary="Best kernel launch configs per GPU and problem shape, shared by a cluster.",
         lifespan=lifespan,
+        dependencies=[Depends(single_valued_query)],
         docs_url=None,  # served by _serve_docs_locally
         redoc_url=None,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from sqlalchemy import Engine
 
 from service.auth import require
@@ -20,6 +21,17 @@ async def _engine(request: Request) -> Engine:
 
 async def _metrics(request: Request) -> ServiceMetrics:
     return request.app.state.metrics
+
+
+async def single_valued_query(request: Request) -> None:
+    """Every query parameter is a single value: given twice, one of them was silently dropped
+    (?V=5&V=128256 looked up V=128256, ?mode=overwrite&mode=skip imported as skip)."""
+    seen: set[str] = set()
+    for name, _value in request.query_params.multi_items():
+        if name in seen:
+            raise RequestValidationError([{"loc": ("query", name), "msg": "given more than once; give it once",
+                                           "type": "value_error"}])
+        seen.add(name)
 
 
 EngineDep = Annotated[Engine, Depends(_engine)]

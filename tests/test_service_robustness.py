@@ -117,11 +117,25 @@ def test_huge_integers_in_queries_are_422(client: TestClient, path: str, params:
     assert response.status_code == 422, response.text
 
 
-@pytest.mark.parametrize("entry_id", [2**31, 2**63, 2**64, -1, 0])
-def test_huge_or_negative_entry_ids_are_422(client: TestClient, entry_id: int) -> None:
+@pytest.mark.parametrize("entry_id", [2**31, 2**63, 2**64, -1, 0, "1.0", "+1", "01", " 1", "1e0"])
+def test_huge_negative_or_oddly_written_entry_ids_are_422(client: TestClient, entry_id: int | str) -> None:
+    """'1.0', '+1' and '01' once retired entry 1."""
     post_measurement(client)
     response = client.post(f"/v1/configs/{entry_id}/retire", headers=bearer(ADMIN_TOKEN))
     assert response.status_code == 422, response.text
+    assert best(client)["entry_id"] == 1, "the entry is still served"
+
+
+def test_a_query_parameter_given_twice_is_422_not_the_last_one_silently(client: TestClient) -> None:
+    """?V=5&V=128256 once looked up V=128256; ?mode=overwrite&mode=skip imported as skip."""
+    post_measurement(client)
+    params = lookup_params()
+    query = "&".join(f"{name}={value}" for name, value in params.items()) + f"&V={params['V']}"
+    response = client.get(f"/v1/configs/best?{query}", headers=bearer(READ_TOKEN))
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "V"], response.text
+    imported = client.post("/v1/import?mode=overwrite&mode=skip", content=exported(client), headers=bearer(ADMIN_TOKEN))
+    assert imported.status_code == 422, imported.text
+    assert best(client)["entry_id"] == 1
 
 
 def _uid_line(client: TestClient) -> tuple[str, dict[str, Any]]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
+from pydantic import BeforeValidator
 
 from service.deps import ADMIN, READ, EngineDep, MetricsDep
 from service.schemas import BestConfigResponse, ConfigListQuery, ConfigPage, NoQuery
@@ -36,9 +38,17 @@ def list_configs(query: Annotated[ConfigListQuery, Query()], engine: EngineDep) 
     return ConfigPage(items=items, total=total, limit=query.limit, offset=query.offset)
 
 
+def _written_in_digits(value: object) -> object:
+    """An id as the service writes it: '1.0', '+5' and '0010' once named entries 1, 5 and 10."""
+    if isinstance(value, str) and not re.fullmatch(r"[1-9][0-9]*", value):
+        raise ValueError("an entry id is a positive integer in digits, without sign, point or leading zeros")
+    return value
+
+
 @router.post("/{entry_id}/retire", dependencies=ADMIN, response_model=BestEntry)
 def retire_config(
-    entry_id: Annotated[RowId, Path()], _query: Annotated[NoQuery, Query()], engine: EngineDep
+    entry_id: Annotated[RowId, BeforeValidator(_written_in_digits), Path()], _query: Annotated[NoQuery, Query()],
+    engine: EngineDep,
 ) -> BestEntry:
     """Flag a bad entry: lookups skip it until the key's next measurement replaces it."""
     return store.retire(engine, entry_id)
