@@ -103,19 +103,22 @@ def _check_inputs(
 
 
 def _refuse_function_transforms(*operands: Tensor | None) -> None:
-    """torch.func's transforms and forward-mode AD do not reach through torch.library's custom
-    ops: jvp and dual tensors get a zero tangent without an error, grad and vmap fail with
-    torch's internals' messages. Refused here by name instead; reverse mode (backward,
-    torch.autograd.grad) is the supported way."""
+    """Forward-mode AD does not reach through torch.library's custom ops: torch.func.jvp and
+    dual tensors get a zero tangent without an error, and torch.func.grad (vjp, jacrev) fails
+    in torch's internals. Both are refused here by name; reverse mode (backward,
+    torch.autograd.grad) is the supported way. vmap runs (no grad, or memory="low"). Under
+    torch.compile this check cannot run (Dynamo traces the transforms itself): see
+    docs/integrations.md."""
     if torch.compiler.is_compiling():
         return
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    transforms = sorted({interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()})
-    if transforms:
-        raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func transforms "
-                                  f"(here: {', '.join(transforms)}); use backward() or torch.autograd.grad")
-    if forward_ad._current_level >= 0 and any(
+    transforms = {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
+    refused = sorted(transforms & {"jvp", "grad"})
+    if refused:
+        raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func's "
+                                  f"{' and '.join(refused)}; use backward() or torch.autograd.grad")
+    if not transforms and forward_ad._current_level >= 0 and any(
         operand is not None and forward_ad.unpack_dual(operand).tangent is not None for operand in operands
     ):
         raise NotImplementedError("linear_cross_entropy and linear_log_probs have no forward-mode AD (dual tensors "

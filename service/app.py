@@ -15,7 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
 
 from service.body_limit import BodySizeLimitMiddleware
-from service.database_errors import database_error
+from service.database_errors import LOCK_RETRY_AFTER_S, database_error
 from service.deps import single_valued_query
 from service.metrics import RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
@@ -30,6 +30,7 @@ _STORE_ERROR_STATUS = {
     store.NotFoundError: status.HTTP_404_NOT_FOUND,
     store.ConflictError: status.HTTP_409_CONFLICT,
     store.ImportFormatError: status.HTTP_422_UNPROCESSABLE_CONTENT,
+    store.ImportInterrupted: status.HTTP_503_SERVICE_UNAVAILABLE,
 }
 
 
@@ -73,6 +74,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         body = {"detail": clip(str(error), limit=MAX_DETAIL_CHARS)}
         if isinstance(error, store.ImportFormatError):
             body |= {"line": error.line_number, "lines_imported": error.lines_imported}
+        if isinstance(error, store.ImportInterrupted):  # a lock: the import can be sent again soon
+            body["lines_imported"] = error.lines_imported
+            return JSONResponse(body, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                                headers={"Retry-After": str(LOCK_RETRY_AFTER_S)})
         return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)])
 
     for error_type in _STORE_ERROR_STATUS:

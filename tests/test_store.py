@@ -4,6 +4,7 @@ levels, listing, export/import and retirement."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, event, text
 
 from tests.db_fixtures import GPU_H100, H100_KEY, lookup_params, measurement, measurement_count, measurement_data
+from tuning_db import engine as engine_module
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade
@@ -356,3 +358,32 @@ def test_an_sqlite_import_stopped_by_a_later_batch_says_what_it_imported(sqlite_
     assert f"the {imported} lines before its batch were imported" in str(raised.value)
     engine.dispose()
     racer.dispose()
+
+
+def test_an_sqlite_import_stopped_by_a_lock_in_a_later_batch_says_what_it_imported(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer holds the lock past the busy timeout from the first batch's commit on:
+    the database error once said nothing of the lines already stored."""
+    monkeypatch.setattr(engine_module, "SQLITE_BUSY_TIMEOUT_MS", 200)
+    engine = make_engine(sqlite_url)
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+
+    checkins: list[int] = []
+
+    @event.listens_for(engine.pool, "checkin")
+    def _lock_once_the_first_batch_is_in(*_args: Any) -> None:
+        checkins.append(1)
+        if len(checkins) == 2:  # the check against the store's connection, then the first batch's
+            holder.execute("BEGIN IMMEDIATE")
+
+    try:
+        with pytest.raises(store.ImportInterrupted) as raised:
+            store.import_jsonl(engine, _import_file(store.IMPORT_BATCH_LINES + 50))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    imported = measurement_count(engine)
+    assert 0 < imported < store.IMPORT_BATCH_LINES + 50 and raised.value.lines_imported == imported
+    assert f"after {imported} of {store.IMPORT_BATCH_LINES + 50} lines were imported" in str(raised.value)
+    engine.dispose()

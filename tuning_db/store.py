@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from pydantic_core import to_json
 from sqlalchemy import ColumnElement, Engine, Row, and_, bindparam, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from cce_compile.config.keys import n_bucket
@@ -68,6 +69,16 @@ class ImportFormatError(StoreError):
         super().__init__(f"line {line_number}: {message}")
         self.line_number = line_number
         self.reason = message
+        self.lines_imported = lines_imported
+
+
+class ImportInterrupted(StoreError):
+    """An SQLite import whose later batch the database failed (a lock held past its busy
+    timeout): the batches before it stay, which the message says."""
+
+    def __init__(self, lines_imported: int, lines: int, error: DBAPIError) -> None:
+        super().__init__(f"the database failed after {lines_imported} of {lines} lines were imported ({error.orig}); "
+                         "import the file again, it adds nothing twice")
         self.lines_imported = lines_imported
 
 
@@ -557,6 +568,10 @@ def import_jsonl(
                     "in batches): import the file again once this is mended, it adds nothing twice",
                     lines_imported=written,
                 ) from None
+            except DBAPIError as error:  # a lock held past the busy timeout, a full disk
+                if not written or dry_run:
+                    raise
+                raise ImportInterrupted(written, len(entries), error) from error
             written += len(batch)
     return ImportReport(
         lines=len(entries),

@@ -185,7 +185,7 @@ def import_command(
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.store import ImportFormatError, import_jsonl
+    from tuning_db.store import ImportFormatError, ImportInterrupted, import_jsonl
 
     engine = store_engine(db_url)
     try:
@@ -195,6 +195,8 @@ def import_command(
         fail(f"{file}: not UTF-8 text (byte {error.start}: {error.reason}); nothing was imported")
     except ImportFormatError as error:
         fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
+    except ImportInterrupted as error:
+        fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}")
     except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:

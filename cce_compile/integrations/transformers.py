@@ -1,11 +1,12 @@
 """Hugging Face causal LMs whose training loss goes through linear_cross_entropy.
 
 `patch(model_or_class)` replaces `*ForCausalLM.forward` with one generic forward that, when
-labels are given and autograd records (`torch.is_grad_enabled()`), takes the loss from the
-final hidden states and `lm_head.weight` without the (tokens, vocab) logits. That is when HF's
-loss costs the most memory: the float32 logits and their softmax stay alive for backward.
-Without labels, or under `torch.no_grad()` (Trainer's evaluation and prediction loops,
-`generate`), the original forward runs, so logits are there for metrics and decoding.
+labels are given, takes the loss from the final hidden states and `lm_head.weight` without the
+(tokens, vocab) logits, with the patch's options (training and evaluation alike). With
+autograd recording that is where HF's loss costs the most memory: the float32 logits and their
+softmax stay alive for backward; under `torch.no_grad()` (Trainer's evaluation and prediction
+loops) the logits come back too, for metrics. Without labels (`generate`) the original
+forward runs.
 
 Runs on 4.5x and 5.x releases: the KV cache argument is `cache` where the release renamed it
 (late 5.x, which still takes `past_key_values` with a FutureWarning) and `past_key_values`
