@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 
 from . import ops
@@ -111,8 +112,6 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     docs/integrations.md."""
     if torch.compiler.is_compiling():
         return
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
     transforms = {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
     refused = sorted(transforms & {"jvp", "grad"})
     if refused:

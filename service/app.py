@@ -73,12 +73,12 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def store_error(_request: Request, error: Exception) -> JSONResponse:
         body = {"detail": clip(str(error), limit=MAX_DETAIL_CHARS)}
         if isinstance(error, store.ImportFormatError):
-            body |= {"line": error.line_number, "lines_imported": error.lines_imported}
-        if isinstance(error, store.ImportInterrupted):  # a lock: the import can be sent again soon
+            body["line"] = error.line_number
+        if isinstance(error, (store.ImportFormatError, store.ImportInterrupted)):
             body["lines_imported"] = error.lines_imported
-            return JSONResponse(body, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-                                headers={"Retry-After": str(LOCK_RETRY_AFTER_S)})
-        return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)])
+        # an interrupted import met a lock: it can be sent again soon
+        headers = {"Retry-After": str(LOCK_RETRY_AFTER_S)} if isinstance(error, store.ImportInterrupted) else None
+        return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)], headers=headers)
 
     for error_type in _STORE_ERROR_STATUS:
         app.add_exception_handler(error_type, store_error)

@@ -35,13 +35,18 @@ def parse_token_spec(spec: str) -> dict[str, frozenset[Scope]]:
         token = token.strip()
         if not separator or not _TOKEN_PATTERN.match(token):
             raise ValueError("a token entry must be 'token:scopes' with a token of 8+ URL-safe characters")
-        scopes: set[Scope] = set()
-        for name in (part.strip() for part in scope_list.split(",")):
-            if name not in get_args(Scope):
-                raise ValueError(f"unknown scope {name!r}; scopes are {get_args(Scope)}")
-            scopes |= IMPLIED_SCOPES[name]  # type: ignore[index]
-        tokens[token] = frozenset(scopes)
+        tokens[token] = parse_scopes(scope_list)
     return tokens
+
+
+def parse_scopes(scope_list: str) -> frozenset[Scope]:
+    """'scope,scope' as the scopes it grants (with those each implies)."""
+    scopes: set[Scope] = set()
+    for name in (part.strip() for part in scope_list.split(",")):
+        if name not in get_args(Scope):
+            raise ValueError(f"unknown scope {name!r}; scopes are {get_args(Scope)}")
+        scopes |= IMPLIED_SCOPES[name]  # type: ignore[index]
+    return frozenset(scopes)
 
 
 def scopes_of(presented: str, tokens: TokenScopes) -> frozenset[Scope] | None:

@@ -559,19 +559,17 @@ def import_jsonl(
                 time.sleep(SQLITE_BATCH_PAUSE_S)
             try:
                 _write_lines(engine, batch, mode, dry_run, counts)
-            except ImportFormatError as error:
+            except (ImportFormatError, DBAPIError) as error:  # DBAPIError: a lock held past the busy timeout
                 if not written or dry_run:
                     raise
+                if isinstance(error, DBAPIError):
+                    raise ImportInterrupted(written, len(entries), error) from error
                 raise ImportFormatError(
                     error.line_number,
                     f"{error.reason}; the {written} lines before its batch were imported (SQLite takes a file "
                     "in batches): import the file again once this is mended, it adds nothing twice",
                     lines_imported=written,
                 ) from None
-            except DBAPIError as error:  # a lock held past the busy timeout, a full disk
-                if not written or dry_run:
-                    raise
-                raise ImportInterrupted(written, len(entries), error) from error
             written += len(batch)
     return ImportReport(
         lines=len(entries),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail
+from cce_compile.cli.errors import fail, refuse_empty
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
@@ -18,31 +18,18 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
 
-def _non_empty(url: str | None) -> str | None:
-    """An empty URL is a mistake (an unset shell variable), not a request for the default database."""
-    if url is not None and not url.strip():
-        raise typer.BadParameter("the URL is empty; leave the option out for the per-user SQLite file")
-    return url
-
-
-def _non_empty_service(url: str | None) -> str | None:
-    """An empty --url is an unset shell variable too: falling back to a local database would
-    write where nobody asked."""
-    if url is not None and not url.strip():
-        raise typer.BadParameter("the URL is empty; leave --url out to use --db-url")
-    return url
-
-
 DbUrlOption = Annotated[
     Optional[str],
     typer.Option(
-        "--db-url", envvar="CCE_TUNING_DB_URL", callback=_non_empty,
+        "--db-url", envvar="CCE_TUNING_DB_URL",
+        callback=refuse_empty("the URL is empty; leave the option out for the per-user SQLite file"),
         help="SQLAlchemy URL; default: the per-user SQLite file",
     ),
 ]
 ServiceUrlOption = Annotated[
     Optional[str],
-    typer.Option("--url", callback=_non_empty_service, help="a running service's base URL, instead of --db-url"),
+    typer.Option("--url", callback=refuse_empty("the URL is empty; leave --url out to use --db-url"),
+                 help="a running service's base URL, instead of --db-url"),
 ]
 TokenOption = Annotated[
     Optional[str],
@@ -68,12 +55,12 @@ def upgraded(db_url: str | None) -> str | None:
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.migrate import upgrade
+    from tuning_db.migrate import current_revision, upgrade
 
     url = resolve_db_url(db_url)
     engine = opened_engine(url)
     try:
-        _refuse_unknown_revision(engine, url)
+        _refuse_unknown_revision(current_revision(engine), url)
     finally:
         engine.dispose()
     try:
@@ -82,13 +69,12 @@ def upgraded(db_url: str | None) -> str | None:
         fail(f"--db-url {shown_url(url)}: cannot upgrade the schema: {getattr(error, 'orig', None) or error}")
 
 
-def _refuse_unknown_revision(engine: Engine, url: str) -> None:
+def _refuse_unknown_revision(revision: str | None, url: str) -> None:
     """A revision this code has no migration for was written by a newer release: neither
     upgrading nor using the database can work."""
     from tuning_db.engine import shown_url
-    from tuning_db.migrate import current_revision, known_revision
+    from tuning_db.migrate import known_revision
 
-    revision = current_revision(engine)
     if revision is not None and not known_revision(revision):
         fail(f"--db-url {shown_url(url)}: the database has schema {revision}, which this cce_compile does not "
              "know (a newer release wrote it); upgrade cce_compile")
@@ -128,11 +114,9 @@ def store_engine(db_url: str | None) -> Engine:
     engine = opened_engine(db_url, existing=True)
     revision = current_revision(engine)
     if revision != head_revision():
+        engine.dispose()
         url = shown_url(resolve_db_url(db_url))
-        try:
-            _refuse_unknown_revision(engine, url)
-        finally:
-            engine.dispose()
+        _refuse_unknown_revision(revision, url)
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
         fail(f"--db-url {url}: the database {state}; run `cce db upgrade --db-url {url}`")
     return engine

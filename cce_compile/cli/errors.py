@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import typer
@@ -20,6 +21,18 @@ def fail(message: str, status: int = 1) -> NoReturn:
     cannot run here at all (a GPU command without a GPU, nothing to render)."""
     typer.echo(f"cce: error: {' '.join(message.split())}", err=True)
     raise typer.Exit(status)
+
+
+def refuse_empty(message: str) -> Callable[[str | None], str | None]:
+    """An option callback refusing an empty value with `message`: an empty value is an unset
+    shell variable, never a request for the option's default or fallback."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise typer.BadParameter(message)
+        return value
+
+    return check
 
 
 def one_line(error: BaseException) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import typer
 
 from cce_compile.cli.db import DbUrlOption, upgraded
-from cce_compile.cli.errors import fail
+from cce_compile.cli.errors import fail, refuse_empty
 
 if TYPE_CHECKING:
     from service.settings import ServiceSettings
@@ -23,16 +23,10 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 """uvicorn's log levels."""
 
 
-def _host_named(host: str) -> str:
-    """An empty host (an unset shell variable) would listen on every interface."""
-    if not host.strip():
-        raise typer.BadParameter("the address is empty; leave --host out for loopback (127.0.0.1)")
-    return host
-
 
 def serve(
     host: Annotated[str, typer.Option(
-        callback=_host_named, help="address to listen on (keep loopback unless behind a proxy)")] = "127.0.0.1",
+        callback=refuse_empty("the address is empty; leave --host out for loopback (127.0.0.1)"), help="address to listen on (keep loopback unless behind a proxy)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     db_url: DbUrlOption = None,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,

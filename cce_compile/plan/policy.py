@@ -148,10 +148,10 @@ class Policy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"Policy.{name}: expected an integer >= {least}, got {value!r}")
-        for name, least in _SHARES.items():
+        for name in _FRACTIONS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
-                raise ValueError(f"Policy.{name}: expected a finite number >= {least}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+                raise ValueError(f"Policy.{name}: expected a finite number >= 0, got {value!r}")
         if self.scratch_fraction <= 0 or self.workspace_fraction <= 0 or self.filtered_scratch_fraction <= 0:
             raise ValueError("Policy: scratch_fraction, workspace_fraction and filtered_scratch_fraction must be > 0")
         if self.gemm_backend not in get_args(GemmBackend):
@@ -167,8 +167,8 @@ _COUNTS = {
     "min_chunk_rows": 1, "max_dc_roundings": 1,
 }
 """Integer fields and their least value (0 turns a kernel's range off; a count of rows or programs needs 1)."""
-_SHARES = {"dense_fraction": 0.0, "scratch_fraction": 0.0, "other_buffers_fraction": 0.0,
-           "filtered_scratch_fraction": 0.0, "workspace_fraction": 0.0}
+_FRACTIONS = ("dense_fraction", "scratch_fraction", "other_buffers_fraction", "filtered_scratch_fraction",
+              "workspace_fraction")
 """Fractional fields: finite, not negative (the three budgets also > 0, checked above)."""
 
 
