@@ -5,8 +5,10 @@ state), first-step (compiling) time and loss agreement.
 
     PYTHONPATH=$PWD python benchmarks/train_step.py --out benchmarks/results/train-step-h200.json
 
-The model: 2 decoder layers, hidden 2048, vocab 128256, untied head, batch 4 x 2048 tokens,
-bf16 weights, AdamW. Each run is its own process with empty Inductor and Triton caches, so its
+The model (`--model`): `llama`, 2 decoder layers, hidden 2048, vocab 128256, untied head, batch
+4 x 2048 tokens; `qwen2`, Qwen2.5 0.5B's head (hidden 896, vocab 151936, tied to the embedding),
+2 layers, 4 x 4096 tokens; `gemma2`, Gemma-2 2B's (hidden 2304, vocab 256000, tied, the logits
+soft-capped at 30), 2 layers, 4 x 2048 tokens. bf16 weights, AdamW. Each run is its own process with empty Inductor and Triton caches, so its
 first step pays the compile a user's first run pays, and no run reuses another's kernels.
 A first step varies by seconds from process to process (HF's compiled and reduce-overhead runs,
 one each, read 13.7 and 10.9 s): `--repeats K` runs each K times, the runs' order reversed on
@@ -50,35 +52,57 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=int, default=12, help="steps per run; the median skips the first two")
     parser.add_argument("--repeats", type=int, default=1, help="processes per run, the order reversed every other time")
+    parser.add_argument("--model", choices=list(MODELS), default="llama", help="the model family and its head's shape")
     parser.add_argument("--small", action="store_true", help="a tiny model (CPU smoke run)")
     parser.add_argument("--child", choices=list(RUNS), help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
-def model_shape(small: bool) -> dict[str, int]:
+MODELS = {
+    "llama": {"layers": 2, "hidden": 2048, "vocab": 128256, "batch": 4, "seq": 2048},
+    "qwen2": {"layers": 2, "hidden": 896, "vocab": 151936, "batch": 4, "seq": 4096},
+    "gemma2": {"layers": 2, "hidden": 2304, "vocab": 256000, "batch": 4, "seq": 2048},
+}
+"""Model family -> its shape: decoder layers, hidden size, vocabulary, batch x sequence."""
+
+
+def model_shape(model: str, small: bool) -> dict[str, int]:
     if small:
         return {"layers": 1, "hidden": 128, "vocab": 4096, "batch": 2, "seq": 64}
-    return {"layers": 2, "hidden": 2048, "vocab": 128256, "batch": 4, "seq": 2048}
+    return MODELS[model]
 
 
-def run_child(name: str, steps: int, small: bool) -> dict:
+def build_model(model: str, shape: dict[str, int]):
+    """An untrained `model`-family causal LM of `shape`, as its HF class builds it."""
+    import transformers
+
+    common = dict(
+        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=max(1, shape["hidden"] // 64),
+        num_key_value_heads=max(1, shape["hidden"] // 64), head_dim=64, intermediate_size=shape["hidden"] * 11 // 4,
+        vocab_size=shape["vocab"], max_position_embeddings=shape["seq"], use_cache=False,
+        attn_implementation="eager" if model == "gemma2" else "sdpa",  # HF's Gemma-2 takes no SDPA
+    )
+    if model == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    if model == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    return transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**common, tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=None,
+                                   sliding_window=shape["seq"])
+    )
+
+
+def run_child(name: str, model_name: str, steps: int, small: bool) -> dict:
     """One run, in this process: build, compile (if asked), train `steps` steps."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from cce_compile.integrations.transformers import patch
 
     patch_options, mode = RUNS[name]
-    shape = model_shape(small)
+    shape = model_shape(model_name, small)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = LlamaConfig(
-        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=shape["hidden"] // 64,
-        num_key_value_heads=shape["hidden"] // 64, head_dim=64, intermediate_size=shape["hidden"] * 11 // 4,
-        vocab_size=shape["vocab"], max_position_embeddings=shape["seq"], use_cache=False, tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train().to(device, torch.bfloat16)
+    model = build_model(model_name, shape).train().to(device, torch.bfloat16)
     if patch_options is not None:
         patch(model, **patch_options)
     forward = model if mode is None else torch.compile(model, mode=mode)
@@ -127,7 +151,7 @@ def run_child(name: str, steps: int, small: bool) -> dict:
 
 def spawn(name: str, args: argparse.Namespace) -> dict:
     """`name` in a fresh process with empty compile caches; a failure is recorded, not raised."""
-    return run_fresh(__file__, ["--child", name, "--steps", str(args.steps)] + ["--small"] * args.small)
+    return run_fresh(__file__, ["--child", name, "--model", args.model, "--steps", str(args.steps)] + ["--small"] * args.small)
 
 
 def median_run(repeats: list[dict]) -> dict:
@@ -184,7 +208,7 @@ def summary(results: dict[str, dict]) -> list[str]:
 def main() -> None:
     args = parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.steps, args.small)))
+        print(json.dumps(run_child(args.child, args.model, args.steps, args.small)))
         return
     repeats: dict[str, list[dict]] = {name: [] for name in args.runs}
     for name in alternating(args.runs, args.repeats):
@@ -194,8 +218,8 @@ def main() -> None:
     table = summary(results)
     print("\n".join(table))
     if args.out:
-        shape = model_shape(args.small)
-        args.out.write_text(json.dumps({"shape": shape, "steps": args.steps, "repeats": repeats}, indent=1) + "\n")
+        shape = model_shape(args.model, args.small)
+        args.out.write_text(json.dumps({"model": args.model, "shape": shape, "steps": args.steps, "repeats": repeats}, indent=1) + "\n")
         args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
 
 
