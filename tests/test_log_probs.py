@@ -242,10 +242,10 @@ def test_bf16_temperature_on_peaked_rows(kernels: bool) -> None:
 @pytest.mark.parametrize("temperature", [0.1, 0.01])
 def test_fp16_entropy_gradient_where_every_logit_is_capped(temperature: float) -> None:
     """fp16's d-logits are stored divided by a bound on them (ops/backward._d_logits_bound). With
-    the entropy, the coefficient s = h mu - g grows with the mean logit (as 1 / T^2, to the
-    soft-cap's size here, where |hidden| ~ 300 caps every logit); a bound of |s| left the true
-    d-logits in fp16's subnormals or at zero: dE 4.2e-2 and 0.15 off float64 at T = 0.1 and 0.01,
-    now 1.4-1.6e-3."""
+    the entropy written about 0, its row coefficient h mu - g grew with the mean logit (as 1 / T^2,
+    to the soft-cap's size here, where |hidden| ~ 300 caps every logit); a bound of it left the
+    true d-logits in fp16's subnormals or at zero: dE 4.2e-2 and 0.15 off float64 at T = 0.1 and
+    0.01. The bound is the d-logits' own (1.4-1.6e-3)."""
     g = torch.Generator().manual_seed(1)
     torch.randn(8, 16, generator=g)  # unused: the draws in the order of the probe that found it
     c = torch.randn(64, 16, generator=g).half()
@@ -261,6 +261,19 @@ def test_fp16_entropy_gradient_where_every_logit_is_capped(temperature: float) -
     (ref_lp.sum() + 0.3 * ref_h.sum()).backward()
     for leaf, ref in zip(leaves, ref_leaves):
         assert relative_error(leaf.grad, ref.grad) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["cpu", "kernels"])
+@pytest.mark.parametrize("temperature", [1e-5, 1e-20])
+def test_entropy_gradient_where_the_mean_logit_dwarfs_the_spread(kernels: bool, temperature: float) -> None:
+    """The entropy's d-logits, p_j (l_j - mu), are written about the row's lse (-p_j log p_j
+    and the entropy: both bounded) rather than about 0: with the mean logit mu in a row
+    coefficient (h mu - g), a mu far above the spread (a low temperature's 1 / T) rounded the
+    log-prob's g away, dE 6.9e-3 off at T = 1e-5, and at the lowest temperature accepted h mu / T
+    overflowed to inf - inf = NaN."""
+    e, c, tokens, bias, _ = _case(23, torch.float32, {"bias": True}, lead=(2, 11), v=97, d=32)
+    with on_kernels(kernels):
+        check_log_probs(e, c, tokens, bias, {"temperature": temperature})
 
 
 def test_loss_module_takes_a_temperature() -> None:

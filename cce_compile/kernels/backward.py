@@ -16,8 +16,8 @@ def grad_from_logits(
     """d loss / d logits of one tile, whatever it holds outside the masks (callers mask).
 
     With p = softmax, y the target and per-row coefficients a, b, s computed by the op:
-        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j] - h[i] * p[i, j] * logit[i, j]
-    (the last with HAS_ENTROPY: linear_log_probs' entropy), then the soft-cap's chain rule
+        d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j] - h[i] * p[i, j] * (logit[i, j] - lse[i])
+    (the last with HAS_ENTROPY: linear_log_probs' entropy, about lse so that it stays bounded), then the soft-cap's chain rule
     (`logits` are the capped ones; the coefficients carry a temperature's 1 / T already). With
     SCALED (fp16), the tile is divided by scale_ptr[0] (a bound on the call's d-logits,
     ops/backward._d_logits_bound) so small gradients stay in fp16's normal range; the GEMMs
@@ -32,8 +32,8 @@ def grad_from_logits(
     grad = coef_softmax[:, None] * softmax
     if HAS_ENTROPY:
         coef_entropy = tl.load(coef_entropy_ptr + rows, mask=row_mask, other=0.0)
-        # p * logit is 0 where p is (a -inf bias), not NaN
-        grad -= coef_entropy[:, None] * tl.where(softmax > 0.0, softmax * logits, 0.0)
+        # p * log p is 0 where p is (a -inf bias), not NaN
+        grad -= coef_entropy[:, None] * tl.where(softmax > 0.0, softmax * (logits - lse[:, None]), 0.0)
     if tl.max(((targets >= vocab_first) & (targets <= vocab_last)).to(tl.int32), axis=0) > 0:
         coef_target = tl.load(coef_target_ptr + rows, mask=row_mask, other=0.0)
         is_target = (vocab[None, :] == targets[:, None]) & col_mask[None, :]

@@ -228,7 +228,7 @@ def store_half_tiles(values, out_half, out_desc, row0, col0):
 @gluon.jit
 def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The recompute's: d loss / d logits = coef_softmax * softmax - coef_target at the target
-    (- coef_entropy * softmax * logit with HAS_ENTROPY: linear_log_probs' entropy), as
+    (- coef_entropy * softmax * (logit - lse) with HAS_ENTROPY: linear_log_probs' entropy), as
     kernels/backward.grad_from_logits without its other options, stored in the input dtype at
     (row - row_start, col - col_start) of the d-logits buffer by the copy engine (store_half_tiles).
     Rows and columns past the slab are computed and stored
@@ -243,7 +243,7 @@ def grad_logits_epilogue(acc, pid_m, pid_n, local_rows, args):
     coef_softmax = gl.load(coef_softmax_ptr + token, mask=row_mask, other=0.0)
     if HAS_ENTROPY:
         coef_entropy = gl.load(coef_entropy_ptr + token, mask=row_mask, other=0.0)
-        grad = (coef_softmax[:, None] - coef_entropy[:, None] * acc) * exp_shifted(acc, lse)
+        grad = (coef_softmax[:, None] - coef_entropy[:, None] * (acc - lse[:, None])) * exp_shifted(acc, lse)
     else:
         grad = coef_softmax[:, None] * exp_shifted(acc, lse)
     targets = gl.load(targets_ptr + token, mask=row_mask, other=-1)

@@ -107,11 +107,10 @@ def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
 def _d_logits_bound(coefficients: Coefficients) -> Tensor:
     """fp16's d-logits scale: a bound on every |d logit| of the call, so the stored d-logits
     neither overflow nor sink below fp16's normal range. Without entropy, the largest
-    coefficient. With it (linear_log_probs), d_j = p_j (s - h l_j) - t [j == y] with s = h mu - g
-    and t = -g (mu the row's softmax-weighted mean logit), so |d_j| <= 2 |t| + |h| max(H, 1/e) with
-    H = lse - mu the row's entropy: p_j (l_j - mu) is at most H above mu and 1/e below it. |s|
-    grows with |mu| (1 / T^2, and the soft-cap's size where every logit is capped), far past the
-    d-logits."""
+    coefficient. With it (linear_log_probs), d_j = p_j (s - h (l_j - lse)) - t [j == y] with
+    s = -(g + h H), t = -g and H = lse - mu the row's entropy (mu its softmax-weighted mean logit),
+    that is -g p_j - h p_j (l_j - mu) + g [j == y], so |d_j| <= 2 |t| + |h| max(H, 1/e): p_j (l_j - mu)
+    is at most H above mu and 1/e below it."""
     if coefficients.entropy is None:
         return torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
     assert coefficients.row_entropy is not None, "an entropy term comes with its rows' entropies"

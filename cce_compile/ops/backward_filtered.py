@@ -168,7 +168,7 @@ class FilteredBackward:
         row_end = row_start + rows
         coef_smooth = call.coef_smooth[row_start:row_end] if call.label_smoothing > 0.0 else None
         entropy = None if call.coef_entropy is None else SkippedEntropy(
-            call.coef_entropy[row_start:row_end], call.lse[row_start:row_end], self.tile_mean_logit[row_start:row_end])
+            call.coef_entropy[row_start:row_end], self.tile_mean_logit[row_start:row_end])
         d_logits, row_mass = self.skipped.d_logits(
             self.tile_lse[row_start:row_end], call.coef_softmax[row_start:row_end], coef_smooth, row_start, entropy,
             call.lse[row_start:row_end], call.softcap)

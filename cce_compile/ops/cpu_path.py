@@ -133,7 +133,7 @@ def backward_cpu(
         is_target = targets[:, None] == vocab[None, :]
         grad = coef_softmax[:, None] * softmax - torch.where(is_target, coef_target[:, None], 0.0)
         if coef_entropy is not None:
-            grad = grad - coef_entropy[:, None] * torch.where(softmax > 0, softmax * logits, 0.0)
+            grad = grad - coef_entropy[:, None] * torch.where(softmax > 0, softmax * (logits - lse[:, None]), 0.0)
         if coef_smooth is not None:
             w = weight[ids].to(torch.float32) if weight is not None else 1.0
             grad = grad - coef_smooth[:, None] * w
@@ -149,8 +149,8 @@ def backward_cpu(
             leaning_mass = skipped_mass if slope is None else skipped_mass * slope**2
             row_mass += coef_softmax * leaning_mass.sum(dim=1)
             if coef_entropy is not None:  # the entropy's tilt (filtering.SkippedEntropy); p = 0 counts 0
-                row_mass -= coef_entropy * torch.where(skipped & (softmax > 0), leaning_mass * (logits + 1.0),
-                                                       0.0).sum(dim=1)
+                row_mass -= coef_entropy * torch.where(
+                    skipped & (softmax > 0), leaning_mass * (logits - lse[:, None] + 1.0), 0.0).sum(dim=1)
             tile_of_column = torch.arange(start, stop, device=e.device) // forward_block_n
             tile_mass.index_add_(0, tile_of_column, coef_softmax[sample].abs() @ skipped_mass[sample])
         if need_grad_e:

@@ -230,14 +230,13 @@ class SkippedTiles:
 
 class SkippedEntropy(NamedTuple):
     """The entropy's term in a token chunk's skipped tiles (linear_log_probs): there d l_j =
-    (coef_softmax - h l_j) p_j, h the entropy's coefficient, so a skipped tile's row sum is its
-    mass m_T times (coef_softmax - h mu_T), mu_T the tile's softmax-weighted mean logit. Its
-    tilt (Tilt), to first order with the tile's c rows Gaussian about their mean: sum_T m_T
-    (coef_softmax - h (mu_T + 1)) S e, the extra -h m_T S e being the covariance of the logit
-    with c under the tile's softmax (docs/notes/filtered-log-probs.md)."""
+    (coef_softmax - h (l_j - lse)) p_j, h the entropy's coefficient, so a skipped tile's row sum
+    is its mass m_T times (coef_softmax - h (mu_T - lse)), mu_T the tile's softmax-weighted mean
+    logit. Its tilt (Tilt), to first order with the tile's c rows Gaussian about their mean:
+    sum_T m_T (coef_softmax - h (mu_T - lse + 1)) S e, the extra -h m_T S e being the covariance
+    of the logit with c under the tile's softmax (docs/notes/filtered-log-probs.md)."""
 
     coef_entropy: Tensor  # (rows,) fp32: h
-    lse: Tensor  # (rows,) fp32
     tile_mean_logit: Tensor  # (rows, forward tiles) fp16: mu_T less lse (backward_tile_stats)
 
     def skipped_sums(self, tile_lse: Tensor, coef_softmax: Tensor, computed: Tensor,
@@ -246,7 +245,7 @@ class SkippedEntropy(NamedTuple):
         weight, each tile's times its soft-cap slope squared where given (SkippedTiles)."""
         h = self.coef_entropy[:, None]
         mass = SkippedTiles._skipped_mass(tile_lse, None, computed)
-        coef = self.tile_mean_logit.float().mul_(-h).add_((coef_softmax - self.coef_entropy * self.lse)[:, None])
+        coef = self.tile_mean_logit.float().mul_(-h).add_(coef_softmax[:, None])
         sums = coef.mul_(mass)
         lean = mass.mul_(-h).add_(sums)
         if softcap_slopes is not None:

@@ -81,11 +81,12 @@ def linear_log_probs_backward(
     entropy = grad_entropy is not None
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
                        launch_policy)
+    row_entropy = lse - mean_logit if entropy else None
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-        grad_log_probs, grad_entropy, mean_logit, tokens, ignore_index)
+        grad_log_probs, grad_entropy, row_entropy, tokens, ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config,
-        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, lse - mean_logit if entropy else None),
+        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_entropy),
         e, c, tokens, bias,
         None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
         need_grad_e, need_grad_c,

@@ -123,19 +123,21 @@ def log_prob_terms(
 
 
 def log_prob_coefficients(
-    grad_log_probs: Tensor, grad_entropy: Tensor | None, mean_logit: Tensor, tokens: Tensor, ignore_index: int,
+    grad_log_probs: Tensor, grad_entropy: Tensor | None, row_entropy: Tensor | None, tokens: Tensor, ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(coef_softmax, coef_target, coef_entropy) of linear_log_probs' d-logits, fp32 (N,).
 
-    With upstream g (log-prob) and h (entropy), mu = sum_j p_j l_j:
-        d log p_y / d l_j = [j == y] - p_j,   d H / d l_j = -p_j * (l_j - mu),
-    so d l_j = (h * mu - g) * p_j + g * [j == y] - h * p_j * l_j: coef_softmax = h * mu - g,
-    coef_target = -g, coef_entropy = h in the d-logits kernel's terms (kernels/backward.py).
-    Ignored tokens take no gradient."""
+    With upstream g (log-prob) and h (entropy), mu = sum_j p_j l_j and H = lse - mu:
+        d log p_y / d l_j = [j == y] - p_j,   d H / d l_j = -p_j * (l_j - mu) = -p_j * (l_j - lse) - p_j * H,
+    so d l_j = -(g + h * H) * p_j + g * [j == y] - h * p_j * (l_j - lse): coef_softmax = -(g + h H),
+    coef_target = -g, coef_entropy = h in the d-logits kernel's terms (kernels/backward.py). Written
+    about lse, every term is bounded (p_j |l_j - lse| <= 1/e); about 0, a mean logit far above
+    the spread (1 / T, a constant in the bias) would round g away in h * mu - g. Ignored tokens
+    take no gradient."""
     valid = tokens != ignore_index
     g = torch.where(valid, grad_log_probs.to(torch.float32), 0.0)
     coef_target = (-g).contiguous()
     if grad_entropy is None:
         return coef_target, coef_target, None
     h = torch.where(valid, grad_entropy.to(torch.float32), 0.0)
-    return (h * mean_logit - g).contiguous(), coef_target, h.contiguous()
+    return (-(g + h * row_entropy)).contiguous(), coef_target, h.contiguous()
