@@ -158,12 +158,13 @@ def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> 
 
 def test_empty_service_url_and_host_are_refused_not_a_fallback(tmp_path: Path) -> None:
     """An unset shell variable must not import into the local database instead of the service,
-    nor make the service listen on every interface."""
+    look up the op's ladder instead of the service, nor make the service listen on every interface."""
     local = tmp_path / "local.db"
     assert cce("db", "upgrade", "--db-url", f"sqlite:///{local}").returncode == 0
     export_file = tmp_path / "export.jsonl"
     export_file.write_text(cce("export", "--db-url", f"sqlite:///{local}").stdout)
     for args in (["import", str(export_file), "--url", ""], ["export", "--url", " "],
+                 ["lookup", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--url", ""],
                  ["serve", "--host", "", "--db-url", f"sqlite:///{local}"]):
         done = cce(*args, env={"CCE_TUNING_DB_URL": f"sqlite:///{local}"})
         assert_one_line_failure(done, "--url" if "--url" in args else "--host", "empty")

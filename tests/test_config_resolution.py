@@ -603,10 +603,44 @@ def test_cce_lookup_prints_the_service_config(service: str, monkeypatch: pytest.
     assert (answer["gpu"], answer["source"], answer["match_level"]) == (H100_KEY, "service", "exact")
     assert answer["config"] == KernelConfig.from_dict(TUNED).to_dict()
 
-    table = CliRunner().invoke(cce, args)  # now from the disk cache the first call wrote
-    assert table.exit_code == 0 and "disk" in table.stdout and "exact" in table.stdout
+    table = CliRunner().invoke(cce, args)  # the service again: a lookup caches nothing
+    assert table.exit_code == 0 and "service" in table.stdout and "exact" in table.stdout
     refused = CliRunner().invoke(cce, [*args, "--dtype", "int8"])
     assert refused.exit_code == 2 and "unknown dtype" in refused.output
+
+
+def _lookup_source(*options: str) -> str:
+    """The source `cce lookup` names for KEY on the H100."""
+    args = ["lookup", "--gpu", GPU_H100["name"], "--vocab", str(KEY.v), "--hidden", str(KEY.d), "--dtype", "bf16",
+            "--tokens", str(KEY.n_bucket), "--json", *options]
+    result = CliRunner().invoke(cce, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["source"]
+
+
+def test_cce_lookup_of_a_named_service_changes_nothing_the_op_launches(
+    service: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--url` once wrote that service's answer into the op's disk cache: the op, set up with
+    no service at all, then launched it, and the next lookup said `disk`. Nor may the op's
+    cache, filled from whatever CCE_TUNING_URL named, answer for the service --url names."""
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    assert _lookup_source("--url", service) == "service"
+    assert not (tmp_path / "configs").exists()
+    assert resolution_for(KEY) == _heuristic(KEY)
+    _cache({"slab_v": 256})
+    assert _lookup_source("--url", service) == "service"
+    assert _lookup_source() == "disk"  # without --url: the op's ladder, cache first
+
+
+def test_cce_lookup_asks_a_named_service_under_offline(service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CCE_TUNING_OFFLINE=1 once dropped --url without a word: the heuristic's config was
+    printed as the answer. The variable still keeps the op's ladder (no --url) off the service."""
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    monkeypatch.setenv(sources.URL_ENV, service)
+    monkeypatch.setenv(sources.OFFLINE_ENV, "1")
+    assert _lookup_source() == "heuristic"
+    assert _lookup_source("--url", service) == "service"
 
 
 def test_cce_lookup_names_the_key_the_op_uses_on_this_machine() -> None:

@@ -1,5 +1,8 @@
 """`cce lookup`: the config the op would launch with for a GPU and problem, and where it
-comes from (the same ladder as the op, minus the in-process memo)."""
+comes from (the same ladder as the op, minus the in-process memo). A lookup writes nothing:
+the disk cache it reads is the op's, and what the op launches must not depend on what was
+looked up. `--url` asks that service alone: neither the disk cache (filled from whichever
+service CCE_TUNING_URL named) nor CCE_TUNING_OFFLINE stands in for its answer."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import json
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+from cce_compile.cli.errors import refuse_empty
 
 if TYPE_CHECKING:
     from cce_compile.config.keys import ProblemKey
@@ -35,7 +40,10 @@ def lookup(
     ] = None,
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32 (or the torch names)")] = "bf16",
     mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps set)")] = "exact",
-    url: Annotated[Optional[str], typer.Option("--url", help="tuning service; default: $CCE_TUNING_URL")] = None,
+    url: Annotated[Optional[str], typer.Option(
+        "--url", callback=refuse_empty("the URL is empty; leave --url out to use $CCE_TUNING_URL and the disk cache"),
+        help="ask this tuning service alone, not the disk cache, under CCE_TUNING_OFFLINE too; "
+             "default: the op's ladder, with $CCE_TUNING_URL")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Print the resolved config, its source and match level."""
@@ -48,7 +56,8 @@ def lookup(
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
     key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)
-    resolution = look_up(key, platform, sources.Settings.from_env().with_url(url))
+    resolution = look_up(key, platform, sources.Settings.from_env().with_url(url),
+                         skip=frozenset({"disk"}) if url is not None else frozenset(), write_cache=False)
     if as_json:
         typer.echo(json.dumps({
             "gpu": platform.gpu,

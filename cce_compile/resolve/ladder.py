@@ -156,10 +156,12 @@ def reset() -> None:
 
 
 def look_up(
-    key: ProblemKey, platform: Platform, settings: sources.Settings | None = None, skip: frozenset[str] = frozenset()
+    key: ProblemKey, platform: Platform, settings: sources.Settings | None = None, skip: frozenset[str] = frozenset(),
+    write_cache: bool = True,
 ) -> Resolution:
     """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic, less
-    the sources in `skip`."""
+    the sources in `skip`. A served config is written to the disk cache unless `write_cache`
+    is False (`cce lookup`: a look must not change what the op launches)."""
     settings = settings or sources.Settings.from_env()
     if "disk" not in skip:
         cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
@@ -168,7 +170,7 @@ def look_up(
     if "service" not in skip:
         served = _accept("service", client.fetch_from_service(settings, platform, key), platform, key)
         if served is not None:
-            if "disk" not in skip:
+            if write_cache and "disk" not in skip:
                 sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
             return served
     if "bundled" not in skip:

@@ -71,7 +71,9 @@ class Settings:
         )
 
     def with_url(self, url: str | None) -> "Settings":
-        return self if url is None else replace(self, url=url)
+        """These settings with a service named explicitly (a command's --url): it is asked
+        under CCE_TUNING_OFFLINE too, as the option outranks the environment."""
+        return self if url is None else replace(self, url=url, offline=False)
 
 
 def _ttl_from_env() -> float:
