@@ -109,18 +109,41 @@ def test_harness_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch) 
         harness.run_benchmark([harness.SHAPES["gemma2-2b"]], ["lm_like"], resolve_impls(None), Settings())
 
 
-def test_cli_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    import typer
-    from typer.testing import CliRunner
+def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`cce bench ARGS` in this process: its exit status, and its one line of error if it failed."""
+    from cce_compile.cli.main import app
 
-    from cce_compile.cli.bench import bench
+    with pytest.raises(SystemExit) as done:
+        app(["bench", *args])
+    status, said = done.value.code, capsys.readouterr().err
+    if status:
+        assert len(said.splitlines()) == 1 and said.startswith("cce: error: "), said
+    return status, said
 
+
+def test_cli_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    app = typer.Typer()
-    app.command()(bench)
-    result = CliRunner().invoke(app, ["--quick"])
-    assert result.exit_code == 2
-    assert "needs a CUDA GPU" in result.output
+    status, said = _bench(capsys, "--quick")
+    assert status == 2 and "needs a CUDA GPU" in said
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    pytest.param(["--sync", "README.md"], "use it with --render", id="sync-without-render"),
+    pytest.param(["--shapes", "0x0x0"], "at least 1", id="empty-shape"),
+    pytest.param(["--shapes", "100x0x1000"], "at least 1", id="zero-hidden-size"),
+    pytest.param(["--shapes", ",,"], "names nothing", id="no-shape-named"),
+    pytest.param(["--impls", " "], "names nothing", id="no-impl-named"),
+    pytest.param(["--budget-s", "-5"], "greater than or equal to 0", id="negative-budget"),
+    pytest.param(["--impls", "nope"], "unknown impls", id="unknown-impl"),
+])
+def test_cli_checks_its_arguments_before_asking_for_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    """Each was accepted (a shape of zeros went to the harness, `--shapes ,,` ran every model
+    shape, --sync was dropped) or, without a GPU, reported as the missing GPU instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, error = _bench(capsys, *args)
+    assert status == 2 and said in error and "CUDA" not in error, error
 
 
 def test_shapes_impls_and_modes_resolve_by_name() -> None:
@@ -130,6 +153,8 @@ def test_shapes_impls_and_modes_resolve_by_name() -> None:
     assert harness.parse_shape("100x64x1000").spec == "100x64x1000"
     with pytest.raises(ValueError, match="NxDxV"):
         harness.parse_shape("llama")
+    with pytest.raises(ValueError, match="at least 1"):
+        harness.parse_shape("100x64x0")
     assert [impl.key for impl in resolve_impls(["torch", "cce_exact"])] == ["cce_exact", "torch"]
     with pytest.raises(ValueError, match="unknown impls"):
         resolve_impls(["nope"])
@@ -360,18 +385,20 @@ def test_marked_tables_are_rewritten_with_their_filters(tmp_path: Path) -> None:
     results.append_rows(path, [_row(), _row(impl="torch"), _row(inputs="uniform")])
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- cce-bench-table impl=cce_exact inputs=lm_like -->\nstale\n<!-- /cce-bench-table -->\nend\n")
-    assert results.sync_tables(path, [doc]) == [doc]
-    text = doc.read_text()
+    synced = results.synced_files(results.read_rows(path), [doc])
+    assert list(synced) == [doc]
+    text = synced[doc]
     assert "stale" not in text and text.startswith("intro\n") and text.endswith("<!-- /cce-bench-table -->\nend\n")
     assert text.count("| cce_exact |") == 1 and "| torch |" not in text
-    assert results.sync_tables(path, [doc]) == []  # already in sync
+    doc.write_text(text)
+    assert results.synced_files(results.read_rows(path), [doc]) == {}  # already in sync
     results.append_rows(path, [_row(gpu="NVIDIA H100 80GB HBM3", fwdbwd_x_gemm=4.9)])
     doc.write_text('<!-- cce-bench-table gpu="NVIDIA H100 80GB HBM3" impl=cce_exact -->\n<!-- /cce-bench-table -->\n')
-    results.sync_tables(path, [doc])
-    assert doc.read_text().count("| cce_exact |") == 1 and "| 4.90 |" in doc.read_text()
+    text = results.synced_files(results.read_rows(path), [doc])[doc]
+    assert text.count("| cce_exact |") == 1 and "| 4.90 |" in text
     doc.write_text("<!-- cce-bench-table speed=1 -->\n<!-- /cce-bench-table -->\n")
-    with pytest.raises(ValueError, match="speed=1"):
-        results.sync_tables(path, [doc])
+    with pytest.raises(results.SyncError, match=f"{doc}: line 1: .*speed=1"):
+        results.synced_files(results.read_rows(path), [doc])
 
 
 def test_docs_tables_come_from_the_committed_csv() -> None:
@@ -385,28 +412,44 @@ def test_docs_tables_come_from_the_committed_csv() -> None:
         assert results.synced_text(text, rows) == text, f"{doc} is out of sync with benchmarks/results/bench.csv"
 
 
-def test_cli_render_needs_no_gpu(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    import typer
-
-    from cce_compile.cli.bench import bench
-
-    app = typer.Typer()
-    app.command()(bench)
-    missing = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)])
-    assert missing.exit_code == 2 and "no results" in missing.output
+def test_cli_render_needs_no_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, said = _bench(capsys, "--render", "--out", str(tmp_path))
+    assert status == 2 and "no results" in said
     results.append_rows(tmp_path / "bench.csv", [_row()])
-    no_table = tmp_path / "notes.md"
-    no_table.write_text("# no table here\n")
-    for target, said in ((tmp_path, "is not a file"), (tmp_path / "missing.md", "is not a file"),
-                         (no_table, "no `<!-- cce-bench-table")):
-        refused = CliRunner().invoke(app, ["--render", "--out", str(tmp_path), "--sync", str(target)])
-        assert refused.exit_code == 1 and "--sync" in refused.output and said in refused.output
-    assert not (tmp_path / "latest.md").exists()  # checked before anything was written
-    done = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)])
-    assert done.exit_code == 0, done.output
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- cce-bench-table -->\nstale\n<!-- /cce-bench-table -->\n")
+    assert _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(doc)) == (0, "")
     assert (tmp_path / "latest.md").exists() and (tmp_path / "latest.png").exists()
+    assert "stale" not in doc.read_text() and "| cce_exact |" in doc.read_text()
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    pytest.param(None, "Is a directory", id="a-directory"),
+    pytest.param(b"# no table here\n", "no `<!-- cce-bench-table", id="no-table"),
+    pytest.param(b"intro\n\n<!-- cce-bench-table impl=torch -->\n", "line 3: the table marker has no", id="no-end"),
+    pytest.param(b"<!-- cce-bench-table foo=bar -->\n<!-- /cce-bench-table -->\n", "line 1: table marker filter 'foo=bar'",
+                 id="unknown-filter"),
+    pytest.param(b'<!-- cce-bench-table gpu="H100 -->\n<!-- /cce-bench-table -->\n', "No closing quotation",
+                 id="unclosed-quote"),
+    pytest.param(b"\xff\xfe<!-- cce-bench-table -->\n<!-- /cce-bench-table -->\n", "not UTF-8", id="not-utf-8"),
+])
+def test_cli_render_checks_every_sync_file_before_writing_any(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None, said: str
+) -> None:
+    """A bad second --sync file once failed after latest.md, latest.png and the first file had
+    been rewritten, in a message naming neither the file nor --sync (a bare UnicodeDecodeError
+    for one not UTF-8)."""
+    results.append_rows(tmp_path / "bench.csv", [_row()])
+    good, bad = tmp_path / "good.md", tmp_path / "bad"
+    good.write_text("<!-- cce-bench-table -->\nstale\n<!-- /cce-bench-table -->\n")
+    if content is None:
+        bad.mkdir()
+    else:
+        bad.write_bytes(content)
+    status, error = _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(good), "--sync", str(bad))
+    assert status == 1 and f"--sync {bad}: " in error and said in error, error
+    assert "stale" in good.read_text()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bad", "bench.csv", "good.md"]
 
 
 def test_results_and_docs_stay_small() -> None:

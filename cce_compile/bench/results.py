@@ -126,8 +126,12 @@ def markdown_table(rows: list[Row]) -> str:
 def _selected(rows: list[Row], filters: str) -> list[Row]:
     """Rows matching a table marker's filters, e.g. ` impl=cce_exact,torch inputs=lm_like `;
     a value with spaces is quoted as in a shell: `gpu="NVIDIA H200"`."""
+    try:
+        items = shlex.split(filters)
+    except ValueError as error:  # an unclosed quote
+        raise ValueError(f"table marker filters {filters.strip()!r}: {error}") from None
     wanted: dict[str, set[str]] = {}
-    for item in shlex.split(filters):
+    for item in items:
         name, _, values = item.partition("=")
         if name not in _FILTERS or not values:
             raise ValueError(f"table marker filter {item!r}: use NAME=value,... with NAME one of {_FILTERS}")
@@ -148,25 +152,41 @@ def synced_text(text: str, rows: list[Row]) -> str:
     for start in _TABLE_START.finditer(text):
         if start.start() < position:
             continue
+        line = text.count("\n", 0, start.start()) + 1
         end = text.find(_TABLE_END, start.end())
         if end < 0:
-            raise ValueError(f"a table marker at offset {start.start()} has no {_TABLE_END}")
-        table = markdown_table(_selected(chosen, start.group("filters")))
-        out += [text[position:start.end()], "\n", table]
+            raise ValueError(f"line {line}: the table marker has no {_TABLE_END}")
+        try:
+            selected = _selected(chosen, start.group("filters"))
+        except ValueError as error:
+            raise ValueError(f"line {line}: {error}") from None
+        out += [text[position:start.end()], "\n", markdown_table(selected)]
         position = end
     return "".join(out) + text[position:]
 
 
-def sync_tables(csv_path: Path, markdown_paths: Iterable[Path]) -> list[Path]:
-    """Rewrites the marked tables of `markdown_paths` from the CSV; returns the files changed."""
-    rows = read_rows(csv_path)
-    changed = []
+class SyncError(ValueError):
+    """A markdown file whose marked tables cannot be rewritten; the message names the file."""
+
+
+def synced_files(rows: list[Row], markdown_paths: Iterable[Path]) -> dict[Path, str]:
+    """The new text of each of `markdown_paths` whose marked tables `rows` change. Every file
+    is read and synced here, before any is written, so that one bad file changes nothing."""
+    changed = {}
     for path in map(Path, markdown_paths):
-        text = path.read_text()
-        synced = synced_text(text, rows)
+        try:
+            text = path.read_text(encoding="utf-8")
+            if not has_tables(text):
+                raise ValueError("no `<!-- cce-bench-table ... -->` block to rewrite")
+            synced = synced_text(text, rows)
+        except UnicodeDecodeError as error:
+            raise SyncError(f"{path}: not UTF-8 (byte {error.start})") from None
+        except OSError as error:
+            raise SyncError(f"{path}: {error.strerror or error}") from None
+        except ValueError as error:
+            raise SyncError(f"{path}: {error}") from None
         if synced != text:
-            path.write_text(synced)
-            changed.append(path)
+            changed[path] = synced
     return changed
 
 
@@ -207,10 +227,14 @@ def plot(rows: list[Row], png_path: Path) -> None:
     plt.close(fig)
 
 
-def render(csv_path: Path) -> list[Path]:
-    """latest.md and, where matplotlib is installed (the [bench] extra), latest.png beside the CSV."""
+def render(csv_path: Path, sync: Iterable[Path] = ()) -> list[Path]:
+    """latest.md and, where matplotlib is installed (the [bench] extra), latest.png beside the
+    CSV, then the marked tables of the `sync` files; returns the files written. A `sync` file
+    that cannot be synced raises SyncError before anything is written."""
     csv_path = Path(csv_path)
-    chosen = latest(read_rows(csv_path))
+    rows = read_rows(csv_path)
+    chosen = latest(rows)
+    synced = synced_files(rows, sync)
     md_path = csv_path.with_name("latest.md")
     md_path.write_text(f"# cce bench: the latest row of each measurement in {csv_path.name}\n\n" + markdown_table(chosen))
     written = [md_path]
@@ -218,4 +242,7 @@ def render(csv_path: Path) -> list[Path]:
         png_path = csv_path.with_name("latest.png")
         plot(chosen, png_path)
         written.append(png_path)
+    for path, text in synced.items():
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
     return written

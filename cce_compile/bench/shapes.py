@@ -51,5 +51,7 @@ def parse_shape(spec: str) -> Shape:
     if not match:
         raise ValueError(f"shape {spec!r} is neither one of {list(known)} nor NxDxV")
     n, d, v = (int(part) for part in match.groups())
+    if min(n, d, v) < 1:
+        raise ValueError(f"shape {spec!r}: N, D and V must each be at least 1")
     named = next((shape for shape in known.values() if (shape.n, shape.d, shape.v) == (n, d, v)), None)
     return named or Shape(spec, n, d, v)

@@ -12,47 +12,51 @@ from typing import Annotated, Optional
 
 import typer
 
+from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES
 from cce_compile.cli.errors import fail
 
 
-def _split(values: list[str] | None) -> list[str]:
-    """List options take repeats and comma-separated values alike."""
-    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+def _split(values: list[str] | None, option: str) -> list[str]:
+    """List options take repeats and comma-separated values alike. One given must name
+    something: an empty value is an unset shell variable, not a request for the default."""
+    parts = [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+    if values is not None and not parts:
+        raise typer.BadParameter("names nothing; leave the option out for its default", param_hint=option)
+    return parts
 
 
-def _render(out: Path, sync: list[Path] | None) -> None:
+def _render(out: Path, sync: list[Path]) -> None:
     from cce_compile.bench import results
 
     csv_path = out / results.CSV_NAME
     if not csv_path.exists():
         fail(f"--render: no results at {csv_path}", status=2)
-    for path in sync or []:  # checked before anything is written
-        if not path.is_file():
-            fail(f"--sync: {path} is not a file")
-        if not results.has_tables(path.read_text()):
-            fail(f"--sync: {path} has no `<!-- cce-bench-table ... -->` block to rewrite")
-    for path in [*results.render(csv_path), *results.sync_tables(csv_path, sync or [])]:
+    try:
+        written = results.render(csv_path, sync)
+    except results.SyncError as error:
+        fail(f"--sync {error}")
+    for path in written:
         typer.echo(f"wrote {path}")
 
 
 def bench(
     shapes: Annotated[Optional[list[str]], typer.Option(
-        help="shape names (gemma2-2b, llama3-8b, qwen2.5-0.5b, large-d, llama3.2-1b, mistral-nemo, quick-aligned, quick-odd) or NxDxV; "
-             "repeat or comma-separate [default: the four model shapes]")] = None,
-    kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, heavy_tail, uniform [default: lm_like, uniform]")] = None,
+        help=f"shape names ({', '.join([*SHAPES, *QUICK_SHAPES])}) or NxDxV; repeat or comma-separate; "
+             f"default: {', '.join(SHAPES)}, or with --quick {', '.join(QUICK_SHAPES)}")] = None,
+    kinds: Annotated[Optional[list[str]], typer.Option(help="input kinds: lm_like, heavy_tail, uniform; default: lm_like, uniform")] = None,
     impls: Annotated[Optional[list[str]], typer.Option(
         help="cce_exact, cce_exact_low, cce_filtered, torch, apple_cce, apple_cce_exact, liger; the log-probs rows "
-             "cce_log_probs, cce_log_probs_filtered, torch_compile_log_probs, verl_log_probs, trl_log_probs "
-             "[default: all]")] = None,
+             "cce_log_probs, cce_log_probs_filtered, torch_compile_log_probs, verl_log_probs, trl_log_probs; "
+             "default: all")] = None,
     compile_modes: Annotated[Optional[list[str]], typer.Option(
         "--compile", help="eager, default, reduce-overhead: how each impl is called; the compiled modes apply to "
-                          "cce_* and torch [default: all three]")] = None,
+                          "cce_* and torch; default: all three")] = None,
     quick: Annotated[bool, typer.Option(help="the small smoke-test shapes instead of the model shapes")] = False,
     out: Annotated[Path, typer.Option(help="results folder (bench.csv, latest.md, latest.png)")] = Path("benchmarks/results"),
     warmup_ms: Annotated[float, typer.Option(min=1)] = 25.0,
     rep_ms: Annotated[float, typer.Option(min=1)] = 100.0,
     input_sets: Annotated[int, typer.Option(min=1, help="input draws cycled through while timing")] = 2,
-    budget_s: Annotated[Optional[float], typer.Option(help="start nothing new after this many seconds")] = None,
+    budget_s: Annotated[Optional[float], typer.Option(min=0, help="start nothing new after this many seconds")] = None,
     uniform_all: Annotated[bool, typer.Option(
         help="time every impl on uniform inputs, not only the filtering ones and cce_exact")] = False,
     frozen_head: Annotated[bool, typer.Option(
@@ -69,21 +73,24 @@ def bench(
     (shape, inputs) run.
     """
     if render:
-        _render(out, [Path(path) for path in _split(sync)])
+        _render(out, [Path(path) for path in _split(sync, "--sync")])
         return
+    if sync is not None:
+        raise typer.BadParameter("rewrites tables from saved results: use it with --render", param_hint="--sync")
     from cce_compile.bench import harness, peers, report
 
-    try:
-        harness.require_cuda()
-        shape_list = [harness.parse_shape(spec) for spec in _split(shapes)] or list(
-            (harness.QUICK_SHAPES if quick else harness.SHAPES).values())
-        impl_list = peers.with_compile_modes(peers.resolve_impls(_split(impls)),
-                                             peers.resolve_compile_modes(_split(compile_modes)))
-        kind_list = harness.resolve_kinds(_split(kinds))
-    except harness.BenchmarkUnavailable as err:
-        fail(str(err), status=2)
+    try:  # the arguments first: a mistake is reported as one, on a machine without a GPU too
+        shape_list = [harness.parse_shape(spec) for spec in _split(shapes, "--shapes")] or list(
+            (QUICK_SHAPES if quick else SHAPES).values())
+        impl_list = peers.with_compile_modes(peers.resolve_impls(_split(impls, "--impls")),
+                                             peers.resolve_compile_modes(_split(compile_modes, "--compile")))
+        kind_list = harness.resolve_kinds(_split(kinds, "--kinds"))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    try:
+        harness.require_cuda()
+    except harness.BenchmarkUnavailable as err:
+        fail(str(err), status=2)
     settings = harness.Settings(warmup_ms=warmup_ms, rep_ms=rep_ms, input_sets=input_sets, budget_s=budget_s,
                                 uniform_all=uniform_all, frozen_head=frozen_head)
     env = report.environment()
