@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import cce_compile
 from cce_compile import VocabParallel
+from cce_compile.parallel.vocab_parallel import targets_checksum
 from cce_compile.plan.policy import Policy, override_policy
 
 from .op_cases import TOLERANCE, relative_error
@@ -155,6 +157,69 @@ def check_compiled(parallel: VocabParallel) -> None:
         assert relative_error(mine, eager) <= 1e-6
 
 
+def check_compiled_buckets(parallel: VocabParallel) -> None:
+    """A token count that changes call to call compiles the graphs the unsharded recompute's
+    does (one per bucket of N; the sharded loss always recomputes): the checksum once sat at an
+    index of N, which pinned N to a constant and recompiled for every new count."""
+    frames = []
+    for vocab_parallel in (parallel, None):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        classifier = problem(10)[1]
+        if vocab_parallel is not None:
+            classifier = classifier[parallel.start:parallel.stop]
+
+        def loss_of(ee, cc, tt, vocab_parallel=vocab_parallel):
+            return cce_compile.linear_cross_entropy(ee, cc, tt, vocab_parallel=vocab_parallel, memory="low")
+
+        compiled = torch.compile(loss_of, fullgraph=True, backend=counter)
+        g = torch.Generator().manual_seed(10)
+        for n in (12, 16, 9, 20, 5, 33):
+            compiled(torch.randn(n, D, generator=g).requires_grad_(), classifier,
+                     torch.randint(0, V, (n,), generator=g)).backward()
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[1], f"sharded {frames[0]} graphs, unsharded {frames[1]}"
+
+
+def check_masked_shard(parallel: VocabParallel) -> None:
+    """The last rank's rows all under a -inf bias (a sampler's mask over a whole shard), the
+    targets elsewhere: that shard's lse is -inf, which made every rank's gradients NaN through
+    exp(l - lse); loss, lse and gradients against float64."""
+    e, c, bias, _, targets = problem(9)
+    last = SHARD_BOUNDS[parallel.world_size][-2]
+    bias[last:] = float("-inf")
+    targets = torch.where(targets >= last, targets % last, targets)
+    rows = slice(parallel.start, parallel.stop)
+    shard = loss_and_grads(cce_compile.linear_cross_entropy, e, c[rows], bias[rows], targets, {},
+                           vocab_parallel=parallel)
+    exact = loss_and_grads(reference_loss, e.double(), c.double(), bias.double(), targets, {})
+    for name, mine, truth in zip(("loss", "lse", "dE", "dC", "dbias"), shard, exact):
+        truth = truth[rows] if name in ("dC", "dbias") else truth
+        assert relative_error(mine, truth) <= TOLERANCE[torch.float32], name
+
+
+def check_empty_shard_raises_everywhere(parallel: VocabParallel) -> None:
+    """A layout that leaves a rank no rows raises on every rank (one raising while the others
+    wait in a collective hung them until the group's timeout): a DTensor classifier too small
+    for the mesh, a VocabParallel whose range on one rank is empty."""
+    mesh = init_device_mesh("cpu", (parallel.world_size,))
+    tiny = distribute_tensor(torch.randn(parallel.world_size - 1, D), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="leaves a rank no rows"):
+        cce_compile.linear_cross_entropy(torch.randn(4, D), tiny, torch.zeros(4, dtype=torch.int64))
+    bounds = SHARD_BOUNDS[parallel.world_size]
+    start, stop = (bounds[0], bounds[0]) if parallel.rank == 0 else (bounds[parallel.rank], bounds[parallel.rank + 1])
+    with pytest.raises(ValueError, match=r"non-empty shard\) \(rank 0\)"):
+        VocabParallel(None, start, stop)
+
+
+def check_module_deep_copies(parallel: VocabParallel) -> None:
+    """A model holding the loss module deep-copies (an EMA's or a reference model's copy), the
+    copy sharing the VocabParallel: a process group cannot be copied."""
+    group = dist.new_group(list(range(parallel.world_size)))
+    module = cce_compile.LinearCrossEntropyLoss(vocab_parallel=VocabParallel(group, parallel.start, parallel.stop))
+    assert copy.deepcopy(module).options["vocab_parallel"] is module.options["vocab_parallel"]
+
+
 def check_refusals(parallel: VocabParallel) -> None:
     e, c, _, _, targets = problem(6)
     rows = slice(parallel.start, parallel.stop)
@@ -164,6 +229,14 @@ def check_refusals(parallel: VocabParallel) -> None:
         cce_compile.linear_cross_entropy(e, c, targets, vocab_parallel=parallel)
     with pytest.raises(ValueError, match="tile"):
         VocabParallel(None, 0, parallel.stop)  # every rank starting at 0: overlapping shards
+    with pytest.raises(TypeError, match="vocab_size"):
+        VocabParallel(None, parallel.start, parallel.stop, vocab_size=float(V))
+    with pytest.raises(TypeError, match="reduce_grad_e"):
+        VocabParallel(None, parallel.start, parallel.stop, vocab_size=V, reduce_grad_e="no")
+    outside = dist.new_group([0])  # every rank takes part in creating it; rank 0 alone is in it
+    if parallel.rank != 0:
+        with pytest.raises(ValueError, match="not a member"):
+            VocabParallel(outside, parallel.start, parallel.stop, vocab_size=V)
 
 
 def check_different_targets_give_nan(parallel: VocabParallel) -> None:
@@ -223,6 +296,10 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_partial_grad_e(parallel)
             check_dtensor(parallel)
             check_compiled(parallel)
+            check_compiled_buckets(parallel)
+            check_masked_shard(parallel)
+            check_empty_shard_raises_everywhere(parallel)
+            check_module_deep_copies(parallel)
             check_refusals(parallel)
             check_different_targets_give_nan(parallel)
             if world == 2:
@@ -238,3 +315,11 @@ def _worker(rank: int, world: int, store: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_vocabulary_matches_whole(world: int, tmp_path: Path) -> None:
     mp.spawn(_worker, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_targets_checksum_is_exact() -> None:
+    """Equal targets must checksum equal on every rank whatever its reduction order: an exact
+    integer sum, where a float32 one of 200k tokens differed between ranks of other thread counts."""
+    targets = torch.randint(-100, 256000, (200_000,), generator=torch.Generator().manual_seed(0))
+    expected = sum(i * t for i, t in enumerate(targets.tolist(), start=1)) % 2**24
+    assert float(targets_checksum(targets)) == expected

@@ -80,6 +80,9 @@ def shard_row_stats_backward(
     coef_target = grad_target_logit.to(torch.float32).neg().contiguous()
     # without smoothing no runner reads coef_smooth: coef_target stands in for it
     coef_smooth = grad_weighted_sum.to(torch.float32).neg().contiguous() if has_smoothing else coef_target
+    # A shard whose every logit of a row is -inf (a sampler's mask on its whole slice) has lse
+    # -inf there and no share of the softmax: a finite stand-in keeps exp(l - lse) at 0, not NaN.
+    lse = torch.where(torch.isneginf(lse), 0.0, lse)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_smooth), e, c, targets, bias, weight, lse,
         FilterStats.empty(e.device), 1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,

@@ -59,32 +59,56 @@ class VocabParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("vocab_parallel needs an initialized torch.distributed process group")
         group = self.group if self.group is not None else dist.group.WORLD
-        for name in ("start", "stop"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"VocabParallel.{name} must be an int, got {type(value).__name__}")
-        if not 0 <= self.start < self.stop:
-            raise ValueError(f"VocabParallel needs 0 <= start < stop (a non-empty shard), got [{self.start}, {self.stop})")
+        if not isinstance(group, dist.ProcessGroup):  # new_group's stand-in on the ranks outside it
+            raise ValueError("VocabParallel.group: this rank is not a member of the group")
+        if not isinstance(self.reduce_grad_e, bool):
+            raise TypeError(f"VocabParallel.reduce_grad_e must be a bool, got {self.reduce_grad_e!r:.40}")
         object.__setattr__(self, "group_name", group.group_name)
         object.__setattr__(self, "rank", dist.get_rank(group))
         object.__setattr__(self, "world_size", dist.get_world_size(group))
         object.__setattr__(self, "gather_on_host", dist.get_backend(group) == "gloo")
-        if self.vocab_size is None:
+        if self.vocab_size is None:  # every rank checks every range, so that all raise together
             object.__setattr__(self, "vocab_size", _checked_vocab_size(self.start, self.stop, group))
-        elif self.stop > self.vocab_size:
+            return
+        _check_range(self.start, self.stop)
+        if not _is_int(self.vocab_size):
+            raise TypeError(f"VocabParallel.vocab_size must be an int or None, got {type(self.vocab_size).__name__}")
+        if self.stop > self.vocab_size:
             raise ValueError(f"VocabParallel: stop ({self.stop}) is past vocab_size ({self.vocab_size})")
+
+    def __deepcopy__(self, memo: dict) -> VocabParallel:
+        """Itself: it names a process group, which cannot be copied (a deep copy of a model that
+        holds the loss module, an EMA's or a reference model's, shares it)."""
+        return self
 
     @property
     def shard_size(self) -> int:
         return self.stop - self.start
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_range(start: object, stop: object, rank: int | None = None) -> None:
+    """[start, stop) a non-empty range of ints; `rank` names whose, when checked for another."""
+    whose = "" if rank is None else f" (rank {rank})"
+    for name, value in (("start", start), ("stop", stop)):
+        if not _is_int(value):
+            raise TypeError(f"VocabParallel.{name} must be an int{whose}, got {type(value).__name__}")
+    if not 0 <= start < stop:  # type: ignore[operator]
+        raise ValueError(f"VocabParallel needs 0 <= start < stop (a non-empty shard){whose}, got [{start}, {stop})")
+
+
 def _checked_vocab_size(start: int, stop: int, group: dist.ProcessGroup) -> int:
-    """V, from every rank's [start, stop), after checking that they tile [0, V)."""
+    """V, from every rank's [start, stop), after checking that each is a range and that they
+    tile [0, V)."""
     ranges: list[tuple[int, int] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(ranges, (start, stop), group=group)
+    for rank, (first, last) in enumerate(ranges):  # type: ignore[misc]
+        _check_range(first, last, rank)
     position = 0
-    for first, last in sorted(r for r in ranges if r is not None):
+    for first, last in sorted(ranges):  # type: ignore[type-var]
         if first != position:
             raise ValueError(f"VocabParallel: the ranks' [start, stop) must tile [0, V) without gaps or overlaps, "
                              f"got {ranges}")
@@ -104,6 +128,10 @@ def from_dtensor(c) -> tuple[Tensor, VocabParallel]:
                          f"{tuple(c.placements)} on a {mesh.ndim}-D mesh")
     v, world = c.shape[0], mesh.size()
     rows = -(-v // world)
+    if rows * (world - 1) >= v:  # known to every rank alike: all raise, none waits in a collective
+        raise ValueError(f"c: a DTensor classifier of {v} rows over a mesh of {world} leaves a rank no rows "
+                         f"(torch.chunk's layout, {rows} a rank); the vocabulary-parallel loss needs every rank "
+                         f"to hold some")
     start = min(mesh.get_local_rank() * rows, v)
     stop = min(start + rows, v)
     return c.to_local(), VocabParallel(mesh.get_group(), start, stop, vocab_size=v)
@@ -155,6 +183,15 @@ def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
     return torch.stack(rows)
 
 
+def targets_checksum(targets: Tensor) -> Tensor:
+    """(1,) float32: sum_i i * target_i over positions 1..N, in int64 (exact, so equal targets
+    give equal sums on every rank whatever the reduction order; a float32 sum of 200k tokens
+    differed between ranks of other thread counts) and folded below 2^24, which float32 holds
+    exactly."""
+    positions = torch.arange(1, targets.numel() + 1, dtype=torch.int64, device=targets.device)
+    return ((targets.to(torch.int64) * positions).sum() % 2**24).to(torch.float32).reshape(1)
+
+
 def vocab_parallel_loss(
     e: Tensor, c: Tensor, targets: Tensor, parallel: VocabParallel, *, bias: Tensor | None, weight: Tensor | None,
     ignore_index: int, reduction: str, label_smoothing: float, z_loss: float, softcap: float, filter_eps: float,
@@ -193,21 +230,20 @@ def vocab_parallel_loss(
     stats = torch.stack(terms).reshape(-1)
     # Every rank must score the same tokens: a classifier sharded by FSDP looks like vocabulary
     # shards but comes with other ranks' tokens. A checksum of the targets rides along in the
-    # same all-gather (bitwise equal on every rank for equal targets); a mismatch makes the loss
-    # NaN, without a host sync to raise.
-    positions = torch.arange(1, n + 1, dtype=torch.float32, device=targets.device)
-    checksum = (targets.to(torch.float32) * positions).sum().reshape(1)
-    stats = torch.cat([stats, checksum])
+    # same all-gather; a mismatch makes the loss NaN, without a host sync to raise. The scalars
+    # lead, so that no index depends on N (under torch.compile one would pin N to a constant).
+    checksum = targets_checksum(targets)
+    scalars = [checksum]
     if smoothing and weight is not None:  # and the shard's weight total, for W
-        stats = torch.cat([stats, weight32.sum().reshape(1)])
-    shards = all_shards(stats, parallel)
-    per_shard = shards[:, : len(terms) * n].reshape(parallel.world_size, len(terms), n)
+        scalars.append(weight32.sum().reshape(1))
+    shards = all_shards(torch.cat([*scalars, stats]), parallel)
+    per_shard = shards[:, len(scalars):].reshape(parallel.world_size, len(terms), n)
     lse = torch.logsumexp(per_shard[:, 0], dim=0)
     summed = per_shard[:, 1:].sum(dim=0)
     target_weight = summed[-1] if weight is not None else valid.to(torch.float32)
-    total_weight = shards[:, -1].sum() if smoothing and weight is not None else float(v)
+    total_weight = shards[:, 1].sum() if smoothing and weight is not None else float(v)
     loss = loss_of_terms(lse, summed[0], summed[1] if smoothing else None, valid, in_range, target_weight,
                          total_weight, v, label_smoothing)
-    same_tokens = (shards[:, len(terms) * n] == checksum).all()
+    same_tokens = (shards[:, 0] == checksum).all()
     loss = loss * torch.where(same_tokens, 1.0, float("nan"))  # NaN in the gradients too, for any grad scaler to see
     return reduce_with_z_loss(loss, lse, z_loss, reduction, valid, target_weight if weight is not None else None), lse
