@@ -185,3 +185,18 @@ def test_vmap_runs(memory: str) -> None:
         expected = batch.clone().requires_grad_()
         sum(cce_compile.linear_cross_entropy(x, c, t, reduction="sum", memory="low") for x in expected).backward()
         torch.testing.assert_close(leaf.grad, expected.grad)
+
+
+def test_vmap_over_targets_runs() -> None:
+    """vmap over the targets too (a batch of sequences, each its tokens): the eager range check
+    once branched on a batched tensor's values, which vmap refuses ("data-dependent control flow")."""
+    e, c, t = good()
+    tokens = torch.stack([t, t.roll(1)])
+    batch = torch.stack([e, 2 * e])
+    with torch.no_grad():
+        log_probs = torch.func.vmap(lambda x, y: cce_compile.linear_log_probs(x, c, y))(batch, tokens)
+        losses = torch.func.vmap(lambda x, y: cce_compile.linear_cross_entropy(x, c, y, reduction="sum"))(batch, tokens)
+        torch.testing.assert_close(log_probs, torch.stack([cce_compile.linear_log_probs(x, c, y)
+                                                           for x, y in zip(batch, tokens)]))
+        torch.testing.assert_close(losses, torch.stack([cce_compile.linear_cross_entropy(x, c, y, reduction="sum")
+                                                        for x, y in zip(batch, tokens)]))
