@@ -1,18 +1,25 @@
 """`cce tune` on CPU: the search with its correctness gate, run on a tiny problem through the
 Triton interpreter with the wall-clock timer; publishing into a real `cce serve` process
-and into a database; the CLI; the candidate pruning."""
+and into a database; the CLI, and its refusals before any GPU time is spent (in real
+processes, one line each); the candidate pruning."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cce_compile import linear_cross_entropy
@@ -26,14 +33,15 @@ from cce_compile.resolve.platform import local_platform
 from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
 from cce_compile.tuning.publish import (
     DatabasePublisher,
-    PublishError,
     ServicePublisher,
     local_identity,
     measurements,
     write_bundled,
 )
 from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
-from service.process import serving
+from service.process import REPO_ROOT, free_port, serving
+from tests.db_fixtures import bearer
+from tests.test_cli import assert_one_line_failure, cce as cce_process
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
 
 TINY = Problem(n=64, v=257, d=32, dtype="bfloat16", mode="exact")
@@ -128,14 +136,12 @@ def test_published_measurements_make_the_best_config_what_the_service_answers(
 
 
 @pytest.mark.interpreter
-def test_db_url_publishing_writes_through_the_store(tuned: TuneResult, sqlite_url: str, tmp_path: Path) -> None:  # noqa: F811
+def test_db_url_publishing_writes_through_the_store(tuned: TuneResult, sqlite_url: str) -> None:
+    from tuning_db.engine import make_engine
     from tuning_db.records import LookupQuery
     from tuning_db.store import lookup
 
-    with pytest.raises(PublishError, match="cce db upgrade"):
-        DatabasePublisher(f"sqlite:///{tmp_path / 'not-upgraded.db'}").check()
-    publisher = DatabasePublisher(sqlite_url)
-    publisher.check()
+    publisher = DatabasePublisher(make_engine(sqlite_url))
     bodies = measurements(tuned, local_identity("interpreter"), "tester")
     assert all(outcome.accepted for outcome in publisher.publish(bodies))
     platform = local_platform("interpreter")
@@ -153,7 +159,8 @@ def test_bundled_entries_replace_the_same_key_and_the_op_reads_them(
     tuned: TuneResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bundle = tmp_path / "interpreter.json"
-    other = {"gpu": "interpreter", "V": 1000, "D": 64, "dtype": "float32", "tokens": 8, "mode": "exact", "config": {}}
+    other = {"gpu": "interpreter", "V": 1000, "D": 64, "dtype": "float32", "tokens": 8, "mode": "exact", "config": {},
+             "kernel_version": "older"}
     stale = {**other, "V": TINY.v, "D": TINY.d, "dtype": TINY.dtype, "tokens": 40, "config": {"slab_v": 128}}
     bundle.write_text(json.dumps({"entries": [stale, other]}))
     write_bundled(bundle, tuned, local_identity("interpreter"))
@@ -189,9 +196,112 @@ def test_cli_checks_where_results_go_before_tuning(tmp_path: Path) -> None:
     no_token = runner.invoke(cce, [*base, "--publish", "http://127.0.0.1:9"], env={sources.TOKEN_ENV: ""})
     assert no_token.exit_code == 2 and "CCE_TUNING_TOKEN" in no_token.output
     dead = runner.invoke(cce, [*base, "--publish", "http://127.0.0.1:9"], env={sources.TOKEN_ENV: "x"})
-    assert dead.exit_code == 2 and "unreachable" in dead.output
+    assert dead.exit_code == 1 and "unreachable" in dead.output  # as `cce export --url` from a dead service
     both = runner.invoke(cce, [*base, "--publish", "http://x", "--db-url", "sqlite://"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+TINY_CLI = ("tune", "--vocab", "200", "--hidden", "16", "--tokens", "40", "--budget-s", "0", "--input-sets", "1")
+
+
+def _stored(url: str) -> int:
+    """How many measurements the service holds (its export's header counts them)."""
+    header = httpx.get(f"{url}/v1/export", headers=bearer(READ_TOKEN)).text.splitlines()[0]
+    return json.loads(header)["measurements"]
+
+
+def test_publish_checks_the_token_can_write_before_tuning(service_url: str) -> None:
+    """A read token or an unknown one once tuned the whole problem, then had every measurement
+    refused; the check sends an empty measurement, which stores nothing, even with a write token."""
+    before = _stored(service_url)
+    for token, status in ((READ_TOKEN, "403"), ("unknown-token-0002", "401")):
+        done = cce_process(*TINY_CLI, "--publish", service_url, env={sources.TOKEN_ENV: token})
+        assert_one_line_failure(done, f"--publish {service_url}", "CCE_TUNING_TOKEN cannot write", status)
+        assert done.returncode == 1
+    ServicePublisher(service_url, WRITE_TOKEN).check()
+    assert _stored(service_url) == before
+
+
+def test_an_empty_destination_is_refused() -> None:
+    """An unset shell variable (`--db-url "$URL"`) once tuned the whole problem and stored nothing."""
+    for option in ("--db-url", "--publish"):
+        done = cce_process(*TINY_CLI, option, "")
+        assert_one_line_failure(done, f"Invalid value for '{option}'", "empty")
+        assert done.returncode == 2
+
+
+def test_a_destination_that_cannot_work_stops_tune_in_one_line(tmp_path: Path) -> None:
+    """Each once came after the plan, without `cce: error:` or the option's name, some on
+    several lines: a value that cannot be right exits 2, a refusal from where it points 1."""
+    dead = f"127.0.0.1:{free_port()}"
+    missing = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'tuning.db'}"
+    token = {sources.TOKEN_ENV: WRITE_TOKEN}
+    cases = (
+        (["--db-url", missing], {}, 1, [f"--db-url {missing}: no such SQLite database"]),
+        (["--db-url", f"postgresql+psycopg://postgres@{dead}/test"], {}, 1, ["--db-url", "cannot open the database"]),
+        (["--db-url", "nonsense://"], {}, 2, ["Invalid value for --db-url", "nonsense"]),
+        (["--db-url", "garbage"], {}, 2, ["Invalid value for --db-url", "Could not parse"]),
+        (["--publish", f"http://{dead}"], token, 1, [f"--publish http://{dead}: tuning service unreachable"]),
+        (["--publish", "garbage"], token, 2, ["--publish garbage: not an http:// or https:// URL"]),
+        (["--publish", f"http://{dead}"], {sources.TOKEN_ENV: ""}, 2, ["--publish", "needs a write token"]),
+    )
+    with ThreadPoolExecutor(len(cases)) as pool:  # each process spends seconds importing torch
+        runs = list(pool.map(lambda case: cce_process(*TINY_CLI, *case[0], env=case[1]), cases))
+    for (args, _, status, fragments), done in zip(cases, runs):
+        assert_one_line_failure(done, *fragments)
+        assert done.returncode == status, (args, done.stderr)
+
+
+def test_db_url_is_a_database_cce_db_upgrade_made(tmp_path: Path) -> None:
+    """A missing SQLite file was created empty, and then `cce db upgrade` was advised without
+    --db-url, which upgrades another database."""
+    missing = tmp_path / "missing.db"
+    assert_one_line_failure(cce_process(*TINY_CLI, "--db-url", f"sqlite:///{missing}"), "no such SQLite database")
+    assert not missing.exists()
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    done = cce_process(*TINY_CLI, "--db-url", f"sqlite:///{empty}")
+    assert_one_line_failure(done, "has no schema", f"run `cce db upgrade --db-url sqlite:///{empty}`")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_without_a_gpu_tune_stops_before_the_plan() -> None:
+    """The plan, a screenful, once came before the refusal (a dry run's plan still comes)."""
+    done = cce_process(*TINY_CLI, env={"TRITON_INTERPRET": ""})
+    assert_one_line_failure(done, "needs a CUDA GPU")
+    assert done.returncode == 2
+
+
+def test_a_bundle_file_that_is_not_one_is_refused_before_tuning(tmp_path: Path) -> None:
+    """It once failed after the whole run, in the JSON reader's words, and before publishing."""
+    bundle = tmp_path / "bundle.json"
+    for text, fragment in (("not json", "not a bundled-configs file"), ("[]", "not a bundled-configs file"),
+                           ('{"entries": [{"gpu": "x"}]}', "entry 0 lacks one of")):
+        bundle.write_text(text)
+        done = cce_process(*TINY_CLI, "--bundle", str(bundle))
+        assert_one_line_failure(done, "Invalid value for --bundle", str(bundle), fragment)
+        assert done.returncode == 2 and bundle.read_text() == text
+
+
+@pytest.mark.interpreter
+def test_a_bundle_broken_during_the_run_loses_no_published_measurement(service_url: str, tmp_path: Path) -> None:
+    """The bundle is written after publishing: its failure is the command's, not the results'."""
+    bundle = tmp_path / "bundle.json"
+    problem = Problem(24, 300, 16, "bfloat16", "exact")
+    args = ["tune", "--vocab", str(problem.v), "--hidden", str(problem.d), "--tokens", str(problem.n),
+            "--budget-s", "0", "--input-sets", "1", "--publish", service_url, "--bundle", str(bundle)]
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), sources.TOKEN_ENV: WRITE_TOKEN}
+    with subprocess.Popen([sys.executable, "-m", "cce_compile.cli.main", *args], env=environment, cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        assert child.stderr is not None
+        while "cce tune plan" not in child.stderr.readline():  # the checks are done, the run starts
+            assert child.poll() is None, child.stderr.read()
+        bundle.write_text("not json")
+        _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 1
+    assert re.search(r"published (\d+) of \1 measurements", stderr), stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"cce: error: --bundle {bundle}: not a bundled-configs file")
+    assert _best(service_url, problem)["match_level"] == "exact"
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing() -> None:

@@ -89,13 +89,14 @@ def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
     from tuning_db.engine import make_engine, resolve_db_url, shown_url, sqlite_file
 
     url = resolve_db_url(db_url)
-    try:
+    try:  # a URL SQLAlchemy cannot parse, or for a database it has no dialect of
         path = sqlite_file(url)
+        engine = make_engine(url)
     except ArgumentError as error:
-        fail(f"--db-url: {error}")
+        raise typer.BadParameter(str(error), param_hint="--db-url") from None
     if existing and path is not None and not path.exists():
+        engine.dispose()
         fail(f"--db-url {url}: no such SQLite database; create it with `cce db upgrade --db-url {url}`")
-    engine = make_engine(url)
     try:
         with engine.connect():
             pass

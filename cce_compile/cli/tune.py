@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail
+from cce_compile.cli.errors import fail, refuse_empty
 from cce_compile.cli.lookup import checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
@@ -35,10 +35,16 @@ def tune(
     mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps='auto')")] = "exact",
     publish: Annotated[
         Optional[str],
-        typer.Option("--publish", metavar="URL", help="POST the measurements to this tuning service ($CCE_TUNING_TOKEN: a write token)"),
+        typer.Option(
+            "--publish", metavar="URL",
+            callback=refuse_empty("the URL is empty; leave --publish out to publish nothing"),
+            help="POST the measurements to this tuning service ($CCE_TUNING_TOKEN: a write token)",
+        ),
     ] = None,
     db_url: Annotated[
-        Optional[str], typer.Option("--db-url", help="write the measurements into this tuning database instead")
+        Optional[str],
+        typer.Option("--db-url", callback=refuse_empty("the URL is empty; leave --db-url out to write no database"),
+                     help="write the measurements into this tuning database instead (one `cce db upgrade` made)"),
     ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="write the results as JSON here")] = None,
     bundle: Annotated[
@@ -64,9 +70,15 @@ def tune(
         raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
     _check_writable(out, "--out")
     _check_writable(bundle, "--bundle")
+    _check_bundle(bundle)
     import torch
 
     device = "cuda" if torch.cuda.is_available() or not active_policy().triton_on_cpu else "interpreter"
+    publisher: Publisher | None = None
+    if not dry_run:  # a dry run plans for a GPU it may not have, and publishes nothing
+        if device == "cuda" and not torch.cuda.is_available():
+            fail("cce tune times Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, for tests)", status=2)
+        publisher = _publisher(publish, db_url)
     problem = candidates.Problem(tokens, vocab, hidden, dtype_name, mode)
     limits = candidates.device_limits(problem)
     untuned = candidates.untuned_kernels(problem, device)
@@ -75,25 +87,28 @@ def tune(
     _print_plan(tuner, limits, untuned)
     if dry_run:
         return
-    if device == "cuda" and not torch.cuda.is_available():
-        fail("cce tune times Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1, for tests)", status=2)
-    publisher = _publisher(publish, db_url)
     result = _run_with_progress(tuner)
     _print_result(result, untuned)
     identity = results.local_identity(device)
     bodies = results.measurements(result, identity, submitter or results.default_submitter())
+    # Published first: a file that cannot be written after the run (a bundle file changed
+    # during it) must not lose the measurements.
+    all_published = publisher is None or _publish(publisher, bodies)
     if out is not None:
         report = {**result.to_json(), "identity": asdict(identity), "measurements": bodies}
         out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if bundle is not None:
-        results.write_bundled(bundle, result, identity)
+        try:
+            results.write_bundled(bundle, result, identity)
+        except (OSError, ValueError) as error:
+            fail(f"--bundle {bundle}: {error}; the results are in the tables above")
         typer.echo(f"bundled config for V={vocab} D={hidden} tokens={tokens} written to {bundle}", err=True)
-    if publisher is not None:
-        _publish(publisher, bodies)
+    if not all_published:
+        raise typer.Exit(1)
 
 
-def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> None:
-    """Publish, report what the store said, and fail if it refused anything."""
+def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> bool:
+    """Publish and report what the store said; whether it took every measurement."""
     outcomes = publisher.publish(bodies)
     refused = [outcome for outcome in outcomes if not outcome.accepted]
     whole = outcomes[0]  # measurements() puts the whole-op measurement first
@@ -104,13 +119,12 @@ def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> None:
     )
     for outcome in refused:
         typer.echo(f"  refused {outcome.kernel} ({outcome.median_ms:.3f} ms): {outcome.detail}", err=True)
-    if refused:
-        raise typer.Exit(1)
+    return not refused
 
 
 def _check_writable(path: Path | None, option: str) -> None:
-    """Files are written after the whole run (and before --publish): a path that cannot take
-    one must stop the command before any GPU time is spent, so a file is made there and removed."""
+    """Files are written after the whole run: a path that cannot take one must stop the
+    command before any GPU time is spent, so a file is made there and removed."""
     if path is None:
         return
     if path.is_dir():
@@ -122,22 +136,39 @@ def _check_writable(path: Path | None, option: str) -> None:
         raise typer.BadParameter(f"cannot write in {path.parent}: {error.strerror}", param_hint=option) from None
 
 
+def _check_bundle(path: Path | None) -> None:
+    """An existing --bundle file gets the best config added after the whole run: one that is
+    not a bundled-configs file must stop the command first."""
+    from cce_compile.tuning.publish import bundled_entries
+
+    if path is None:
+        return
+    try:
+        bundled_entries(path)
+    except (OSError, ValueError) as error:
+        raise typer.BadParameter(f"{path}: {error}", param_hint="--bundle") from None
+
+
 def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
-    """The configured publisher, checked before any GPU time is spent."""
+    """The configured publisher, checked before any GPU time is spent: a URL or token that
+    cannot be right exits 2, a service or database that refuses exits 1 (as `cce export` does)."""
     from cce_compile.resolve import sources
     from cce_compile.tuning import publish as results
 
+    if db_url:
+        from cce_compile.cli.db import store_engine  # loads the database stack
+
+        return results.DatabasePublisher(store_engine(db_url))
+    if not url:
+        return None
     try:
-        if url:
-            publisher: Publisher = results.ServicePublisher(url, os.environ.get(sources.TOKEN_ENV))
-        elif db_url:
-            publisher = results.DatabasePublisher(db_url)
-        else:
-            return None
+        publisher = results.ServicePublisher(url, os.environ.get(sources.TOKEN_ENV))
+    except results.PublishError as error:
+        fail(f"--publish {url}: {error}", status=2)
+    try:
         publisher.check()
     except results.PublishError as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
+        fail(f"--publish {url}: {error}")
     return publisher
 
 

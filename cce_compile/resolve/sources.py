@@ -203,15 +203,23 @@ def _bundled_index(directory: Path) -> dict[tuple[Any, ...], tuple[Any, Any]]:
 BUNDLED_FIELDS = ("gpu", "V", "D", "dtype", "tokens", "mode", "kernel_version", "config")
 
 
-def _add_bundled(index: dict[tuple[Any, ...], tuple[Any, Any]], entry: Mapping[str, Any], where: str) -> None:
-    if not isinstance(entry, Mapping) or any(name not in entry for name in BUNDLED_FIELDS):
-        log.warning("bundled %s lacks one of %s; skipping it", where, BUNDLED_FIELDS)
-        return
-    tokens = entry["tokens"]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        log.warning("bundled %s has tokens %r; skipping it", where, tokens)
+def _add_bundled(index: dict[tuple[Any, ...], tuple[Any, Any]], entry: Any, where: str) -> None:
+    fault = bundled_entry_fault(entry)
+    if fault is not None:
+        log.warning("bundled %s %s; skipping it", where, fault)
         return
     index[bundled_key(entry)] = (entry["kernel_version"], entry["config"])
+
+
+def bundled_entry_fault(entry: Any) -> str | None:
+    """Why the reader skips a bundled entry (`cce tune --bundle` refuses a file holding one);
+    None for an entry it reads."""
+    if not isinstance(entry, Mapping) or any(name not in entry for name in BUNDLED_FIELDS):
+        return f"lacks one of {BUNDLED_FIELDS}"
+    tokens = entry["tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        return f"has tokens {tokens!r}"
+    return None
 
 
 def bundled_key(entry: Mapping[str, Any]) -> tuple[Any, ...]:

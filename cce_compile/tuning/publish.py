@@ -20,7 +20,7 @@ import socket
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,6 +30,9 @@ from cce_compile.resolve.platform import kernel_version, local_platform, triton_
 from cce_compile.config.kernel_config import KernelConfig
 
 from .tuner import Timing, TuneResult
+
+if TYPE_CHECKING:  # SQLAlchemy only where a database is written
+    from sqlalchemy import Engine
 
 HTTP_TIMEOUT_S = 30.0
 
@@ -134,9 +137,6 @@ class Outcome:
 
 
 class Publisher(Protocol):
-    def check(self) -> None:
-        """Raise PublishError if publishing cannot work (checked before tuning starts)."""
-
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]: ...
 
 
@@ -148,8 +148,21 @@ class ServicePublisher:
     """POST /v1/measurements to a tuning service with a write token."""
 
     def __init__(self, url: str, token: str | None) -> None:
+        """PublishError where the URL or the token cannot be right, whatever the service says."""
+        import httpx
+
         if not token:
             raise PublishError(f"publishing needs a write token in ${sources.TOKEN_ENV}")
+        if not token.isascii():
+            raise PublishError(
+                f"${sources.TOKEN_ENV}: a token is ASCII (URL-safe characters, as `cce token` makes them)"
+            )
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as error:
+            raise PublishError(f"not a URL: {error}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise PublishError("not an http:// or https:// URL")
         self.url = url.rstrip("/")
         self.token = token
 
@@ -161,15 +174,25 @@ class ServicePublisher:
         )
 
     def check(self) -> None:
+        """PublishError unless the service is ready and takes writes with this token: found out
+        after the run, either would throw its measurements away. The token is tried on an empty
+        measurement, which the service authorizes before it validates the body: 422 means
+        authorized, and nothing is stored."""
         import httpx
 
         try:
             with self._client() as client:
-                response = client.get("/readyz")
+                ready = client.get("/readyz")
+                write = client.post("/v1/measurements", json={})
         except httpx.HTTPError as error:
-            raise PublishError(f"tuning service {self.url} unreachable: {type(error).__name__}: {error}") from None
-        if response.status_code != 200:
-            raise PublishError(f"tuning service {self.url} not ready: {response.status_code} {response.text[:200]}")
+            raise PublishError(f"tuning service unreachable: {type(error).__name__}: {error}") from None
+        if ready.status_code != 200:
+            raise PublishError(f"tuning service not ready: {ready.status_code} {ready.text[:200]}")
+        if write.status_code in (401, 403):
+            raise PublishError(f"${sources.TOKEN_ENV} cannot write: {write.status_code} {write.text[:200]}")
+        if write.status_code != 422:
+            raise PublishError(f"POST /v1/measurements answered {write.status_code}, not 422, to an empty "
+                               f"measurement: {write.text[:200]}")
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
         outcomes = []
@@ -186,22 +209,11 @@ class ServicePublisher:
 
 
 class DatabasePublisher:
-    """tuning_db.store.record_measurement on a database URL (no service in between)."""
+    """tuning_db.store.record_measurement on a database (no service in between): an engine
+    the caller has checked (`cce tune` opens it as `cce import` does: cli.db.store_engine)."""
 
-    def __init__(self, db_url: str) -> None:
-        from tuning_db.engine import make_engine
-
-        self.engine = make_engine(db_url)
-
-    def check(self) -> None:
-        from tuning_db.migrate import current_revision, head_revision
-
-        try:
-            revision = current_revision(self.engine)
-        except Exception as error:  # any failure to reach the database
-            raise PublishError(f"tuning database unreachable: {type(error).__name__}: {error}") from None
-        if revision != head_revision():
-            raise PublishError(f"tuning database at revision {revision}, not {head_revision()}: run `cce db upgrade`")
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
         from pydantic import ValidationError
@@ -240,8 +252,24 @@ def write_bundled(path: Path, result: TuneResult, identity: Identity) -> None:
     }
 
     replaced = sources.bundled_key(entry)
-    entries = json.loads(path.read_text(encoding="utf-8"))["entries"] if path.exists() else []
+    entries = bundled_entries(path)
     _write_entries(path, [item for item in entries if sources.bundled_key(item) != replaced] + [entry])
+
+
+def bundled_entries(path: Path) -> list[dict[str, Any]]:
+    """The entries of a bundled-configs file (none where there is no file); ValueError saying
+    why where the file is not one, or holds an entry the reader would skip."""
+    if not path.exists():
+        return []
+    document = sources.parse_json(path.read_bytes())
+    entries = document.get("entries") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError('not a bundled-configs file: JSON {"entries": [...]} (config/bundled/README.md)')
+    for number, entry in enumerate(entries):
+        fault = sources.bundled_entry_fault(entry)
+        if fault is not None:
+            raise ValueError(f"entry {number} {fault}")
+    return entries
 
 
 def restamp_bundled(path: Path) -> None:
