@@ -1,6 +1,7 @@
 """How far linear_log_probs' filtered backward lands from exact mode's, on the plain-PyTorch
 path (CPU, no GPU needed): LM-like heads, 256 token rows, random log-prob upstream gradients
-and entropy ones `--entropy-weights` their size.
+and entropy ones `--entropy-weights` their size. Exact mode's gradients are the op's own
+(autograd through linear_log_probs), so the probe's coefficients are checked with the filter.
 
     PYTHONPATH=$PWD python benchmarks/probe_filtered_log_probs.py --shapes 896x151936
 
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 
+from cce_compile import linear_log_probs
 from cce_compile.bench.inputs import lm_like_inputs
 from cce_compile.bench.shapes import SHAPES
 from cce_compile.ops.cpu_path import backward_cpu, forward_cpu
 from cce_compile.ops.filtering import vocab_order
 from cce_compile.ops.loss_terms import log_prob_coefficients
+from cce_compile.plan.policy import active_policy, override_policy
 
 ROWS = 256
 
@@ -51,18 +55,25 @@ def main() -> None:
         for weight in args.entropy_weights:
             up_entropy = weight * torch.randn(ROWS, generator=generator)
             coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-                up_log_probs, up_entropy if weight else None, mean_logit, tokens, -100)
-
-            def grads(filter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-                grad_e, grad_c, _ = backward_cpu(
-                    e, c, tokens, None, None, lse, coef_softmax, coef_target, None, 0.0, filter_eps, chunk_v=8192,
-                    filter_tile=filter_tile, vocab_order=order if filter_eps else None,
-                    forward_block_n=args.forward_block_n, coef_entropy=coef_entropy, tilt_tokens=batch_tokens)
-                return grad_e, grad_c
-
+                up_log_probs, up_entropy if weight else None, lse - mean_logit, tokens, -100)
+            filtered = backward_cpu(
+                e, c, tokens, None, None, lse, coef_softmax, coef_target, None, 0.0, args.filter_eps, chunk_v=8192,
+                filter_tile=filter_tile, vocab_order=order, forward_block_n=args.forward_block_n,
+                coef_entropy=coef_entropy, tilt_tokens=batch_tokens)[:2]
             errors = [((got - want).norm() / want.norm()).item()
-                      for got, want in zip(grads(args.filter_eps), grads(0.0))]
+                      for got, want in zip(filtered, exact_grads(e, c, tokens, up_log_probs, up_entropy))]
             print(f"| {d} x {v} | {weight:g} | {errors[0]:.2e} | {errors[1]:.2e} |", flush=True)
+
+
+def exact_grads(e: torch.Tensor, c: torch.Tensor, tokens: torch.Tensor, up_log_probs: torch.Tensor,
+                up_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dE, dC) of sum(up_log_probs * log_probs + up_entropy * entropy), autograd through the
+    op's exact mode on the plain-PyTorch path."""
+    leaves = [e.clone().requires_grad_(), c.clone().requires_grad_()]
+    with override_policy(replace(active_policy(), triton_on_cpu=False)):
+        log_probs, entropy = linear_log_probs(*leaves, tokens, entropy=True)
+    (log_probs * up_log_probs + entropy * up_entropy).sum().backward()
+    return leaves[0].grad, leaves[1].grad
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One training step of a Hugging Face Llama-shaped model, HF's loss against patch(), eager,
+"""One training step of a small Hugging Face causal LM, HF's loss against patch(), eager,
 torch.compile and torch.compile(mode="reduce-overhead"): median step, peak memory (all of it,
 and a step's own: its peak above what stays allocated between steps, the weights and AdamW
 state), first-step (compiling) time and loss agreement.
@@ -8,8 +8,9 @@ state), first-step (compiling) time and loss agreement.
 The model (`--model`): `llama`, 2 decoder layers, hidden 2048, vocab 128256, untied head, batch
 4 x 2048 tokens; `qwen2`, Qwen2.5 0.5B's head (hidden 896, vocab 151936, tied to the embedding),
 2 layers, 4 x 4096 tokens; `gemma2`, Gemma-2 2B's (hidden 2304, vocab 256000, tied, the logits
-soft-capped at 30), 2 layers, 4 x 2048 tokens. bf16 weights, AdamW. Each run is its own process with empty Inductor and Triton caches, so its
-first step pays the compile a user's first run pays, and no run reuses another's kernels.
+soft-capped at 30), 2 layers, 4 x 2048 tokens. bf16 weights, AdamW. Each run is its own
+process with empty Inductor and Triton caches, so its first step pays the compile a user's
+first run pays, and no run reuses another's kernels.
 A first step varies by seconds from process to process (HF's compiled and reduce-overhead runs,
 one each, read 13.7 and 10.9 s): `--repeats K` runs each K times, the runs' order reversed on
 every other repeat, and the table gives the medians and the first step against HF's in the same

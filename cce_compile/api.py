@@ -173,10 +173,10 @@ def check_loss_options(
 
 def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = "targets") -> None:
     """Eager CPU calls get a clear error for an out-of-range target; on the GPU and under
-    torch.compile that would cost a host sync, and under torch.func's transforms (vmap) a
-    branch on values is refused, so there the op gives that token a NaN loss."""
+    torch.compile that would cost a host sync, and targets that torch.func's vmap batches
+    cannot be branched on, so there the op gives that token a NaN loss."""
     if (torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0
-            or retrieve_all_functorch_interpreters()):
+            or torch._C._functorch.is_functorch_wrapped_tensor(targets)):
         return
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
     if bool(bad.any()):

@@ -200,3 +200,7 @@ def test_vmap_over_targets_runs() -> None:
                                                            for x, y in zip(batch, tokens)]))
         torch.testing.assert_close(losses, torch.stack([cce_compile.linear_cross_entropy(x, c, y, reduction="sum")
                                                         for x, y in zip(batch, tokens)]))
+        out_of_range = t.clone()
+        out_of_range[0] = c.shape[0]
+        with pytest.raises(ValueError, match="targets must be in"):  # targets vmap does not batch are checked
+            torch.func.vmap(lambda x: cce_compile.linear_cross_entropy(x, c, out_of_range, reduction="sum"))(batch)
