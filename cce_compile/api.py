@@ -107,7 +107,7 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     """Forward-mode AD does not reach through torch.library's custom ops: torch.func.jvp and
     dual tensors get a zero tangent without an error, and torch.func.grad (vjp, jacrev) fails
     in torch's internals. Both are refused here by name; reverse mode (backward,
-    torch.autograd.grad) is the supported way. vmap runs (no grad, or memory="low"). Under
+    torch.autograd.grad) is the supported way. vmap runs, gradients too (on the recompute). Under
     torch.compile this check cannot run (Dynamo traces the transforms itself): see
     docs/integrations.md."""
     if torch.compiler.is_compiling():
@@ -286,8 +286,12 @@ def linear_cross_entropy(
         eps = 0.0  # as in linear_log_probs: no tile statistics, no graph per power of two of N
     options = options_of(bias, weight, scaled_softcap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
-    if backward and not return_lse and gradients_in_forward(options, dtype_name(e.dtype), reduction, memory,
-                                                              has_z_loss=z_loss > 0.0):
+    # Inside vmap a batched operand reports requires_grad False while autograd still wants its
+    # gradient, and the fused forward computes only the gradients the flags ask for: the
+    # recompute, which takes them from autograd in the backward, runs there instead.
+    in_vmap = not torch.compiler.is_compiling() and bool(retrieve_all_functorch_interpreters())
+    if backward and not return_lse and not in_vmap and gradients_in_forward(
+            options, dtype_name(e.dtype), reduction, memory, has_z_loss=z_loss > 0.0):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),

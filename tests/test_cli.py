@@ -108,6 +108,7 @@ def test_tokens_and_scopes_are_checked_where_they_are_given() -> None:
         assert_one_line_failure(cce("token", "--scopes", scopes), "--scopes", "unknown scope")
     done = cce("export", "--url", f"http://127.0.0.1:{free_port()}", "--token", "t\u00f6k\u00e9n-token")
     assert_one_line_failure(done, "--token", "ASCII")
+    assert done.returncode == 2  # a misused option, as `cce tune`'s non-ASCII token
 
 
 def test_a_bad_setting_stops_serve_in_one_line() -> None:

@@ -33,6 +33,7 @@ from cce_compile.resolve.platform import local_platform
 from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
 from cce_compile.tuning.publish import (
     DatabasePublisher,
+    bundled_entries,
     ServicePublisher,
     local_identity,
     measurements,
@@ -284,24 +285,47 @@ def test_a_bundle_file_that_is_not_one_is_refused_before_tuning(tmp_path: Path) 
 
 
 @pytest.mark.interpreter
+def _tune_until_planned(problem: Problem, *options: str) -> subprocess.Popen:
+    """`cce tune` on `problem` in a process of its own, returned once it has printed its plan:
+    its checks are done and its run (a few seconds under the interpreter) starts."""
+    args = ["tune", "--vocab", str(problem.v), "--hidden", str(problem.d), "--tokens", str(problem.n),
+            "--budget-s", "0", "--input-sets", "1", *options]
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), sources.TOKEN_ENV: WRITE_TOKEN}
+    child = subprocess.Popen([sys.executable, "-m", "cce_compile.cli.main", *args], env=environment, cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stderr is not None
+    while "cce tune plan" not in child.stderr.readline():
+        assert child.poll() is None, child.stderr.read()
+    return child
+
+
 def test_a_bundle_broken_during_the_run_loses_no_published_measurement(service_url: str, tmp_path: Path) -> None:
     """The bundle is written after publishing: its failure is the command's, not the results'."""
     bundle = tmp_path / "bundle.json"
     problem = Problem(24, 300, 16, "bfloat16", "exact")
-    args = ["tune", "--vocab", str(problem.v), "--hidden", str(problem.d), "--tokens", str(problem.n),
-            "--budget-s", "0", "--input-sets", "1", "--publish", service_url, "--bundle", str(bundle)]
-    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), sources.TOKEN_ENV: WRITE_TOKEN}
-    with subprocess.Popen([sys.executable, "-m", "cce_compile.cli.main", *args], env=environment, cwd=REPO_ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        assert child.stderr is not None
-        while "cce tune plan" not in child.stderr.readline():  # the checks are done, the run starts
-            assert child.poll() is None, child.stderr.read()
+    with _tune_until_planned(problem, "--publish", service_url, "--bundle", str(bundle)) as child:
         bundle.write_text("not json")
         _, stderr = child.communicate(timeout=300)
     assert child.returncode == 1
     assert re.search(r"published (\d+) of \1 measurements", stderr), stderr
     assert stderr.strip().splitlines()[-1].startswith(f"cce: error: --bundle {bundle}: not a bundled-configs file")
     assert _best(service_url, problem)["match_level"] == "exact"
+
+
+def test_a_service_lost_during_the_run_loses_neither_file(tmp_path: Path) -> None:
+    """A service that passed the checks and is gone when the run ends: every measurement is
+    refused with the connection's error, and the report and the bundle are still written (the
+    lost connection once raised out of the command before either)."""
+    out, bundle = tmp_path / "report.json", tmp_path / "bundle.json"
+    problem = Problem(24, 300, 16, "bfloat16", "exact")
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", env=TOKENS_ENV) as url:
+        child = _tune_until_planned(problem, "--publish", url, "--out", str(out), "--bundle", str(bundle))
+    with child:  # the service has stopped
+        _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 1, stderr
+    assert re.search(r"published 0 of \d+ measurements", stderr) and "ConnectError" in stderr, stderr
+    assert json.loads(out.read_text())["measurements"]
+    assert [entry["V"] for entry in bundled_entries(bundle)] == [problem.v]
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing() -> None:

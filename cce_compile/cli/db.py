@@ -128,7 +128,7 @@ def _service_request(method: str, url: str, path: str, token: str | None, **kwar
     import httpx
 
     if token and not token.isascii():
-        fail("--token: a token is ASCII (URL-safe characters, as `cce token` makes them)")
+        fail("--token: a token is ASCII (URL-safe characters, as `cce token` makes them)", status=2)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kwargs)

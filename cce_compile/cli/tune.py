@@ -91,12 +91,12 @@ def tune(
     _print_result(result, untuned)
     identity = results.local_identity(device)
     bodies = results.measurements(result, identity, submitter or results.default_submitter())
-    # Published first: a file that cannot be written after the run (a bundle file changed
-    # during it) must not lose the measurements.
-    all_published = publisher is None or _publish(publisher, bodies)
+    # The report first (its folder was checked), then the store, then the bundle: a bundle file
+    # changed during the run must lose neither the report nor the published measurements.
     if out is not None:
         report = {**result.to_json(), "identity": asdict(identity), "measurements": bodies}
         out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    all_published = publisher is None or _publish(publisher, bodies)
     if bundle is not None:
         try:
             results.write_bundled(bundle, result, identity)

@@ -195,10 +195,19 @@ class ServicePublisher:
                                f"measurement: {write.text[:200]}")
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
+        """One outcome a measurement; one the connection lost is refused with the error, so
+        that what the run found still reaches its files (cli/tune.py)."""
+        import httpx
+
         outcomes = []
         with self._client() as client:
             for item in bodies:
-                response = client.post("/v1/measurements", json=item)
+                try:
+                    response = client.post("/v1/measurements", json=item)
+                except httpx.HTTPError as error:
+                    outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False,
+                                            f"{type(error).__name__}: {error}"[:300]))
+                    continue
                 if response.status_code == 201:
                     answer = response.json()
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], True, answer["is_best"], ""))
@@ -276,8 +285,7 @@ def restamp_bundled(path: Path) -> None:
     """Mark every entry of a bundled-configs file as tuned for the kernels of this checkout.
     Only for a change of the launched code that leaves the tuned tiles' ranking alone, once
     the benchmark on the GPU has confirmed them (config/bundled/README.md); otherwise re-tune."""
-    entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
-    _write_entries(path, [{**entry, "kernel_version": kernel_version()} for entry in entries])
+    _write_entries(path, [{**entry, "kernel_version": kernel_version()} for entry in bundled_entries(path)])
 
 
 def _write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
