@@ -284,6 +284,10 @@ def linear_cross_entropy(
     backward = needs_grad(e, c, bias)
     if not backward:
         eps = 0.0  # as in linear_log_probs: no tile statistics, no graph per power of two of N
+    if label_smoothing > 0.0 and weight is not None:
+        # smoothing's d-logit term -s_i w_j is uneven over a tile's columns where the class
+        # weights are, and the put-back spreads a skipped tile's sum evenly: the backward runs exact
+        eps = 0.0
     options = options_of(bias, weight, scaled_softcap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
     # Inside vmap a batched operand reports requires_grad False while autograd still wants its
