@@ -112,7 +112,7 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     docs/integrations.md."""
     if torch.compiler.is_compiling():
         return
-    transforms = {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
+    transforms = _active_transforms()
     refused = sorted(transforms & {"jvp", "grad"})
     if refused:
         raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func's "
@@ -122,6 +122,14 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     ):
         raise NotImplementedError("linear_cross_entropy and linear_log_probs have no forward-mode AD (dual tensors "
                                   "would get a zero tangent); use backward() or torch.autograd.grad")
+
+
+def _active_transforms() -> set[str]:
+    """The torch.func transforms wrapping this call ("vmap", "grad", "jvp", ...); none seen
+    inside torch.compile, where Dynamo traces them itself."""
+    if torch.compiler.is_compiling():
+        return set()
+    return {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
 
 
 def check_flags(**flags: object) -> None:
@@ -290,12 +298,9 @@ def linear_cross_entropy(
         eps = 0.0
     options = options_of(bias, weight, scaled_softcap, float(label_smoothing), eps, logit_scale)
     flat_e = e.reshape(-1, d)
-    # Inside vmap a batched operand reports requires_grad False while autograd still wants its
-    # gradient, and the fused forward computes only the gradients the flags ask for: the
-    # recompute, which takes them from autograd in the backward, runs there instead.
-    in_vmap = not torch.compiler.is_compiling() and bool(retrieve_all_functorch_interpreters())
-    if backward and not return_lse and not in_vmap and gradients_in_forward(
-            options, dtype_name(e.dtype), reduction, memory, has_z_loss=z_loss > 0.0):
+    if backward and not return_lse and gradients_in_forward(
+            options, dtype_name(e.dtype), reduction, memory, has_z_loss=z_loss > 0.0,
+            in_transform=bool(_active_transforms())):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),

@@ -127,15 +127,20 @@ def forward_kernel(problem: Problem, options: Options, policy: Policy) -> Forwar
     return "tma" if problem.descriptors_fit else "split"
 
 
-def gradients_in_forward(options: Options, dtype: str, reduction: str, memory: Memory, has_z_loss: bool) -> bool:
+def gradients_in_forward(options: Options, dtype: str, reduction: str, memory: Memory, has_z_loss: bool,
+                         in_transform: bool = False) -> bool:
     """Whether a call that needs gradients takes the fused forward: a scalar loss (its
     upstream gradient is one number, so the forward can finish the gradients and the
     backward scale them), exact mode, and a workspace the dtype can hold. fp16's range cannot
     hold the workspace's exponentials (exp(logit - mean logit) passes 65504 at a gap of 11),
     soft-capping's derivative does not factor out of label smoothing's term, and a class-
     weighted mean with z-loss divides its two terms by different totals (the weights', the
-    tokens' count) where the fused forward scales a token's whole loss by one."""
+    tokens' count) where the fused forward scales a token's whole loss by one. Inside a
+    torch.func transform (vmap) a batched operand reports requires_grad False while autograd
+    still wants its gradient, and the fused forward computes only the gradients the flags ask
+    for: the recompute, which takes them from autograd in the backward, runs there."""
     return (memory == "workspace" and reduction != "none" and not options.filtered and dtype != "float16"
+            and not in_transform
             and not (options.has_softcap and options.has_smoothing)
             and not (reduction == "mean" and options.has_weight and has_z_loss))
 
