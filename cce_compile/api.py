@@ -35,7 +35,8 @@ def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> f
         return 0.0
     if filter_eps == "auto":
         return torch.finfo(dtype).eps / 8 if dtype != torch.float32 else 2.0**-10
-    if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0.0 < filter_eps < 1.0:
+    real = isinstance(filter_eps, numbers.Real) and not isinstance(filter_eps, bool)  # numpy's floats too
+    if not (real and 0.0 < filter_eps < 1.0):
         raise ValueError(f"filter_eps must be None, 'auto' or a float in (0, 1), got {filter_eps!r}")
     return float(filter_eps)
 

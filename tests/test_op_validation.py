@@ -80,6 +80,19 @@ def test_options_of_the_wrong_type(options, pattern) -> None:
         cce_compile.linear_cross_entropy(*good(), **options)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 30.0}, {"temperature": 0.7}, {"filter_eps": 1e-3}],
+)
+def test_numpy_float32_options_are_taken_as_floats(options) -> None:
+    """A config read through numpy hands float32 scalars: each float option takes them as the float."""
+    as_numpy = {name: numpy.float32(value) for name, value in options.items()}
+    as_float = {name: float(value) for name, value in as_numpy.items()}
+    inputs = good()
+    torch.testing.assert_close(cce_compile.linear_cross_entropy(*inputs, **as_numpy),
+                               cce_compile.linear_cross_entropy(*inputs, **as_float))
+
+
 def test_shift_of_sequences_of_no_position_gives_empty_outputs() -> None:
     """(B, 0) positions shifted: nothing to score, no padding column (which made (B, 1))."""
     e, c = torch.randn(2, 0, 8), torch.randn(100, 8)
