@@ -157,6 +157,18 @@ def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> 
     assert done.returncode == 2
 
 
+def test_a_db_url_whose_driver_is_missing_names_the_option(tmp_path: Path) -> None:
+    """A dialect SQLAlchemy knows whose driver is not installed: one line naming --db-url and the
+    module, before serve, db or export touches anything; a scheme with no dialect is a bad option."""
+    for args in (["export"], ["db", "upgrade"], ["serve"]):
+        done = cce(*args, "--db-url", "mysql://someone@127.0.0.1/tuning")
+        assert_one_line_failure(done, "--db-url mysql://someone@127.0.0.1/tuning", "driver is not installed", "MySQLdb")
+        assert done.returncode == 1
+        done = cce(*args, "--db-url", "nosuchdb://127.0.0.1/tuning")
+        assert_one_line_failure(done, "Invalid value for --db-url", "nosuchdb")
+        assert done.returncode == 2
+
+
 def test_empty_service_url_and_host_are_refused_not_a_fallback(tmp_path: Path) -> None:
     """An unset shell variable must not import into the local database instead of the service,
     look up the op's ladder instead of the service, nor make the service listen on every interface."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, refuse_empty
+from cce_compile.cli.errors import fail, one_line, refuse_empty
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
@@ -84,16 +84,13 @@ def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
     """An engine that has connected once, so a database that cannot be opened (a missing folder,
     a file that is not SQLite) stops the command with one line naming --db-url, not mid-way;
     with `existing`, a missing SQLite file is refused instead of created."""
-    from sqlalchemy.exc import ArgumentError, DBAPIError
+    from sqlalchemy.exc import DBAPIError
 
-    from tuning_db.engine import make_engine, resolve_db_url, shown_url, sqlite_file
+    from tuning_db.engine import resolve_db_url, shown_url, sqlite_file
 
     url = resolve_db_url(db_url)
-    try:  # a URL SQLAlchemy cannot parse, or for a database it has no dialect of
-        path = sqlite_file(url)
-        engine = make_engine(url)
-    except ArgumentError as error:
-        raise typer.BadParameter(str(error), param_hint="--db-url") from None
+    engine = new_engine(url)
+    path = sqlite_file(url)
     if existing and path is not None and not path.exists():
         engine.dispose()
         fail(f"--db-url {url}: no such SQLite database; create it with `cce db upgrade --db-url {url}`")
@@ -104,6 +101,21 @@ def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
         engine.dispose()
         fail(f"--db-url {shown_url(url)}: cannot open the database: {error.orig}")
     return engine
+
+
+def new_engine(url: str) -> Engine:
+    """make_engine, failing in one line naming --db-url: a URL SQLAlchemy cannot parse or has no
+    dialect for (exit 2, a bad option), or a dialect whose driver is not installed."""
+    from sqlalchemy.exc import ArgumentError
+
+    from tuning_db.engine import make_engine, shown_url
+
+    try:
+        return make_engine(url)
+    except ArgumentError as error:
+        raise typer.BadParameter(str(error), param_hint="--db-url") from None
+    except ImportError as error:
+        fail(f"--db-url {shown_url(url)}: its database driver is not installed ({one_line(error)})")
 
 
 def store_engine(db_url: str | None) -> Engine:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from cce_compile.cli.db import DbUrlOption, upgraded
+from cce_compile.cli.db import DbUrlOption, new_engine, upgraded
 from cce_compile.cli.errors import fail, refuse_empty
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def _checked_settings() -> ServiceSettings:
     from pydantic import ValidationError
 
     from service.settings import ServiceSettings
-    from tuning_db.engine import make_engine, resolve_db_url
+    from tuning_db.engine import resolve_db_url
 
     try:
         settings = ServiceSettings()
@@ -121,7 +121,7 @@ def _checked_settings() -> ServiceSettings:
     if db_url.startswith("sqlite"):
         upgraded(db_url)
     else:
-        make_engine(db_url).dispose()  # loads the database driver: a missing psycopg fails here
+        new_engine(db_url).dispose()  # loads the database driver: a missing one fails here
     return settings
 
 
