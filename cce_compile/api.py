@@ -17,7 +17,7 @@ from . import ops
 from .ops.loss_terms import reduce_with_z_loss, target_weight
 from .ops.precision import without_autocast
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, needs_grad, options_of, traced_settings
-from .parallel.vocab_parallel import VocabParallel, sharded_operands, vocab_parallel_loss
+from .parallel.vocab_parallel import VocabParallel, is_dtensor, sharded_operands, vocab_parallel_loss
 from .plan.launch import Memory, gradients_in_forward
 
 Reduction = Literal["mean", "sum", "none"]
@@ -66,6 +66,11 @@ def _check_inputs(
     for name, value in (("bias", bias), ("weight", weight)):
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"{name} must be None or a torch.Tensor, got {type(value).__name__}")
+    for name, value in (("e", e), ("c", c), (targets_name, targets), ("bias", bias), ("weight", weight)):
+        if is_dtensor(value):  # left over from sharded_operands: nothing else reads one
+            raise TypeError(f"{name} is a DTensor: pass {name}.to_local() (this rank's part) or {name}.full_tensor(); "
+                            "only linear_cross_entropy's c (and its bias and weight) may be one, sharded Shard(0) "
+                            "over the vocabulary (docs/vocab_parallel.md)")
     _refuse_function_transforms(e, c, bias)
     if e.device.type == "meta":
         raise ValueError("e is on the meta device, which holds no values to compute a loss from; "

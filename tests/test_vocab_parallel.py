@@ -233,6 +233,14 @@ def check_refusals(parallel: VocabParallel) -> None:
         VocabParallel(None, parallel.start, parallel.stop, vocab_size=float(V))
     with pytest.raises(TypeError, match="reduce_grad_e"):
         VocabParallel(None, parallel.start, parallel.stop, vocab_size=V, reduce_grad_e="no")
+    mesh = init_device_mesh("cpu", (parallel.world_size,))
+    sharded_c = distribute_tensor(c, mesh, [Shard(0)])
+    sharded_e, sharded_targets = (distribute_tensor(x, mesh, [Shard(0)]) for x in (e, targets))
+    for name, call in (("e", lambda: cce_compile.linear_cross_entropy(sharded_e, sharded_c, targets)),
+                       ("targets", lambda: cce_compile.linear_cross_entropy(e, c, sharded_targets)),
+                       ("c", lambda: cce_compile.linear_log_probs(e, sharded_c, targets))):
+        with pytest.raises(TypeError, match=rf"{name} is a DTensor: pass {name}.to_local\(\)"):
+            call()  # not DTensor's "mixed torch.Tensor and DTensor" from inside the op
     outside = dist.new_group([0])  # every rank takes part in creating it; rank 0 alone is in it
     if parallel.rank != 0:
         with pytest.raises(ValueError, match="not a member"):
