@@ -413,3 +413,20 @@ def test_lm_head_adapters_are_refused_or_trained_as_hf_does() -> None:
     patched.lm_head.merge(adapter_names=["default"])  # one of two active adapters merged: still refused
     with pytest.raises(TypeError, match="adapter layer"):
         patched(input_ids, labels=labels)
+
+
+def partition_as_zero3(parameter: nn.Parameter) -> None:
+    """What DeepSpeed ZeRO-3 (not installed here) leaves of a parameter it partitions, outside
+    its module's forward: an empty placeholder, marked with ds_id."""
+    parameter.ds_id, parameter.ds_shape = 0, parameter.shape
+    parameter.data = torch.empty(0)
+
+
+def test_a_zero3_partitioned_head_is_refused_by_name() -> None:
+    """The loss reads lm_head.weight without calling lm_head, so ZeRO-3 never gathers it: this
+    once failed inside the op, as 'c must be 2-D (V, D), got shape (0,)'."""
+    model = patch(tiny_model("llama"))
+    partition_as_zero3(model.lm_head.weight)
+    input_ids, labels = batch()
+    with pytest.raises(ValueError, match="lm_head: its weight is partitioned by DeepSpeed ZeRO-3"):
+        model(input_ids, labels=labels)

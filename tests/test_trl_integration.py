@@ -16,6 +16,7 @@ from cce_compile.integrations.transformers import patch
 from cce_compile.integrations.trl import add_fused_lm_head
 
 from .op_cases import relative_error
+from .test_transformers import partition_as_zero3
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -224,3 +225,13 @@ def test_an_adapter_on_the_head_is_refused() -> None:
     with pytest.raises(TypeError, match="lm_head: a peft.tuners.lora.layer.Linear adapter layer"):
         model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     assert model(input_ids=input_ids).logits.shape == (2, 12, 211)
+
+
+def test_a_zero3_partitioned_head_is_refused_by_name() -> None:
+    """The same refusal as the patched forward's (one check, in linear_head)."""
+    model = tiny_llama()
+    add_fused_lm_head(model)
+    partition_as_zero3(model.lm_head.weight)
+    input_ids = torch.randint(0, 211, (2, 12))
+    with pytest.raises(ValueError, match="lm_head: its weight is partitioned by DeepSpeed ZeRO-3"):
+        model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)

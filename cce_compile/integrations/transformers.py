@@ -142,7 +142,8 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
     target_modules: `.weight` is the base layer's), or an nn.Linear with its own forward (a
-    quantized layer). Disabled adapters, or active ones all merged into the weight, pass."""
+    quantized layer). Disabled adapters, or active ones all merged into the weight, pass. A
+    DeepSpeed ZeRO-3 partitioned weight is refused too: ZeRO-3 gathers it only when the head runs."""
     merged = getattr(head, "merged_adapters", ())
     unmerged = [name for name in getattr(head, "active_adapters", ()) if name not in merged]
     if getattr(head, "base_layer", None) is not None and unmerged and not getattr(head, "disable_adapters", False):
@@ -154,6 +155,10 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
         raise TypeError(f"lm_head: a {type(head).__name__} with its own forward (a quantized layer?), which the "
                         "fused loss, reading lm_head.weight, would bypass")
+    if hasattr(head.weight, "ds_id"):  # the mark ZeRO-3 puts on the parameters it partitions
+        raise ValueError("lm_head: its weight is partitioned by DeepSpeed ZeRO-3, which gathers it only when lm_head "
+                         "itself runs, and cce_compile reads lm_head.weight without calling it; use ZeRO stage 1 or 2, "
+                         "or leave this model to its own forward")
     bias = getattr(head, "bias", None)
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)

@@ -104,8 +104,6 @@ def add_fused_lm_head(
         else:
             labels = shift_labels
         weight, bias = linear_head(self.get_output_embeddings())
-        if hasattr(weight, "ds_id"):
-            raise ValueError("model: a DeepSpeed ZeRO-3 partitioned head, which cce_compile's fused LM head does not gather")
         if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
         # With the model split across devices the decoder may end on another device than the head.
