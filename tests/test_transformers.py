@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
+import pathlib
 
 import pytest
 import torch
@@ -430,3 +432,25 @@ def test_a_zero3_partitioned_head_is_refused_by_name() -> None:
     input_ids, labels = batch()
     with pytest.raises(ValueError, match="lm_head: its weight is partitioned by DeepSpeed ZeRO-3"):
         model(input_ids, labels=labels)
+
+
+@pytest.mark.parametrize("patch_first", [True, False], ids=["patch-then-dispatch", "dispatch-then-patch"])
+def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(patch_first: bool, tmp_path: pathlib.Path) -> None:
+    """lm_head on disk (device_map="auto" when memory runs out): its weight is on meta until the
+    head's accelerate hook loads it, which the loss, reading the weight without calling the
+    head, once skipped ('c is on meta but e is on cpu'). The op computes HF's loss and gradients."""
+    accelerate = pytest.importorskip("accelerate")
+    reference = tiny_model("llama")
+    dispatch = functools.partial(accelerate.dispatch_model, device_map={"model": "cpu", "lm_head": "disk"},
+                                 offload_dir=str(tmp_path))
+    model = copy.deepcopy(reference)
+    model = dispatch(patch(model)) if patch_first else patch(dispatch(model))
+    assert model.lm_head.weight.device.type == "meta"
+    input_ids, labels = batch(seed=11)
+    expected, actual = reference(input_ids, labels=labels), model(input_ids, labels=labels)
+    assert actual.logits is None  # the op's loss, not HF's
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert_close(model.get_parameter(name).grad, reference.get_parameter(name).grad)

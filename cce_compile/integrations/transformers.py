@@ -165,6 +165,22 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     return head.weight, bias
 
 
+Computed = TypeVar("Computed")
+
+
+def through_head(
+    head: nn.Module, hidden: Tensor, compute: Callable[[Tensor, Tensor, Tensor | None], Computed]
+) -> Computed:
+    """compute(hidden, weight, bias) in place of head(hidden), inside the head's accelerate hook
+    where it has one, as calling the head would run it: an offloaded head's weight is on meta
+    until its hook loads it (and put back after), and the hook moves hidden to the head's device."""
+    hook = getattr(head, "_hf_hook", None)
+    if hook is None:
+        return compute(hidden, *linear_head(head))
+    (hidden,), _ = hook.pre_forward(head, hidden)
+    return hook.post_forward(head, compute(hidden, *linear_head(head)))
+
+
 def causal_lm_loss(
     hidden_states: Tensor,
     lm_head: nn.Module,
@@ -188,24 +204,27 @@ def causal_lm_loss(
         shift_labels = shift_targets(labels, options.ignore_index)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
-    weight, bias = linear_head(lm_head)
-    if not torch.is_autocast_enabled(kept_hidden.device.type):
-        # Outside autocast the op needs one dtype: the head's (under autocast it casts both).
-        kept_hidden = kept_hidden.to(weight.dtype)
-    loss = linear_cross_entropy(
-        kept_hidden,
-        weight,
-        kept_targets.to(kept_hidden.device),
-        bias=bias,
-        ignore_index=options.ignore_index,
-        reduction="mean" if num_items_in_batch is None else "sum",
-        label_smoothing=options.label_smoothing,
-        z_loss=options.z_loss,
-        softcap=softcap,
-        filter_eps=options.filter_eps,
-        memory=options.memory,
-        temperature=options.temperature,
-    )
+
+    def head_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if not torch.is_autocast_enabled(hidden.device.type):
+            # Outside autocast the op needs one dtype: the head's (under autocast it casts both).
+            hidden = hidden.to(weight.dtype)
+        return linear_cross_entropy(
+            hidden,
+            weight,
+            kept_targets.to(hidden.device),
+            bias=bias,
+            ignore_index=options.ignore_index,
+            reduction="mean" if num_items_in_batch is None else "sum",
+            label_smoothing=options.label_smoothing,
+            z_loss=options.z_loss,
+            softcap=softcap,
+            filter_eps=options.filter_eps,
+            memory=options.memory,
+            temperature=options.temperature,
+        )
+
+    loss = through_head(lm_head, kept_hidden, head_loss)
     if num_items_in_batch is None:
         return loss
     if isinstance(num_items_in_batch, Tensor):
