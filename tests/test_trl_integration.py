@@ -235,3 +235,19 @@ def test_a_zero3_partitioned_head_is_refused_by_name() -> None:
     input_ids = torch.randint(0, 211, (2, 12))
     with pytest.raises(ValueError, match="lm_head: its weight is partitioned by DeepSpeed ZeRO-3"):
         model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+
+
+def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(tmp_path) -> None:
+    """lm_head on disk: its weight is on meta until its accelerate hook loads it (once a meta
+    tensor reached the op); the log-probs are the model's own."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model).double()
+    model = accelerate.dispatch_model(model, device_map={"model": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path))
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    assert model.lm_head.weight.device.type == "meta"
+    input_ids = torch.randint(0, 211, (2, 12))
+    out = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    ref_lp, ref_h = reference(ref_model, input_ids, None, input_ids, 1.0)
+    assert relative_error(out.log_probs, ref_lp) < 2e-5 and relative_error(out.entropy, ref_h) < 2e-5

@@ -14,9 +14,9 @@ makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optio
 only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO
 and KTO trainers ask for, are refused), and a model whose config scales its logits, an MoE
 router loss asked for (by the config or the call) and a DeepSpeed ZeRO-3 partitioned head are
-refused, each with a
-clear error: nothing is silently computed differently. An FSDP2-sharded head is gathered, as
-TRL's is. cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
+refused, each with a clear error: nothing is silently computed differently. An FSDP2-sharded
+head is gathered, as TRL's is; a head offloaded by accelerate is loaded by its hook, as a call
+would load it. cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
 TRL itself is never imported here; import this module only where transformers is installed.
 """
 
@@ -34,7 +34,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import linear_head, replaced_forward
+from .transformers import replaced_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -103,25 +103,30 @@ def add_fused_lm_head(
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        weight, bias = linear_head(self.get_output_embeddings())
-        if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
-            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-        # With the model split across devices the decoder may end on another device than the head.
-        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
-        mask = labels != -100
-        rows = mask.nonzero(as_tuple=True)  # one host sync for both selections
-        hidden = hidden[rows]
-        cast = contextlib.nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
-            cast = torch.autocast(hidden.device.type, enabled=False)
-        with cast:
-            scored = linear_log_probs(hidden, weight, labels[rows], bias=bias,
-                                      temperature=temperature, softcap=softcap, entropy=entropy)
-        log_probs, entropies = scored if entropy else (scored, None)
-        # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero
-        log_probs, entropies = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
-                                for x in (log_probs, entropies))
+
+        def score(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+            """Per-token log-probs, entropies (None unless asked for) and the label mask."""
+            if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
+                weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+            # With the model split across devices the decoder may end on another device than the head.
+            hidden, targets = hidden.to(weight.device), labels.to(weight.device)
+            mask = targets != -100
+            rows = mask.nonzero(as_tuple=True)  # one host sync for both selections
+            hidden = hidden[rows]
+            cast = contextlib.nullcontext()
+            if cast_lm_head_to_fp32:
+                hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+                cast = torch.autocast(hidden.device.type, enabled=False)
+            with cast:
+                scored = linear_log_probs(hidden, weight, targets[rows], bias=bias,
+                                          temperature=temperature, softcap=softcap, entropy=entropy)
+            log_probs, entropies = scored if entropy else (scored, None)
+            # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero
+            log_probs, entropies = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
+                                    for x in (log_probs, entropies))
+            return log_probs, entropies, mask
+
+        log_probs, entropies, mask = through_head(self.get_output_embeddings(), hidden, score)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedLogProbsOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
                                    label_mask=mask)
