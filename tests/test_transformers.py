@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from transformers import PreTrainedModel  # noqa: E402
 
 from cce_compile.integrations.transformers import (  # noqa: E402
+    SOFTCAPPING_FAMILIES,
     LossOptions,
     available_families,
     causal_lm_loss,
@@ -454,3 +455,17 @@ def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(patch_first: bool,
     actual.loss.backward()
     name = "model.layers.1.mlp.down_proj.weight"
     assert_close(model.get_parameter(name).grad, reference.get_parameter(name).grad)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(SOFTCAPPING_FAMILIES)))
+def test_a_softcap_in_another_familys_config_is_ignored_as_its_forward_does(family: str) -> None:
+    """Only Gemma2's and Gemma3's forwards soft-cap the logits; another family's config may carry
+    final_logit_softcapping (from a config.json), which the loss once applied: a loss HF does not
+    compute, silently. Training loss and evaluation logits are HF's."""
+    reference = tiny_model(family)
+    reference.config.final_logit_softcapping = SOFTCAP
+    patched = patch(copy.deepcopy(reference))
+    input_ids, labels = batch(seed=12)
+    assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+    with torch.no_grad():
+        assert_close(patched(input_ids, labels=labels).logits, reference(input_ids).logits, rtol=1e-5)

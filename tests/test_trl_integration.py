@@ -32,6 +32,16 @@ def tiny_gemma2() -> Gemma2ForCausalLM:
     return Gemma2ForCausalLM(config)
 
 
+def tiny_mixtral():
+    """An MoE model of no family cce_compile's patch knows."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=211,
+                           max_position_embeddings=64)
+    return MixtralForCausalLM(config)
+
+
 def reference(model, input_ids, attention_mask, labels, temperature: float):
     """Per-token log-probs and entropies of the next-token labels from the model's own (soft-capped)
     logits, in float64, 0 where the label is -100."""
@@ -170,14 +180,9 @@ def test_a_bad_temperature_is_refused_when_the_head_is_added(temperature: object
 def test_a_default_moe_model_is_taken() -> None:
     """Mixtral's config sets a router loss coefficient but leaves output_router_logits off, as
     TRL's trainers leave it: its head is taken and scores as the model's own logits do."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=211,
-                           max_position_embeddings=64)
-    assert config.router_aux_loss_coef > 0 and not config.output_router_logits
-    model = MixtralForCausalLM(config)
+    model = tiny_mixtral()
+    assert model.config.router_aux_loss_coef > 0 and not model.config.output_router_logits
     ref_model = copy.deepcopy(model)  # fp32: the experts' grouped GEMM takes no float64
     add_fused_lm_head(model)
     input_ids = torch.randint(0, 211, (2, 10))
@@ -251,3 +256,22 @@ def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(tmp_path) -> None:
     out = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
     ref_lp, ref_h = reference(ref_model, input_ids, None, input_ids, 1.0)
     assert relative_error(out.log_probs, ref_lp) < 2e-5 and relative_error(out.entropy, ref_h) < 2e-5
+
+
+def test_the_softcap_is_the_one_the_models_forward_applies() -> None:
+    """A Llama config carrying final_logit_softcapping (from a config.json): Llama's forward
+    ignores it, and so do the log-probs (they once applied it). A model of no family the patch
+    knows, whose forward may or may not apply it, is refused."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.final_logit_softcapping = 0.5
+    ref_model = copy.deepcopy(model).double()
+    add_fused_lm_head(model)
+    input_ids = torch.randint(0, 211, (2, 12))
+    ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
+    assert relative_error(model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs, ref_lp) < 2e-5
+    mixtral = tiny_mixtral()
+    mixtral.config.final_logit_softcapping = 0.5
+    with pytest.raises(ValueError, match="model: its config sets final_logit_softcapping, and whether "
+                                         "MixtralForCausalLM's forward applies it is known here only for"):
+        add_fused_lm_head(mixtral)

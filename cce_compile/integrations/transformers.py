@@ -89,6 +89,10 @@ FAMILIES = {
     "phi3": "Phi3ForCausalLM",
 }
 
+# the families whose forward soft-caps the logits by config.final_logit_softcapping; the other
+# families' forwards ignore the key, which their configs may still carry (from a config.json)
+SOFTCAPPING_FAMILIES = ("gemma2", "gemma3")
+
 # where patch() keeps what unpatch() restores, in the patched class's or instance's __dict__
 _REPLACED_FORWARD = "_cce_replaced_forward"
 
@@ -97,7 +101,8 @@ Patchable = TypeVar("Patchable", PreTrainedModel, type)
 
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
-    """What patch() passes on to linear_cross_entropy; the softcap comes from the model config.
+    """What patch() passes on to linear_cross_entropy; the softcap is the one the model's own
+    forward applies (softcapping_classes()).
 
     return_logits also returns detached logits (for metrics logged during training); they cost
     the (tokens, vocab) memory the op saves, though not the float32 copy HF's loss keeps.
@@ -131,6 +136,13 @@ def available_families() -> dict[str, type[PreTrainedModel]]:
         if model_class is not None:
             found[family] = model_class
     return found
+
+
+def softcapping_classes() -> tuple[type[PreTrainedModel], ...]:
+    """The installed classes of SOFTCAPPING_FAMILIES: only their final_logit_softcapping is one
+    the model's own forward applies, so only theirs is passed on as the op's softcap."""
+    families = available_families()
+    return tuple(families[family] for family in SOFTCAPPING_FAMILIES if family in families)
 
 
 def _soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
@@ -235,9 +247,13 @@ def causal_lm_loss(
 def _patched_forward(
     fallback: Callable[..., CausalLMOutputWithPast | tuple],
     options: LossOptions,
+    softcapped: bool,
     signature: inspect.Signature | None = None,
 ) -> Callable[..., CausalLMOutputWithPast | tuple]:
     """The one forward for every family and release, fallback(model, ...) being the one it replaced.
+
+    softcapped: whether the patched class is one of softcapping_classes() (decided at patch
+    time: looking it up in the forward would break torch.compile's graph).
 
     `cache` is the installed release's cache argument, whatever its name there (`past_key_values`
     given by keyword arrives in kwargs on releases that call it so). logits_to_keep is
@@ -269,7 +285,7 @@ def _patched_forward(
         if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         outputs = self.model(**model_inputs, **kwargs)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
+        softcap = self.config.final_logit_softcapping if softcapped else None
         loss = causal_lm_loss(
             outputs.last_hidden_state, self.lm_head, labels,
             logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
@@ -304,7 +320,9 @@ def _forward_replaced_on_instance(model: PreTrainedModel, *args: Any, **kwargs: 
 
 # the parameters the generic forward is written for, under the installed cache name, checked
 # against the class being patched; a positional argument must bind to the same name in both
-_GENERIC_PARAMETERS = inspect.signature(_patched_forward(_forward_replaced_on_instance, LossOptions())).parameters
+_GENERIC_PARAMETERS = inspect.signature(
+    _patched_forward(_forward_replaced_on_instance, LossOptions(), softcapped=False)
+).parameters
 _FORWARD_PARAMETERS = [_CACHE if name == "cache" else name for name in _GENERIC_PARAMETERS]
 _POSITIONAL = [
     name for name, parameter in zip(_FORWARD_PARAMETERS, _GENERIC_PARAMETERS.values())
@@ -339,17 +357,17 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     for all its instances. loss_options are LossOptions' fields. Returns its argument.
     """
     options = LossOptions(**loss_options)
+    model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    _check_patchable(model_class, model_or_class)
+    softcapped = issubclass(model_class, softcapping_classes())
+    # for unpatch(); an instance's own forward (e.g. an accelerate hook) is also called on fallback
+    setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
     if isinstance(model_or_class, type):
-        _check_patchable(model_or_class, model_or_class)
         original = model_or_class.forward
-        setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
-        model_or_class.forward = _patched_forward(original, options, inspect.signature(original))
+        model_or_class.forward = _patched_forward(original, options, softcapped, inspect.signature(original))
     else:
-        _check_patchable(type(model_or_class), model_or_class)
-        # an instance-level forward (e.g. an accelerate hook) is kept and called on fallback
-        setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
-        signature = inspect.signature(type(model_or_class).forward)
-        forward = _patched_forward(_forward_replaced_on_instance, options, signature)
+        signature = inspect.signature(model_class.forward)
+        forward = _patched_forward(_forward_replaced_on_instance, options, softcapped, signature)
         model_or_class.forward = types.MethodType(forward, model_or_class)
     return model_or_class
 
