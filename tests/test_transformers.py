@@ -469,3 +469,20 @@ def test_a_softcap_in_another_familys_config_is_ignored_as_its_forward_does(fami
     assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
     with torch.no_grad():
         assert_close(patched(input_ids, labels=labels).logits, reference(input_ids).logits, rtol=1e-5)
+
+
+def test_return_dict_false_keeps_hfs_positions() -> None:
+    """HF returns (loss, logits, cache); the patched model once returned (loss, cache), since
+    to_tuple drops the logits it does not compute: `loss, logits = model(...)` failed and
+    outputs[1] was the cache. None holds the logits' slot."""
+    reference, patched = twins("llama")
+    input_ids, labels = batch(seed=13)
+    expected = reference(input_ids, labels=labels, use_cache=True, return_dict=False)
+    actual = patched(input_ids, labels=labels, use_cache=True, return_dict=False)
+    assert len(actual) == len(expected) == 3 and actual[1] is None and type(actual[2]) is type(expected[2])
+    assert_close(actual[0], expected[0], rtol=1e-5)
+    loss, logits = patched(input_ids, labels=labels, return_dict=False)
+    assert logits is None and loss.requires_grad
+    with torch.no_grad():
+        loss, logits = patched(input_ids, labels=labels, return_dict=False)
+    assert_close(logits, expected[1].detach(), rtol=1e-5)

@@ -42,10 +42,22 @@ def _unchanged(func: Function) -> Function:
     return func
 
 
-try:
-    from transformers.utils.generic import can_return_tuple
-except ImportError:  # older releases: their forwards take return_dict themselves, which patch() refuses
-    can_return_tuple = _unchanged
+def _tuple_unless_return_dict(forward: Function) -> Function:
+    """can_return_tuple's tuple (for return_dict=False, passed or in the config), in HF's
+    positions: callers unpack (loss, logits, cache, ...), and ModelOutput.to_tuple would drop the
+    None logits of a loss computed without them, so None holds their slot."""
+
+    @functools.wraps(forward)
+    def wrapper(self: PreTrainedModel, *args: Any, return_dict: bool | None = None, **kwargs: Any) -> Any:
+        output = forward(self, *args, **kwargs)
+        if self.config.return_dict if return_dict is None else return_dict:
+            return output
+        values = output.to_tuple()
+        if isinstance(output, CausalLMOutputWithPast) and output.logits is None:
+            return (values[0], None, *values[1:])
+        return values
+
+    return wrapper  # type: ignore[return-value]
 
 # The installed release's name for the KV cache, in its forwards and model outputs alike.
 _CACHE = "cache" if any(field.name == "cache" for field in dataclasses.fields(CausalLMOutputWithPast)) else "past_key_values"
@@ -263,7 +275,7 @@ def _patched_forward(
     """
 
     @_accept_old_cache_name
-    @can_return_tuple
+    @_tuple_unless_return_dict
     def forward(
         self: PreTrainedModel,
         input_ids: torch.LongTensor | None = None,
