@@ -486,3 +486,35 @@ def test_return_dict_false_keeps_hfs_positions() -> None:
     with torch.no_grad():
         loss, logits = patched(input_ids, labels=labels, return_dict=False)
     assert_close(logits, expected[1].detach(), rtol=1e-5)
+
+
+def test_unpatch_refuses_to_drop_a_forward_installed_after_patch() -> None:
+    """unpatch() once wrote back the forward from before patch(), silently dropping any forward
+    installed over the patch since (an accelerate hook, accelerate's autocast wrapper, a fused
+    LM head). Refused while one is there, for an instance and a class; once undone, unpatch()
+    gives back the original."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    input_ids, labels = batch(seed=14)
+    model = patch(tiny_model("llama"))
+    accelerate_hooks.add_hook_to_module(model, accelerate_hooks.ModelHook())
+    with pytest.raises(ValueError, match=r"a LlamaForCausalLM instance: its forward was replaced after patch\(\)"):
+        unpatch(model)
+    assert model(input_ids, labels=labels).logits is None  # still patched, behind the hook
+    accelerate_hooks.remove_hook_from_module(model)
+    unpatch(model)
+    assert "forward" not in vars(model)
+
+    model_class = type("Wrapped", (FAMILIES["llama"],), {})
+    patch(model_class)
+    patched_forward = model_class.forward
+
+    @functools.wraps(patched_forward)
+    def wrapping(self: PreTrainedModel, *args: object, **kwargs: object) -> object:
+        return patched_forward(self, *args, **kwargs)
+
+    model_class.forward = wrapping
+    with pytest.raises(ValueError, match=r"Wrapped: its forward was replaced after patch\(\)"):
+        unpatch(model_class)
+    model_class.forward = patched_forward
+    unpatch(model_class)
+    assert "forward" not in vars(model_class)

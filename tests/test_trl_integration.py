@@ -12,7 +12,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForC
 
 from cce_compile import linear_log_probs
 from cce_compile.integrations import trl as trl_integration
-from cce_compile.integrations.transformers import patch
+from cce_compile.integrations.transformers import patch, unpatch
 from cce_compile.integrations.trl import add_fused_lm_head
 
 from .op_cases import relative_error
@@ -275,3 +275,14 @@ def test_the_softcap_is_the_one_the_models_forward_applies() -> None:
     with pytest.raises(ValueError, match="model: its config sets final_logit_softcapping, and whether "
                                          "MixtralForCausalLM's forward applies it is known here only for"):
         add_fused_lm_head(mixtral)
+
+
+def test_a_head_added_after_patch_keeps_unpatch_from_dropping_it() -> None:
+    """patch(), then the fused head: unpatch() once wrote back the forward from before patch(),
+    dropping the head with it (fused_lm_head=True was then silently ignored). Refused."""
+    model = patch(tiny_llama())
+    add_fused_lm_head(model)
+    with pytest.raises(ValueError, match=r"its forward was replaced after patch\(\)"):
+        unpatch(model)
+    input_ids = torch.randint(0, 211, (2, 12))
+    assert model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs.shape == (2, 11)

@@ -107,6 +107,8 @@ SOFTCAPPING_FAMILIES = ("gemma2", "gemma3")
 
 # where patch() keeps what unpatch() restores, in the patched class's or instance's __dict__
 _REPLACED_FORWARD = "_cce_replaced_forward"
+# and the forward it installed, which unpatch() expects to find there still
+_PATCHED_FORWARD = "_cce_patched_forward"
 
 Patchable = TypeVar("Patchable", PreTrainedModel, type)
 
@@ -376,20 +378,31 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
     if isinstance(model_or_class, type):
         original = model_or_class.forward
-        model_or_class.forward = _patched_forward(original, options, softcapped, inspect.signature(original))
+        forward = _patched_forward(original, options, softcapped, inspect.signature(original))
+        model_or_class.forward = forward
     else:
         signature = inspect.signature(model_class.forward)
         forward = _patched_forward(_forward_replaced_on_instance, options, softcapped, signature)
         model_or_class.forward = types.MethodType(forward, model_or_class)
+    setattr(model_or_class, _PATCHED_FORWARD, forward)
     return model_or_class
 
 
 def unpatch(model_or_class: Patchable) -> Patchable:
-    """Give back the forward that patch() replaced on this class or instance."""
+    """Give back the forward that patch() replaced on this class or instance. Refused where
+    another forward has replaced the patch's since (an accelerate hook or autocast wrapper, a
+    fused LM head): giving back the one from before patch() would silently drop it too."""
     if _REPLACED_FORWARD not in vars(model_or_class):
         raise ValueError(f"{_name(model_or_class)} is not patched")
+    current = vars(model_or_class).get("forward")
+    if getattr(current, "__func__", current) is not vars(model_or_class)[_PATCHED_FORWARD]:
+        raise ValueError(
+            f"{_name(model_or_class)}: its forward was replaced after patch() (by an accelerate hook or autocast "
+            "wrapper, a fused LM head?), which unpatch() would drop along with the patch; undo that first"
+        )
     replaced = vars(model_or_class)[_REPLACED_FORWARD]
     delattr(model_or_class, _REPLACED_FORWARD)
+    delattr(model_or_class, _PATCHED_FORWARD)
     if replaced is None:
         delattr(model_or_class, "forward")
     else:
