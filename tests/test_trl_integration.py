@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from cce_compile import linear_log_probs
@@ -286,3 +287,31 @@ def test_a_head_added_after_patch_keeps_unpatch_from_dropping_it() -> None:
         unpatch(model)
     input_ids = torch.randint(0, 211, (2, 12))
     assert model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs.shape == (2, 11)
+
+
+def test_a_peft_model_gets_the_head_on_the_causal_lm_it_wraps() -> None:
+    """add_fused_lm_head(peft_model), the order of a trainer that wraps with PEFT first: the head
+    once took the PEFT model's base_model (the LoRA model, whose forward returns logits) for the
+    decoder and failed on 'last_hidden_state'. Log-probs and the LoRA weights' gradients are the
+    PEFT model's own."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights=False))
+    ref_model = copy.deepcopy(model).double()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    input_ids = torch.randint(0, 211, (2, 12))
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    upstream = torch.randn(2, 11, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    (out.log_probs.double() * upstream).sum().backward()
+    ref_lp, ref_h = reference(ref_model, input_ids, None, labels, 1.0)
+    (ref_lp * upstream).sum().backward()
+    assert relative_error(out.log_probs, ref_lp) < 2e-5 and relative_error(out.entropy, ref_h) < 2e-5
+    lora = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    assert lora and all("lora_" in name for name, _ in lora)
+    for (name, param), ref_param in zip(lora, (p for p in ref_model.parameters() if p.requires_grad)):
+        assert relative_error(param.grad, ref_param.grad) < 1e-4, name
+    with pytest.raises(TypeError, match="model: expected a transformers PreTrainedModel or a PEFT model of one, got Linear"):
+        add_fused_lm_head(nn.Linear(4, 4))

@@ -29,7 +29,7 @@ import types
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -78,16 +78,29 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
         )
 
 
+def _causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The model whose forward gets the head: a PEFT model's wrapped causal LM (its adapter
+    layers in place), which the PEFT model's forward calls with the same arguments. On the PEFT
+    model itself the head would take the whole causal LM (its base_model) for the decoder."""
+    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model: expected a transformers PreTrainedModel or a PEFT model of one, got {type(model).__name__}")
+    return model
+
+
 def add_fused_lm_head(
-    model: PreTrainedModel, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+    model: PreTrainedModel | nn.Module, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
     outputs: tuple[str, ...] = ("log_probs",),
 ) -> None:
     """Patch `model.forward` (this instance) as TRL's add_fused_lm_head does: with
     fused_lm_head=True it runs the decoder and returns FusedLogProbsOutput from
     linear_log_probs over the labeled positions only (logits / temperature, the final soft-cap
-    of the families whose forward applies it included); without it, the original forward (generation unchanged). Add it
-    before wrapping the model with PEFT."""
+    of the families whose forward applies it included); without it, the original forward
+    (generation unchanged). A PEFT model gets it on the causal LM it wraps, before or after
+    wrapping alike."""
     check_loss_options(temperature=temperature)
+    model = _causal_lm(model)
     _check_supported(model, outputs)
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")
