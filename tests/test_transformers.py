@@ -12,6 +12,7 @@ import copy
 import functools
 import inspect
 import pathlib
+import types
 
 import pytest
 import torch
@@ -490,17 +491,19 @@ def test_return_dict_false_keeps_hfs_positions() -> None:
 
 def test_unpatch_refuses_to_drop_a_forward_installed_after_patch() -> None:
     """unpatch() once wrote back the forward from before patch(), silently dropping any forward
-    installed over the patch since (an accelerate hook, accelerate's autocast wrapper, a fused
-    LM head). Refused while one is there, for an instance and a class; once undone, unpatch()
-    gives back the original."""
-    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    installed over the patch since (accelerate's autocast wrapper, a fused LM head). Refused
+    while one is there, for an instance and a class; once undone, unpatch() gives back the
+    original."""
+    accelerate_utils = pytest.importorskip("accelerate.utils")
     input_ids, labels = batch(seed=14)
     model = patch(tiny_model("llama"))
-    accelerate_hooks.add_hook_to_module(model, accelerate_hooks.ModelHook())
+    patched_forward = model.forward
+    # what Accelerator.prepare installs under mixed precision
+    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(patched_forward.__func__), model)
     with pytest.raises(ValueError, match=r"a LlamaForCausalLM instance: its forward was replaced after patch\(\)"):
         unpatch(model)
-    assert model(input_ids, labels=labels).logits is None  # still patched, behind the hook
-    accelerate_hooks.remove_hook_from_module(model)
+    assert model(input_ids, labels=labels).logits is None  # still patched, behind the wrapper
+    model.forward = patched_forward
     unpatch(model)
     assert "forward" not in vars(model)
 
@@ -518,3 +521,38 @@ def test_unpatch_refuses_to_drop_a_forward_installed_after_patch() -> None:
     model_class.forward = patched_forward
     unpatch(model_class)
     assert "forward" not in vars(model_class)
+
+
+def test_an_accelerate_hooked_instance_is_patched_beneath_its_hook() -> None:
+    """A model loaded with device_map carries accelerate's hook on its forward, which moves the
+    outputs back to the inputs' device. patch(instance) once replaced the hooked forward, so the
+    training loss skipped the hook (on several GPUs the loss stayed on the head's device, which
+    the Trainer refuses). Patched beneath the hook, hooked before or after patch(), the hook runs
+    on every call, and unpatch() leaves it calling the original."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class CountingHook(hooks.ModelHook):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def pre_forward(self, module: nn.Module, *args: object, **kwargs: object) -> tuple:
+            self.calls += 1
+            return args, kwargs
+
+    reference = tiny_model("llama")
+    input_ids, labels = batch(seed=15)
+    expected = reference(input_ids, labels=labels)
+    for hook_first in (True, False):
+        model, hook = copy.deepcopy(reference), CountingHook()
+        if hook_first:
+            patch(hooks.add_hook_to_module(model, hook))
+        else:
+            hooks.add_hook_to_module(patch(model), hook)
+        actual = model(input_ids, labels=labels)
+        assert actual.logits is None and hook.calls == 1
+        assert_close(actual.loss, expected.loss, rtol=1e-5)
+        assert_close(model(input_ids).logits, expected.logits, rtol=1e-5)
+        assert hook.calls == 2
+        unpatch(model)
+        assert_close(model(input_ids, labels=labels).logits, expected.logits, rtol=1e-5)
+        assert hook.calls == 3

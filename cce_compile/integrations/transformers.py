@@ -320,10 +320,11 @@ def _patched_forward(
 
 
 def replaced_forward(model: PreTrainedModel, attribute: str) -> Callable[..., Any]:
-    """The forward a patch replaced on this instance, kept under `attribute` (its own, e.g. an
-    accelerate hook, or None for the class's): looked up on the model at call time, not
-    captured, so a deepcopy calls its own forward. The class's is bound with functools.partial,
-    which torch.compile(fullgraph=True) traces (it refuses types.MethodType there)."""
+    """The forward a patch replaced on this instance, kept under `attribute` (its own, e.g. the
+    one beneath an accelerate hook, or None for the class's): looked up on the model at call
+    time, not captured, so a deepcopy calls its own forward. The class's is bound with
+    functools.partial, which torch.compile(fullgraph=True) traces (it refuses types.MethodType
+    there)."""
     replaced = vars(model)[attribute]
     return replaced if replaced is not None else functools.partial(type(model).forward, model)
 
@@ -364,6 +365,14 @@ def _check_patchable(model_class: type, target: object) -> None:
         raise ValueError(f"{_name(target)} is already patched; unpatch it first")
 
 
+def _forward_slot(target: object) -> str:
+    """Where the target's forward is to be replaced: beneath its accelerate hook where it has one
+    (add_hook_to_module keeps the forward it wraps in `_old_forward`), so that the hook runs
+    around the patched forward as around the original: that of a model loaded with device_map
+    moves the outputs back to the inputs' device."""
+    return "_old_forward" if "_old_forward" in vars(target) else "forward"
+
+
 def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     """Route the training loss of a supported causal LM through linear_cross_entropy.
 
@@ -374,8 +383,9 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     _check_patchable(model_class, model_or_class)
     softcapped = issubclass(model_class, softcapping_classes())
-    # for unpatch(); an instance's own forward (e.g. an accelerate hook) is also called on fallback
-    setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get("forward"))
+    slot = _forward_slot(model_or_class)
+    # for unpatch(); an instance's own forward (e.g. the one beneath a hook) is also called on fallback
+    setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get(slot))
     if isinstance(model_or_class, type):
         original = model_or_class.forward
         forward = _patched_forward(original, options, softcapped, inspect.signature(original))
@@ -383,28 +393,32 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     else:
         signature = inspect.signature(model_class.forward)
         forward = _patched_forward(_forward_replaced_on_instance, options, softcapped, signature)
-        model_or_class.forward = types.MethodType(forward, model_or_class)
+        setattr(model_or_class, slot, types.MethodType(forward, model_or_class))
     setattr(model_or_class, _PATCHED_FORWARD, forward)
     return model_or_class
 
 
 def unpatch(model_or_class: Patchable) -> Patchable:
-    """Give back the forward that patch() replaced on this class or instance. Refused where
-    another forward has replaced the patch's since (an accelerate hook or autocast wrapper, a
-    fused LM head): giving back the one from before patch() would silently drop it too."""
+    """Give back the forward that patch() replaced on this class or instance, where the patched
+    one is now (beneath an accelerate hook added since, too). Refused where another forward has
+    replaced the patch's since (accelerate's autocast wrapper, a fused LM head): giving back the
+    one from before patch() would silently drop it too."""
     if _REPLACED_FORWARD not in vars(model_or_class):
         raise ValueError(f"{_name(model_or_class)} is not patched")
-    current = vars(model_or_class).get("forward")
+    slot = _forward_slot(model_or_class)
+    current = vars(model_or_class).get(slot)
     if getattr(current, "__func__", current) is not vars(model_or_class)[_PATCHED_FORWARD]:
         raise ValueError(
-            f"{_name(model_or_class)}: its forward was replaced after patch() (by an accelerate hook or autocast "
-            "wrapper, a fused LM head?), which unpatch() would drop along with the patch; undo that first"
+            f"{_name(model_or_class)}: its forward was replaced after patch() (by accelerate's autocast wrapper, a "
+            "fused LM head?), which unpatch() would drop along with the patch; undo that first"
         )
     replaced = vars(model_or_class)[_REPLACED_FORWARD]
+    if replaced is None and slot == "_old_forward":  # hooked since: the hook is to call the class's forward
+        replaced = types.MethodType(type(model_or_class).forward, model_or_class)
     delattr(model_or_class, _REPLACED_FORWARD)
     delattr(model_or_class, _PATCHED_FORWARD)
     if replaced is None:
-        delattr(model_or_class, "forward")
+        delattr(model_or_class, slot)
     else:
-        setattr(model_or_class, "forward", replaced)
+        setattr(model_or_class, slot, replaced)
     return model_or_class
