@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, VaultGemmaConfig,
+                          VaultGemmaForCausalLM)
 
 from cce_compile import linear_log_probs
 from cce_compile.integrations import trl as trl_integration
@@ -260,22 +261,26 @@ def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(tmp_path) -> None:
 
 
 def test_the_softcap_is_the_one_the_models_forward_applies() -> None:
-    """A Llama config carrying final_logit_softcapping (from a config.json): Llama's forward
-    ignores it, and so do the log-probs (they once applied it). A model of no family the patch
-    knows, whose forward may or may not apply it, is refused."""
+    """A Llama or Mixtral config carrying final_logit_softcapping (from a config.json): their
+    forwards ignore it, and so do the log-probs (they once applied it). VaultGemma, outside the
+    families patch() knows, declares it in its config and its forward applies it: so do they."""
     torch.manual_seed(0)
-    model = tiny_llama()
-    model.config.final_logit_softcapping = 0.5
-    ref_model = copy.deepcopy(model).double()
+    for model in (tiny_llama(), tiny_mixtral()):
+        model.config.final_logit_softcapping = 0.5
+        ref_model = copy.deepcopy(model)  # float32: Mixtral's experts' grouped GEMM refuses float64
+        add_fused_lm_head(model)
+        input_ids = torch.randint(0, 211, (2, 12))
+        ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
+        got = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
+        assert relative_error(got, ref_lp) < 2e-5, type(model).__name__
+    config = VaultGemmaConfig(vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5)
+    model = VaultGemmaForCausalLM(config)
+    ref_model = copy.deepcopy(model)
     add_fused_lm_head(model)
     input_ids = torch.randint(0, 211, (2, 12))
     ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
     assert relative_error(model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs, ref_lp) < 2e-5
-    mixtral = tiny_mixtral()
-    mixtral.config.final_logit_softcapping = 0.5
-    with pytest.raises(ValueError, match="model: its config sets final_logit_softcapping, and whether "
-                                         "MixtralForCausalLM's forward applies it is known here only for"):
-        add_fused_lm_head(mixtral)
 
 
 def test_a_head_added_after_patch_keeps_unpatch_from_dropping_it() -> None:

@@ -101,10 +101,6 @@ FAMILIES = {
     "phi3": "Phi3ForCausalLM",
 }
 
-# the families whose forward soft-caps the logits by config.final_logit_softcapping; the other
-# families' forwards ignore the key, which their configs may still carry (from a config.json)
-SOFTCAPPING_FAMILIES = ("gemma2", "gemma3")
-
 # where patch() keeps what unpatch() restores, in the patched class's or instance's __dict__
 _REPLACED_FORWARD = "_cce_replaced_forward"
 # and the forward it installed, which unpatch() expects to find there still
@@ -116,7 +112,7 @@ Patchable = TypeVar("Patchable", PreTrainedModel, type)
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
     """What patch() passes on to linear_cross_entropy; the softcap is the one the model's own
-    forward applies (softcapping_classes()).
+    forward applies (declares_softcap).
 
     return_logits also returns detached logits (for metrics logged during training); they cost
     the (tokens, vocab) memory the op saves, though not the float32 copy HF's loss keeps.
@@ -152,11 +148,12 @@ def available_families() -> dict[str, type[PreTrainedModel]]:
     return found
 
 
-def softcapping_classes() -> tuple[type[PreTrainedModel], ...]:
-    """The installed classes of SOFTCAPPING_FAMILIES: only their final_logit_softcapping is one
-    the model's own forward applies, so only theirs is passed on as the op's softcap."""
-    families = available_families()
-    return tuple(families[family] for family in SOFTCAPPING_FAMILIES if family in families)
+def declares_softcap(config_class: type) -> bool:
+    """Whether a config class has a final_logit_softcapping field: the models whose configs
+    declare it (Gemma 2, 3, 3n, 4, VaultGemma, ...) are those whose forwards soft-cap the logits
+    by it; any other config carries the key only as one kept from a config.json, which the
+    model's forward ignores, and so must the loss."""
+    return "final_logit_softcapping" in inspect.signature(config_class.__init__).parameters
 
 
 def _soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
@@ -266,8 +263,8 @@ def _patched_forward(
 ) -> Callable[..., CausalLMOutputWithPast | tuple]:
     """The one forward for every family and release, fallback(model, ...) being the one it replaced.
 
-    softcapped: whether the patched class is one of softcapping_classes() (decided at patch
-    time: looking it up in the forward would break torch.compile's graph).
+    softcapped: whether the patched class's config declares the soft-cap (declares_softcap;
+    decided at patch time: inspecting in the forward would break torch.compile's graph).
 
     `cache` is the installed release's cache argument, whatever its name there (`past_key_values`
     given by keyword arrives in kwargs on releases that call it so). logits_to_keep is
@@ -382,7 +379,7 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     options = LossOptions(**loss_options)
     model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     _check_patchable(model_class, model_or_class)
-    softcapped = issubclass(model_class, softcapping_classes())
+    softcapped = declares_softcap(model_class.config_class)
     slot = _forward_slot(model_or_class)
     # for unpatch(); an instance's own forward (e.g. the one beneath a hook) is also called on fallback
     setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get(slot))

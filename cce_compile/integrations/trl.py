@@ -11,11 +11,12 @@ linear_log_probs. The trainers look the function up in their own modules, so
     trl.trainer.grpo_trainer.add_fused_lm_head = add_fused_lm_head  # before GRPOTrainer(...)
 
 makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optional outputs
-only the entropy is computed (log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO
-and KTO trainers ask for, are refused), and a model whose config scales its logits (or sets a
-final_logit_softcapping that its forward is not known to apply), an MoE router loss asked for
-(by the config or the call) and a DeepSpeed ZeRO-3 partitioned head are refused, each with a
-clear error: nothing is silently computed differently. An FSDP2-sharded head is gathered, as
+only the entropy is computed, where `outputs` names it (else the output's entropy is None);
+log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO and KTO trainers ask for, are
+refused. A model whose config scales its logits, an MoE router loss asked for (by the config or
+the call) and a DeepSpeed ZeRO-3 partitioned head are refused, each with a clear error: nothing
+is silently computed differently. The soft-cap is the config's final_logit_softcapping where
+its class declares that field (the Gemma family's, whose forwards apply it), as patch() does. An FSDP2-sharded head is gathered, as
 TRL's is; a head offloaded by accelerate is loaded by its hook, as a call would load it.
 cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
 TRL itself is never imported here; import this module only where transformers is installed.
@@ -35,7 +36,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import available_families, replaced_forward, softcapping_classes, through_head
+from .transformers import declares_softcap, replaced_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -70,12 +71,6 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
         raise ValueError(f"model: its config scales the logits ({', '.join(scaled)}), which linear_log_probs does not")
     if getattr(config, "output_router_logits", False):  # as TRL's head: the router loss only where asked for
         raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
-    known = tuple(available_families().values())
-    if getattr(config, "final_logit_softcapping", None) is not None and not isinstance(model, known):
-        raise ValueError(
-            f"model: its config sets final_logit_softcapping, and whether {type(model).__name__}'s forward applies it "
-            f"is known here only for {', '.join(cls.__name__ for cls in known)}"
-        )
 
 
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -105,7 +100,8 @@ def add_fused_lm_head(
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")
     setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))  # for the flag-less calls: replaced_forward
-    softcap = model.config.final_logit_softcapping if isinstance(model, softcapping_classes()) else None
+    text_config = model.config.get_text_config()
+    softcap = text_config.final_logit_softcapping if declares_softcap(type(text_config)) else None
     entropy = "entropy" in outputs
 
     @functools.wraps(type(model).forward)  # generate validates its kwargs against this signature
