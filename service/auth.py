@@ -25,7 +25,8 @@ bearer = HTTPBearer(auto_error=False, description="a token from CCE_SERVICE_TOKE
 
 
 def parse_token_spec(spec: str) -> dict[str, frozenset[Scope]]:
-    """Parse 'token:scope,scope;token2:scope' (';' or newlines between entries, '#' comments)."""
+    """Parse 'token:scope,scope;token2:scope' (';' or newlines between entries, '#' comments);
+    a token given twice is refused, whatever its scopes."""
     tokens: dict[str, frozenset[Scope]] = {}
     for raw_entry in re.split(r"[;\n]", spec):
         entry = raw_entry.split("#", 1)[0].strip()
@@ -35,8 +36,15 @@ def parse_token_spec(spec: str) -> dict[str, frozenset[Scope]]:
         token = token.strip()
         if not separator or not _TOKEN_PATTERN.match(token):
             raise ValueError("a token entry must be 'token:scopes' with a token of 8+ URL-safe characters")
+        if token in tokens:  # the later entry's scopes would silently replace the earlier's
+            raise ValueError(f"token {shown_token(token)} is listed more than once; list it once, with all its scopes")
         tokens[token] = parse_scopes(scope_list)
     return tokens
+
+
+def shown_token(token: str) -> str:
+    """A token as an error names it: its first characters only, as it is a secret."""
+    return f"{token[:4]}..."
 
 
 def parse_scopes(scope_list: str) -> frozenset[Scope]:

@@ -101,6 +101,18 @@ def test_a_bad_token_spec_stops_serve_in_one_line(tmp_path: Path) -> None:
         assert_one_line_failure(done, f"CCE_SERVICE_TOKENS_FILE: cannot read {tokens_file}")
 
 
+def test_a_token_listed_twice_stops_serve_in_one_line(tmp_path: Path) -> None:
+    """A read token in CCE_SERVICE_TOKENS listed again as admin in the tokens file was one admin
+    token ('1 token(s)'), the later entry silently winning: the line names it, not its secret."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("node-token-0001:admin\n")
+    for env in ({"CCE_SERVICE_TOKENS": "node-token-0001:read", "CCE_SERVICE_TOKENS_FILE": str(tokens_file)},
+                {"CCE_SERVICE_TOKENS": "node-token-0001:read;node-token-0001:read"}):
+        done = cce("serve", "--port", str(free_port()), "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", env=env)
+        assert_one_line_failure(done, "token node... is listed more than once")
+        assert "node-token-0001" not in done.stderr
+
+
 def test_tokens_and_scopes_are_checked_where_they_are_given() -> None:
     """`--scopes 'read;admin'` once failed on the token's length; `--token` with a non-ASCII
     character raised UnicodeEncodeError from the HTTP client."""

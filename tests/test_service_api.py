@@ -227,6 +227,8 @@ def test_token_settings_are_validated() -> None:
         ServiceSettings(tokens="some-long-token:superuser").token_scopes()
     with pytest.raises(ValueError, match="token"):
         ServiceSettings(tokens="short:read").token_scopes()
+    with pytest.raises(ValueError, match="listed more than once"):
+        ServiceSettings(tokens="some-long-token:read;some-long-token:admin").token_scopes()
 
 
 def test_tokens_file(tmp_path: Any, sqlite_url: str) -> None:
