@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.auth import TokenScopes, parse_token_spec
@@ -23,6 +24,14 @@ class ServiceSettings(BaseSettings):
     tokens_file: Path | None = Field(None, description="a file in the same format (';' or newlines between tokens)")
     open_reads: bool = Field(False, description="allow reads without a token (writes always need one)")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="larger request bodies get 413")
+
+    @field_validator("tokens_file", mode="before")
+    @classmethod
+    def _named_file(cls, value: object) -> object:
+        """An empty value is an unset shell variable, not a file: as a Path it was '.', a directory."""
+        if isinstance(value, str) and not value.strip():
+            raise PydanticCustomError("empty", "is empty; unset it, or name a file of tokens")
+        return value
 
     def token_scopes(self) -> TokenScopes:
         """Every configured token and its scopes; raises ValueError on a malformed entry."""

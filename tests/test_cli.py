@@ -124,8 +124,11 @@ def test_tokens_and_scopes_are_checked_where_they_are_given() -> None:
 
 
 def test_a_bad_setting_stops_serve_in_one_line() -> None:
+    """Named by its variable; an empty tokens file name once read '.' ('cannot read .: Is a directory')."""
+    done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS_FILE": ""})
+    assert_one_line_failure(done, "CCE_SERVICE_TOKENS_FILE: is empty")
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_MAX_BODY_BYTES": "lots"})
-    assert_one_line_failure(done, "max_body_bytes")
+    assert_one_line_failure(done, "CCE_SERVICE_MAX_BODY_BYTES", "valid integer")
 
 
 def test_serve_stops_in_one_line_on_a_port_in_use(tmp_path: Path) -> None:

@@ -111,7 +111,8 @@ def _checked_settings() -> ServiceSettings:
         settings = ServiceSettings()
         settings.token_scopes()
     except ValidationError as error:
-        fail(f"bad CCE_SERVICE_* setting: {error.errors()[0]['loc']} {error.errors()[0]['msg']}")
+        first = error.errors()[0]
+        fail(f"{ServiceSettings.model_config['env_prefix']}{str(first['loc'][0]).upper()}: {first['msg']}")
     except OSError as error:
         fail(f"CCE_SERVICE_TOKENS_FILE: cannot read {settings.tokens_file}: {error.strerror or error}")
     except ValueError as error:
