@@ -150,6 +150,16 @@ def test_serve_stops_in_one_line_on_a_database_it_cannot_open(tmp_path: Path) ->
         assert done.returncode == 1
 
 
+def test_serve_refuses_an_in_memory_database(tmp_path: Path) -> None:
+    """Each connection would get its own empty database: the service started, answered 503
+    forever, and advised `cce db upgrade`, which could not help."""
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true",
+                "sqlite:///file:shared?mode=memory&cache=shared&uri=true"):
+        done = cce("serve", "--port", str(free_port()), "--db-url", url)
+        assert_one_line_failure(done, "Invalid value for --db-url", "in-memory")
+        assert done.returncode == 2
+
+
 def test_export_and_import_name_a_database_without_schema_and_create_none(tmp_path: Path) -> None:
     """A mistyped SQLite path is not created, and neither it nor a database never upgraded
     fails with the driver's text and the SQL statement: the line says to run `cce db upgrade`."""
