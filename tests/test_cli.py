@@ -241,6 +241,27 @@ def test_lookup_refuses_what_the_service_refuses() -> None:
         assert done.returncode == 2
 
 
+def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(tmp_path: Path) -> None:
+    """`--url` once printed the heuristic's config with exit 0 when the service refused the token,
+    was not there or was not HTTP, a log line the only hint; without --url the op's ladder still
+    passes such a service by."""
+    problem = ["lookup", "--gpu", "NVIDIA H100 80GB HBM3", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192",
+               "--json"]
+    dead = f"http://127.0.0.1:{free_port()}"
+    scratch = {"CCE_CONFIG_CACHE_DIR": str(tmp_path / "configs"), "CCE_TUNING_URL": "", "CCE_TUNING_TOKEN": ""}
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}",
+                 env={"CCE_SERVICE_TOKENS": "read-token-0001:read"}) as base_url:
+        answered = cce(*problem, "--url", base_url, env={**scratch, "CCE_TUNING_TOKEN": "read-token-0001"})
+        assert answered.returncode == 0 and json.loads(answered.stdout)["match_level"] == "none", answered.stderr
+        for url, token, reason in ((base_url, "", "HTTP 401"), (base_url, "wrong-token-123", "unknown token"),
+                                   (dead, "", "ConnectError"), ("ftp://x", "", "UnsupportedProtocol")):
+            done = cce(*problem, "--url", url, env={**scratch, "CCE_TUNING_TOKEN": token})
+            assert_one_line_failure(done, f"--url {url}: cannot ask the service", reason)
+            assert done.stdout == ""
+    ladder = cce(*problem, env={**scratch, "CCE_TUNING_URL": dead})
+    assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
+
+
 def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
     """The files are written after the whole run: a bad path must stop it first (a dry run too)."""
     problem = ["tune", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--dry-run"]

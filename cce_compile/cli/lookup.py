@@ -2,7 +2,8 @@
 comes from (the same ladder as the op, minus the in-process memo). A lookup writes nothing:
 the disk cache it reads is the op's, and what the op launches must not depend on what was
 looked up. `--url` asks that service alone: neither the disk cache (filled from whichever
-service CCE_TUNING_URL named) nor CCE_TUNING_OFFLINE stands in for its answer."""
+service CCE_TUNING_URL named) nor CCE_TUNING_OFFLINE stands in for its answer, and one that
+cannot be asked (unreachable, a refused token) is an error, not the heuristic's config."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import refuse_empty
+from cce_compile.cli.errors import fail, refuse_empty
 
 if TYPE_CHECKING:
     from cce_compile.config.keys import ProblemKey
@@ -42,13 +43,13 @@ def lookup(
     mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps set)")] = "exact",
     url: Annotated[Optional[str], typer.Option(
         "--url", callback=refuse_empty("the URL is empty; leave --url out to use $CCE_TUNING_URL and the disk cache"),
-        help="ask this tuning service alone, not the disk cache, under CCE_TUNING_OFFLINE too; "
-             "default: the op's ladder, with $CCE_TUNING_URL")] = None,
+        help="ask this tuning service alone, not the disk cache, under CCE_TUNING_OFFLINE too (an error if "
+             "it cannot be asked); default: the op's ladder, with $CCE_TUNING_URL")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Print the resolved config, its source and match level."""
     from cce_compile.config.keys import ProblemKey, n_bucket
-    from cce_compile.resolve import sources
+    from cce_compile.resolve import client, sources
     from cce_compile.resolve.ladder import look_up
 
     dtype_name = checked_problem_options(dtype, mode)
@@ -56,8 +57,12 @@ def lookup(
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
     key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)
-    resolution = look_up(key, platform, sources.Settings.from_env().with_url(url),
-                         skip=frozenset({"disk"}) if url is not None else frozenset(), write_cache=False)
+    try:
+        resolution = look_up(key, platform, sources.Settings.from_env().with_url(url),
+                             skip=frozenset({"disk"}) if url is not None else frozenset(), write_cache=False,
+                             service_required=url is not None)
+    except client.ServiceUnusable as error:
+        fail(f"--url {url}: cannot ask the service: {error}")
     if as_json:
         typer.echo(json.dumps({
             "gpu": platform.gpu,

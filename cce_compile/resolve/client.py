@@ -41,15 +41,31 @@ def _trip(url: str, reason: str) -> None:
     log.warning("tuning service %s unusable (%s); not asking it again in this process", url, reason)
 
 
+class ServiceUnusable(Exception):
+    """The service could not be asked (unreachable, refused the token, answered an error)."""
+
+
 def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
-    """The service's best config for `key`, or None (no entry, offline, or unusable).
+    """The service's best config for `key`, or None (no entry, offline, or unusable): the op's
+    optional source. Any failure opens a process-wide breaker, so a dead service costs one
+    deadline per process."""
+    if settings.url is None or settings.offline or _service_down is not None:
+        return None
+    try:
+        return ask_service(settings, platform, key)
+    except ServiceUnusable as error:
+        _trip(settings.url, str(error))
+        return None
+
+
+def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
+    """The service's best config for `key`, or None (no entry, or an answer it cannot read,
+    logged); raises ServiceUnusable, naming why, where the service could not be asked.
 
     One retry for a dropped connection or a 5xx; a timeout is not retried. The whole
     lookup, retry included, has SERVICE_TIMEOUT_S (a server that dribbles its answer
-    cannot stretch it) and reads at most MAX_ANSWER_BYTES. Any failure opens a
-    process-wide breaker, so a dead service costs one deadline per process."""
-    if settings.url is None or settings.offline or _service_down is not None:
-        return None
+    cannot stretch it) and reads at most MAX_ANSWER_BYTES."""
+    assert settings.url is not None
     import asyncio
 
     # A thread of its own runs the event loop, so a caller already inside one (a notebook)
@@ -65,8 +81,7 @@ def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) 
     thread.join(SERVICE_TIMEOUT_S + JOIN_SLACK_S)
     outcome = answers[0] if answers else f"no complete answer within {SERVICE_TIMEOUT_S}s (a hung name lookup?)"
     if isinstance(outcome, str):
-        _trip(settings.url, outcome)
-        return None
+        raise ServiceUnusable(outcome)
     return _parse_answer(settings.url, outcome)
 
 

@@ -157,18 +157,21 @@ def reset() -> None:
 
 def look_up(
     key: ProblemKey, platform: Platform, settings: sources.Settings | None = None, skip: frozenset[str] = frozenset(),
-    write_cache: bool = True,
+    write_cache: bool = True, service_required: bool = False,
 ) -> Resolution:
     """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic, less
     the sources in `skip`. A served config is written to the disk cache unless `write_cache`
-    is False (`cce lookup`: a look must not change what the op launches)."""
+    is False (`cce lookup`: a look must not change what the op launches). With
+    `service_required` (`cce lookup --url`: the user named the service), a service that
+    cannot be asked raises client.ServiceUnusable instead of passing to the next source."""
     settings = settings or sources.Settings.from_env()
     if "disk" not in skip:
         cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
         if cached is not None:
             return cached
     if "service" not in skip:
-        served = _accept("service", client.fetch_from_service(settings, platform, key), platform, key)
+        ask = client.ask_service if service_required else client.fetch_from_service
+        served = _accept("service", ask(settings, platform, key), platform, key)
         if served is not None:
             if write_cache and "disk" not in skip:
                 sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
