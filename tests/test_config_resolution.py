@@ -544,6 +544,18 @@ def test_an_expired_cache_file_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolution_for(KEY).source == "disk"
 
 
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-60"])
+def test_a_bad_cache_ttl_is_warned_about_and_the_default_used(
+    value: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """'abc' was; nan and -60 silently made the TTL 0 (the cache off), inf kept files forever."""
+    _cache(TUNED)
+    monkeypatch.setenv(sources.CACHE_TTL_ENV, value)
+    assert resolution_for(KEY).source == "disk"
+    assert _settings().ttl_s == sources.DEFAULT_TTL_S
+    assert f"ignoring {sources.CACHE_TTL_ENV}={value!r}" in caplog.text
+
+
 def test_the_cache_is_written_atomically_and_survives_an_unwritable_directory(tmp_path: Path) -> None:
     path = _cache(TUNED)
     assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file is left behind"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -77,14 +78,20 @@ class Settings:
 
 
 def _ttl_from_env() -> float:
+    """CCE_CONFIG_CACHE_TTL_S, or the default where it is unset or no finite, non-negative
+    number (nan once made the TTL 0, silently turning the cache off; inf kept files forever)."""
     raw = os.environ.get(CACHE_TTL_ENV)
     if not raw:
         return DEFAULT_TTL_S
     try:
-        return max(0.0, float(raw))
+        ttl = float(raw)
     except ValueError:
-        log.warning("ignoring %s=%r (not a number of seconds); using %s", CACHE_TTL_ENV, raw, DEFAULT_TTL_S)
+        ttl = math.nan
+    if not 0 <= ttl < math.inf:
+        log.warning("ignoring %s=%r (not a finite, non-negative number of seconds); using %s",
+                    CACHE_TTL_ENV, raw, DEFAULT_TTL_S)
         return DEFAULT_TTL_S
+    return ttl
 
 
 def parse_json(content: bytes) -> Any:
