@@ -10,14 +10,15 @@ from fastapi import Depends, FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
+from starlette.requests import ClientDisconnect
 
 from service.body_limit import BodySizeLimitMiddleware
 from service.database_errors import LOCK_RETRY_AFTER_S, database_error
 from service.deps import single_valued_query
-from service.metrics import RequestMetricsMiddleware, ServiceMetrics
+from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
 from service.routes import configs, gpus, health, measurements, transfer
 from service.settings import ServiceSettings
@@ -84,6 +85,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         app.add_exception_handler(error_type, store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(DBAPIError, database_error)
+    app.add_exception_handler(ClientDisconnect, _client_left)
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.routes)
@@ -107,6 +109,12 @@ def _serve_docs_locally(app: FastAPI) -> None:
             swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
         )
+
+
+async def _client_left(_request: Request, _error: Exception) -> Response:
+    """A client gone mid-body is no server error: an answer nobody reads, not a 500 and its
+    traceback in the log."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _validation_error(_request: Request, error: Exception) -> JSONResponse:

@@ -17,9 +17,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tuning_db.records import MATCH_LEVELS, MatchLevel
 
+try:  # FastAPI 0.16x keeps an included router as one route, which names no template of its own
+    from fastapi.routing import iter_route_contexts as _each_route
+except ImportError:  # older FastAPI copies the included routes into the app's list
+
+    def _each_route(routes: Sequence[BaseRoute]) -> Sequence[BaseRoute]:
+        return routes
+
 
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """The methods counted under their own name; every other is counted as 'other'."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status counted for a request whose client left before its answer began (nginx's
+convention): no answer reached anyone, and it is no server error."""
 
 
 class ServiceMetrics:
@@ -53,7 +63,8 @@ class ServiceMetrics:
 
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request under its method, route template and status,
-    each from a bounded set (the route is a template or 'unmatched', never the raw path)."""
+    each from a bounded set (the route is a template or 'unmatched', never the raw path; the
+    status 499 where the client left first)."""
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics, routes: Sequence[BaseRoute]) -> None:
         self.app = app
@@ -65,20 +76,28 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status_code = 500
+        status_code: int | None = None
         # Routing rewrites the scope (a Mount moves the path into root_path), so the route of a
         # request that names none is found from the scope as it came in.
         request_scope = dict(scope)
 
+        async def receive_noting_departure() -> Message:
+            nonlocal status_code
+            message = await receive()
+            if message["type"] == "http.disconnect" and status_code is None:
+                status_code = CLIENT_CLOSED_REQUEST
+            return message
+
         async def send_with_status(message: Message) -> None:
             nonlocal status_code
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and status_code is None:
                 status_code = message["status"]
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive_noting_departure, send_with_status)
         finally:
+            status_code = status_code or 500  # no answer, and the client still there: the app failed
             route_path = getattr(scope.get("route"), "path", None) or matched_template(request_scope, self.routes)
             # The method comes from the client: any token is a valid HTTP method, so an
             # unknown one must not become a new label value (a series per invented method).
@@ -92,7 +111,7 @@ def matched_template(scope: Scope, routes: Sequence[BaseRoute]) -> str:
     first full match, else the first partial one), or 'unmatched'. FastAPI names its own routes
     in scope["route"]; Starlette's Route and Mount (/openapi.json, /docs/assets) may not."""
     partial = "unmatched"
-    for route in routes:
+    for route in _each_route(routes):
         match, _ = route.matches(scope)
         if match is Match.FULL:
             return getattr(route, "path", "unmatched")

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,38 @@ def test_health_checks_answer_head_without_a_body(tmp_path: Path) -> None:
                 answer = connection.makefile("rb").read()  # all of it: the server closes after
             assert answer.startswith(b"HTTP/1.1 200 "), answer
             assert answer.endswith(b"\r\n\r\n"), answer
+
+
+def _metric_lines(base_url: str, fragment: str) -> list[str]:
+    return [line for line in httpx.get(f"{base_url}/metrics").text.splitlines()
+            if line.startswith("cce_http_requests_total") and fragment in line]
+
+
+def test_metrics_name_a_body_refused_before_routing_and_count_a_client_that_left_as_499(tmp_path: Path) -> None:
+    """A body refused by its Content-Length (413, before routing) was counted under 'unmatched':
+    FastAPI's included routers match no bare scope. A client gone mid-body was a 500 (and a
+    traceback in the log) on /v1/import, a 400 on /v1/measurements."""
+    log = tmp_path / "serve.log"
+    env = {**TOKENS_ENV, "CCE_SERVICE_MAX_BODY_BYTES": "16384"}
+    with serving(log, "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", "--log-level", "warning", env=env) as base_url:
+        refused = httpx.post(f"{base_url}/v1/import", content=b"x" * 32768, headers=bearer(ADMIN_TOKEN))
+        assert refused.status_code == 413
+        port = int(base_url.rsplit(":", 1)[1])
+        for path in ("/v1/import", "/v1/measurements"):
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                client.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"gpu".encode())
+        deadline = time.monotonic() + 10
+        while len(_metric_lines(base_url, 'status="499"')) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _metric_lines(base_url, "/v1/import") == [
+            'cce_http_requests_total{method="POST",route="/v1/import",status="413"} 1.0',
+            'cce_http_requests_total{method="POST",route="/v1/import",status="499"} 1.0',
+        ]
+        assert _metric_lines(base_url, "/v1/measurements") == [
+            'cce_http_requests_total{method="POST",route="/v1/measurements",status="499"} 1.0']
+        assert not _metric_lines(base_url, "unmatched")
+    assert "Traceback" not in log.read_text()
 
 
 def test_cli_exports_from_the_service_and_imports_into_another_database(tmp_path: Path) -> None:
