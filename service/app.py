@@ -87,7 +87,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.add_exception_handler(DBAPIError, database_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
 
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       path_limits={"/v1/measurements": measurements.MAX_BODY_BYTES})
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics, routes=app.routes)
     return app
 

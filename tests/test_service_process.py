@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,31 @@ def test_metrics_name_a_body_refused_before_routing_and_count_a_client_that_left
             'cce_http_requests_total{method="POST",route="/v1/measurements",status="499"} 1.0']
         assert not _metric_lines(base_url, "unmatched")
     assert "Traceback" not in log.read_text()
+
+
+def test_a_huge_measurement_body_holds_up_no_other_request(tmp_path: Path) -> None:
+    """8 MB of 700,000 unknown keys (under the 8 MiB body limit) to /v1/measurements kept the one
+    worker's event loop parsing and validating for 4-10 s: /healthz and every lookup waited as
+    long. A measurement's body is refused past 64 KiB, sent whole or in chunks, before parsing."""
+    keys = ("{" + ",".join(f'"k{i}":1' for i in range(700_000)) + "}").encode()
+    headers = {**bearer(WRITE_TOKEN), "Content-Type": "application/json"}
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", "--log-level", "warning",
+                 env=TOKENS_ENV) as base_url:
+        for body in (keys, iter([keys[i:i + 65536] for i in range(0, len(keys), 65536)])):
+            statuses: list[int] = []
+            heavy = threading.Thread(target=lambda: statuses.append(
+                httpx.post(f"{base_url}/v1/measurements", content=body, headers=headers, timeout=60).status_code))
+            heavy.start()
+            slowest = 0.0
+            while True:
+                asked = time.monotonic()
+                assert httpx.get(f"{base_url}/healthz", timeout=60).status_code == 200
+                slowest = max(slowest, time.monotonic() - asked)
+                if not heavy.is_alive():
+                    break
+            heavy.join()
+            assert slowest < 1.0
+            assert statuses == [413]
 
 
 def test_cli_exports_from_the_service_and_imports_into_another_database(tmp_path: Path) -> None:
