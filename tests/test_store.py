@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
+import time
+import uuid
 from typing import Any
 
 import pytest
@@ -312,21 +315,23 @@ def test_an_imported_created_at_is_kept_as_the_same_moment(engine: Engine, creat
 
 def test_an_import_that_fails_while_writing_leaves_nothing_on_postgres(postgres_url: str) -> None:
     """On PostgreSQL the import is one transaction: a failure past the first batch's worth of
-    lines (here a concurrent writer that registers a GPU of the file with other properties
+    lines (here a concurrent writer that stores the uid of a late line with other content,
     after the check against the store) rolls back the lines before it too; it once left
     them committed."""
     engine, racer = make_engine(postgres_url), make_engine(postgres_url)
-    other_gpu = {"name": "Racing GPU", "compute_capability": "8.0", "sm_count": 108, "memory_bytes": 1}
     late_line = store.IMPORT_BATCH_LINES + 41
-    lines = _import_file(store.IMPORT_BATCH_LINES + 50, gpu_of={late_line: other_gpu})
-    gpu_inserts: list[int] = []
+    lines = _import_file(store.IMPORT_BATCH_LINES + 50)
+    other_gpu = {"name": "Racing GPU", "compute_capability": "8.0", "sm_count": 108, "memory_bytes": 1}
+    racing_line = {**json.loads(lines[late_line - 1]), "gpu": other_gpu}
+    racing = [json.dumps({**json.loads(lines[0]), "entries": 1}), json.dumps(racing_line)]
+    measurement_inserts: list[int] = []
 
     @event.listens_for(engine, "before_cursor_execute")
-    def _register_it_differently_first(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.startswith("INSERT INTO gpus"):
-            gpu_inserts.append(1)
-            if len(gpu_inserts) == late_line - 1:  # the late line's GPU, after the earlier lines' writes
-                store.record_measurement(racer, measurement(gpu=dict(other_gpu, sm_count=7)))
+    def _store_its_uid_differently_first(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("INSERT INTO measurements"):
+            measurement_inserts.append(1)
+            if len(measurement_inserts) == late_line - 1:  # the late line's, after the earlier lines' writes
+                store.import_jsonl(racer, racing)
 
     with pytest.raises(store.ImportFormatError) as raised:
         store.import_jsonl(engine, lines)
@@ -386,4 +391,70 @@ def test_an_sqlite_import_stopped_by_a_lock_in_a_later_batch_says_what_it_import
     imported = measurement_count(engine)
     assert 0 < imported < store.IMPORT_BATCH_LINES + 50 and raised.value.lines_imported == imported
     assert f"after {imported} of {store.IMPORT_BATCH_LINES + 50} lines were imported" in str(raised.value)
+    engine.dispose()
+
+
+def _lines_for(keys: list[int], median_ms: float) -> list[str]:
+    """An export file with one new measurement, timed at `median_ms`, for each V in `keys`, in that order."""
+    lines = [
+        json.dumps(
+            measurement_data(V=v, median_ms=median_ms, p20_ms=median_ms, p80_ms=median_ms,
+                             measurement_uid=uuid.uuid4().hex, created_at="2026-01-01T00:00:00Z")
+        )
+        for v in keys
+    ]
+    header = {"format": "cce-tuning-db", "schema_version": 1, "entries": len(keys), "measurements": len(keys)}
+    return [json.dumps(header), *lines]
+
+
+def test_concurrent_imports_and_measurements_queue_instead_of_deadlocking(postgres_url: str) -> None:
+    """Two imports of the same two keys, their lines in other orders, and a measurement on one
+    key. Each import once wrote its best entries in file order, so each held one the other waited
+    for: PostgreSQL killed one of them, and the measurement queued between them (the service's
+    POST answered 503, and `cce tune --publish` lost it). Each import here pauses 0.3 s after
+    its first entry once the other has written its own (or a second has passed: the other waits
+    for it); the measurement is sent as they pause."""
+    engine = make_engine(postgres_url)
+    for v in (1001, 1002):
+        store.record_measurement(engine, measurement(20.0, V=v))
+    first_entry = [threading.Event(), threading.Event()]
+    errors: list[str] = []
+
+    def import_lines(index: int, keys: list[int], median_ms: float) -> None:
+        importer = make_engine(postgres_url)
+
+        @event.listens_for(importer, "after_cursor_execute")
+        def _pause_after_the_first_entry(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            if statement.startswith("INSERT INTO best_configs") and not first_entry[index].is_set():
+                first_entry[index].set()
+                first_entry[1 - index].wait(timeout=1)
+                time.sleep(0.3)
+
+        try:
+            store.import_jsonl(importer, _lines_for(keys, median_ms))
+        except Exception as error:  # noqa: BLE001 - the test reports every failure
+            errors.append(f"import {index}: {error!r}"[:200])
+        finally:
+            importer.dispose()
+
+    def post() -> None:
+        first_entry[0].wait(timeout=5)
+        first_entry[1].wait(timeout=0.5)
+        try:
+            store.record_measurement(engine, measurement(1.0, V=1002))
+        except Exception as error:  # noqa: BLE001
+            errors.append(f"measurement: {error!r}"[:200])
+
+    threads = [
+        threading.Thread(target=import_lines, args=(0, [1001, 1002], 5.0)),
+        threading.Thread(target=import_lines, args=(1, [1002, 1001], 6.0)),
+        threading.Thread(target=post),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert measurement_count(engine) == 7
+    assert [lookup(engine, V=v).entry.median_ms for v in (1001, 1002)] == [5.0, 1.0]  # type: ignore[union-attr]
     engine.dispose()

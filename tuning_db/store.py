@@ -15,7 +15,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_core import to_json
@@ -112,6 +112,9 @@ UID_QUERY_CHUNK = 500
 """Uids per IN (...) when an import looks for the measurements it already holds."""
 
 
+T = TypeVar("T")
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -148,14 +151,13 @@ def _check_gpu(gpu: Gpu, spec: GpuSpec) -> None:
 
 
 def _add_measurement(
-    session: Session, measurement: MeasurementIn, uid: str, created_at: datetime
+    session: Session, measurement: MeasurementIn, gpu_id: int, uid: str, created_at: datetime
 ) -> tuple[Measurement, bool]:
-    """Append a measurement unless one with this uid exists; returns the stored row and
-    whether it was added (a re-imported file adds nothing twice). A stored uid with other
-    content is a ConflictError: a uid names one measurement."""
+    """Append a measurement of the GPU `gpu_id` unless one with this uid exists; returns the
+    stored row and whether it was added (a re-imported file adds nothing twice). A stored uid
+    with other content is a ConflictError: a uid names one measurement."""
     fields = measurement.model_dump(include=set(_MEASUREMENT_COLUMNS))
     values = {_MEASUREMENT_COLUMNS[name]: value for name, value in fields.items()}
-    gpu_id = _gpu_id(session, measurement.gpu)
     values |= {"uid": uid, "gpu_id": gpu_id, "n_bucket": n_bucket(measurement.tokens), "created_at": created_at}
     insert = _dialect_insert(session)
     added = session.scalars(
@@ -257,8 +259,8 @@ def _entry(row: Row[Any]) -> BestEntry:
 
 def record_measurement(engine: Engine, measurement: MeasurementIn) -> RecordResult:
     """Append one measurement and make it the key's best if it is the fastest, atomically."""
-    with write_session(engine) as session:
-        row, _ = _add_measurement(session, measurement, uuid.uuid4().hex, _now())
+    with write_session(engine) as session:  # the lock order of _write_lines, one row of each
+        row, _ = _add_measurement(session, measurement, _gpu_id(session, measurement.gpu), uuid.uuid4().hex, _now())
         _upsert_best(session, row, "keep_better")
         best_id, best_measurement_id, best_median_ms = session.execute(
             select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms).where(*_same_key(row))
@@ -506,26 +508,38 @@ def _batches(entries: list[ImportLine]) -> Iterator[list[ImportLine]]:
         yield batch
 
 
-def _import_line(session: Session, number: int, line: ExportLine, mode: ImportMode, counts: Counter[str]) -> None:
-    try:
-        measurement, added = _add_measurement(session, line, line.measurement_uid, line.created_at)
-    except ConflictError as error:
-        raise ImportFormatError(number, str(error)) from None
-    counts["measurements_added"] += added
-    existed = session.scalar(select(BestConfig.id).where(*_same_key(measurement))) is not None
-    applied = _upsert_best(session, measurement, mode)
-    counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
-
-
 def _write_lines(
     engine: Engine, entries: list[ImportLine], mode: ImportMode, dry_run: bool, counts: Counter[str]
 ) -> None:
-    """Write `entries` in one transaction (rolled back for a dry run), adding to `counts`."""
+    """Write `entries` in one transaction (rolled back for a dry run), adding to `counts`.
+
+    The rows are written, so locked, in the order every writer follows: GPUs by name, then
+    measurements by uid, then best entries by key (a key's lines in file order);
+    record_measurement takes one of each. Two writers therefore never wait for each other in
+    a circle: on PostgreSQL they queue for the rows instead of deadlocking."""
     with write_session(engine) as session:
-        for number, line in entries:
-            _import_line(session, number, line, mode, counts)
+        gpus = {line.gpu.name: (number, line.gpu) for number, line in reversed(entries)}  # each one's first line
+        gpu_ids = {name: _on_line(number, _gpu_id, session, spec) for name, (number, spec) in sorted(gpus.items())}
+        rows: dict[int, Measurement] = {}
+        for number, line in sorted(entries, key=lambda entry: entry[1].measurement_uid):
+            rows[number], added = _on_line(
+                number, _add_measurement, session, line, gpu_ids[line.gpu.name], line.measurement_uid, line.created_at
+            )
+            counts["measurements_added"] += added
+        for number, line in sorted(entries, key=lambda entry: _key_of(entry[1])):
+            existed = session.scalar(select(BestConfig.id).where(*_same_key(rows[number]))) is not None
+            applied = _upsert_best(session, rows[number], mode)
+            counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
         if dry_run:
             session.rollback()
+
+
+def _on_line(number: int, write: Callable[..., T], *args: Any) -> T:
+    """`write(*args)`, its ConflictError an ImportFormatError naming line `number`."""
+    try:
+        return write(*args)
+    except ConflictError as error:
+        raise ImportFormatError(number, str(error)) from None
 
 
 def import_jsonl(
