@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, event, select, text, update
 
 from tests.db_fixtures import GPU_H100, H100_KEY, lookup_params, measurement, measurement_count, measurement_data
 from tuning_db import engine as engine_module
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade
-from tuning_db.models import Base
+from tuning_db.models import Base, Measurement
 from tuning_db.records import ConfigFilters, LookupQuery, normalize_gpu_name
 
 
@@ -198,6 +198,18 @@ def test_export_has_a_header_and_round_trips_into_an_empty_database(engine: Engi
     again = store.import_jsonl(target, exported)
     assert (again.measurements_added, again.entries_added, again.entries_kept) == (0, 0, 4)
     target.dispose()
+
+
+def test_a_config_stored_before_a_field_existed_reimports_its_own_export(engine: Engine) -> None:
+    """A config an older release stored lacks the fields added since (workspace_rows): importing
+    its export back was refused, the stored config compared as stored with the line's canonical one."""
+    store.record_measurement(engine, measurement())
+    with engine.begin() as connection:
+        config = dict(connection.scalar(select(Measurement.config)))
+        del config["workspace_rows"]
+        connection.execute(update(Measurement).values(config=config))
+    report = store.import_jsonl(engine, store.export_jsonl(engine))
+    assert (report.measurements_added, report.entries_kept) == (0, 1)
 
 
 def _exported_with(engine: Engine, median_ms: float) -> list[str]:

@@ -106,6 +106,12 @@ def clip(text: str, limit: int = CLIPPED_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def canonical_config(config: Any) -> dict[str, Any]:
+    """`config` in the form it is stored in (`KernelConfig.to_dict()`, every field present);
+    ConfigError (a ValueError) naming the key if today's rules refuse it."""
+    return KernelConfig.from_dict(config).to_dict()
+
+
 class StrictModel(BaseModel):
     """Untrusted JSON: no coercion ("64" is not 64), no unknown keys."""
 
@@ -144,7 +150,7 @@ class MeasurementIn(StrictModel):
     @field_validator("config")
     @classmethod
     def _canonical_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        return KernelConfig.from_dict(config).to_dict()
+        return canonical_config(config)
 
     @model_validator(mode="after")
     def _ordered_quantiles(self) -> MeasurementIn:

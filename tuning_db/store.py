@@ -45,6 +45,7 @@ from tuning_db.records import (
     MeasurementIn,
     RecordResult,
     as_utc,
+    canonical_config,
     clip,
 )
 
@@ -172,15 +173,25 @@ def _add_measurement(
 
 def _check_same_content(stored: Measurement, measurement: MeasurementIn, same_gpu: bool) -> None:
     """Raise ConflictError unless the stored measurement of this uid is `measurement`."""
+    stored_fields = {name: getattr(stored, column) for name, column in _MEASUREMENT_COLUMNS.items()}
+    stored_fields["config"] = _today_form(stored.config)
     differing = [] if same_gpu else ["gpu"]
-    differing += [
-        name for name, column in _MEASUREMENT_COLUMNS.items() if getattr(stored, column) != getattr(measurement, name)
-    ]
+    differing += [name for name, value in stored_fields.items() if value != getattr(measurement, name)]
     if differing:
         raise ConflictError(
             f"measurement uid {stored.uid} is stored with other {', '.join(differing)}: a uid names one "
             "measurement (give an edited line a new uid)"
         )
+
+
+def _today_form(config: Any) -> Any:
+    """A stored config as today's release stores it, to compare with an incoming (canonical) one:
+    an older release's lacks the fields added since (workspace_rows). One today's rules refuse
+    stays as stored, so it differs from any incoming config."""
+    try:
+        return canonical_config(config)
+    except ValueError:
+        return config
 
 
 def _upsert_best(session: Session, measurement: Measurement, mode: ImportMode) -> bool:
