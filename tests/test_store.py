@@ -4,10 +4,12 @@ levels, listing, export/import and retirement."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sqlite3
 import threading
 import time
 import uuid
+from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import pytest
@@ -15,13 +17,22 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, event, select, text, update
 
-from tests.db_fixtures import GPU_H100, H100_KEY, lookup_params, measurement, measurement_count, measurement_data
+from tests.db_fixtures import (
+    GPU_H100,
+    H100_KEY,
+    POSTGRES_URL,
+    lookup_params,
+    measurement,
+    measurement_count,
+    measurement_data,
+)
 from tuning_db import engine as engine_module
 from tuning_db import store
 from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
 from tuning_db.migrate import current_revision, head_revision, upgrade
 from tuning_db.models import Base, Measurement
 from tuning_db.records import ConfigFilters, LookupQuery, normalize_gpu_name
+from tuning_db.scratch import scratch_schema
 
 
 def lookup(engine: Engine, **overrides: Any) -> store.LookupResult:
@@ -38,6 +49,29 @@ def test_upgrade_twice_is_harmless(db_url: str, engine: Engine) -> None:
     store.record_measurement(engine, measurement())
     assert upgrade(db_url) == head_revision()
     assert measurement_count(engine) == 1
+
+
+def _upgrade_at(url: str, start: Barrier) -> None:
+    start.wait()
+    upgrade(url)
+
+
+def test_concurrent_upgrades_of_an_empty_postgres_schema_all_succeed(postgres_url: str) -> None:
+    """Several `cce db upgrade` at once on an empty schema: all but one once failed with a
+    duplicate key in pg_type (each created alembic_version), the DDL not serializing them."""
+    context = multiprocessing.get_context("fork")  # the children inherit the imported modules
+    for _trial in range(3):
+        with scratch_schema(POSTGRES_URL, prefix="cce_test_upgrade") as url:
+            start = context.Barrier(4)
+            upgrades = [context.Process(target=_upgrade_at, args=(url, start)) for _ in range(4)]
+            for process in upgrades:
+                process.start()
+            for process in upgrades:
+                process.join(timeout=60)
+            assert [process.exitcode for process in upgrades] == [0] * 4
+            engine = make_engine(url)
+            assert current_revision(engine) == head_revision()
+            engine.dispose()
 
 
 def test_sqlite_runs_in_wal_mode_with_a_busy_timeout(sqlite_url: str) -> None:

@@ -10,11 +10,13 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, func, select
 
 from tuning_db.engine import WRITE_OPTION, make_engine
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+UPGRADE_LOCK_KEY = int.from_bytes(b"cce_migr", "big")
+"""The PostgreSQL advisory lock (one per database) that upgrades of the schema queue on."""
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -43,13 +45,17 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(url: str | None = None) -> str | None:
-    """Bring the database at `url` to the head revision; safe to run from several processes at once
-    (SQLite serializes them on the write lock, PostgreSQL on the transactional DDL)."""
+    """Bring the database at `url` to the head revision; safe to run from several processes at
+    once: SQLite serializes them on its write lock, PostgreSQL on an advisory lock (its DDL
+    alone does not: two upgrades of an empty schema both create alembic_version, and one
+    fails on a duplicate key)."""
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
             connection.execution_options(**{WRITE_OPTION: True})
             with connection.begin():
+                if connection.dialect.name == "postgresql":  # held until this transaction ends
+                    connection.execute(select(func.pg_advisory_xact_lock(UPGRADE_LOCK_KEY)))
                 command.upgrade(alembic_config(connection), "head")
         return current_revision(engine)
     finally:
