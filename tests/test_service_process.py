@@ -17,6 +17,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from cce_compile.cli import db as cli_db
 from cce_compile.cli.main import app as cce
 from service.process import REPO_ROOT, serving, serving_process
 from tests.db_fixtures import bearer, lookup_params, measurement_data
@@ -181,3 +182,22 @@ def test_the_cli_and_the_package_load_no_web_stack() -> None:
 @pytest.mark.parametrize("args", [["serve", "--help"], ["db", "upgrade", "--help"], ["import", "--help"]])
 def test_commands_are_registered(args: list[str]) -> None:
     assert CliRunner().invoke(cce, args).exit_code == 0
+
+
+def test_cli_import_through_the_service_waits_for_a_long_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An import the service takes longer to write than the CLI's HTTP timeout (here cut to
+    0.1 s; 60 s against a 7.8 MB file): the CLI once reported a ReadTimeout for an import that
+    went on to succeed. Three SQLite batches take 0.3 s in pauses alone."""
+    monkeypatch.setattr(cli_db, "HTTP_TIMEOUT_S", 0.1)
+    count = 450
+    header = {"format": "cce-tuning-db", "schema_version": 1, "entries": count, "measurements": count}
+    lines = [
+        json.dumps(measurement_data(V=v, measurement_uid=f"{v:032x}", created_at="2026-01-01T00:00:00Z"))
+        for v in range(1, count + 1)
+    ]
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text("\n".join([json.dumps(header), *lines]) + "\n")
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{tmp_path / 'served.db'}", env=TOKENS_ENV) as base_url:
+        imported = CliRunner().invoke(cce, ["import", str(export_file), "--url", base_url, "--token", ADMIN_TOKEN])
+    assert imported.exit_code == 0, imported.output
+    assert json.loads(imported.stdout)["entries_added"] == count

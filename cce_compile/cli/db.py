@@ -135,15 +135,20 @@ def store_engine(db_url: str | None) -> Engine:
     return engine
 
 
-def _service_request(method: str, url: str, path: str, token: str | None, **kwargs: object) -> str:
-    """One call to the service; exits with its error detail on a failure status."""
+def _service_request(
+    method: str, url: str, path: str, token: str | None, wait_for_answer: bool = False, **kwargs: object
+) -> str:
+    """One call to the service; exits with its error detail on a failure status. With
+    `wait_for_answer` there is no read timeout: an import answers once the service has
+    written every line, which a large file on a busy database takes minutes to."""
     import httpx
 
     if token and not token.isascii():
         fail("--token: a token is ASCII (URL-safe characters, as `cce token` makes them)", status=2)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = httpx.Timeout(HTTP_TIMEOUT_S, read=None if wait_for_answer else HTTP_TIMEOUT_S)
     try:
-        response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+        response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout, **kwargs)
     except (httpx.HTTPError, httpx.InvalidURL) as error:
         fail(f"{method} {url.rstrip('/')}{path}: {type(error).__name__}: {error}")
     if response.is_error:
@@ -177,7 +182,9 @@ def import_command(
     batches of lines) and print the counts."""
     if url:
         params = {"mode": mode, "dry_run": str(dry_run).lower()}
-        typer.echo(_service_request("POST", url, "/v1/import", token, params=params, content=file.read_bytes()))
+        answer = _service_request("POST", url, "/v1/import", token, wait_for_answer=True, params=params,
+                                  content=file.read_bytes())
+        typer.echo(answer)
         return
     from sqlalchemy.exc import DBAPIError
 
