@@ -311,6 +311,7 @@ def test_a_chunked_body_over_the_limit_is_refused(client: TestClient) -> None:
         ('{"format": "cce-tuning-db", "schema_version": 9, "entries": 0, "measurements": 0}\n', 1),
         ('{"format": "cce-tuning-db", "schema_version": 1, "entries": 1, "measurements": 1}\n{"V": 1}\n', 2),
         (b"\xff\xfe not utf-8", 1),
+        ('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "entries": 0, "measurements": 0}\n', 1),
     ],
 )
 def test_bad_imports_are_refused_with_the_line_and_change_nothing(

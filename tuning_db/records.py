@@ -9,8 +9,9 @@ Every incoming config goes through `KernelConfig.from_dict` and is kept in its c
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -116,6 +117,33 @@ class StrictModel(BaseModel):
     """Untrusted JSON: no coercion ("64" is not 64), no unknown keys."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RepeatedKeyError(ValueError):
+    """A JSON object that gives a key twice, which JSON parsers (pydantic's too) read silently,
+    the last value winning."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object_pairs_hook that refuses a repeated key (RepeatedKeyError)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RepeatedKeyError(f"the key {clip(key)!r} is given twice in one object")
+        seen.add(key)
+    return dict(pairs)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validate_json(model: type[Model], text: str) -> Model:
+    """`model.model_validate_json(text)`, refusing a key given twice (RepeatedKeyError)."""
+    try:
+        json.loads(text, object_pairs_hook=unique_keys)
+    except (json.JSONDecodeError, RecursionError):
+        pass  # not JSON (or nested too deep for json): pydantic names what is wrong
+    return model.model_validate_json(text)
 
 
 class GpuSpec(StrictModel):

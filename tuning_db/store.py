@@ -44,9 +44,11 @@ from tuning_db.records import (
     MatchLevel,
     MeasurementIn,
     RecordResult,
+    RepeatedKeyError,
     as_utc,
     canonical_config,
     clip,
+    validate_json,
 )
 
 
@@ -420,8 +422,10 @@ def export_jsonl(engine: Engine) -> list[str]:
         return [header.model_dump_json(), *lines]
 
 
-def _validation_message(error: ValidationError) -> str:
+def _validation_message(error: ValidationError | RepeatedKeyError) -> str:
     """The first errors' places and messages, clipped: the input may be megabytes long."""
+    if isinstance(error, RepeatedKeyError):
+        return str(error)
     errors = error.errors()
     shown = "; ".join(
         f"{clip('.'.join(map(str, item['loc'])) or 'line')}: {clip(item['msg'])}"
@@ -441,14 +445,14 @@ def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
         raise ImportFormatError(1, "empty file: expected a header line")
     header_number, header_line = numbered[0]
     try:
-        header = ExportHeader.model_validate_json(header_line)
-    except ValidationError as error:
+        header = validate_json(ExportHeader, header_line)
+    except (ValidationError, RepeatedKeyError) as error:
         raise ImportFormatError(header_number, f"bad header: {_validation_message(error)}") from None
     entries: list[ImportLine] = []
     for number, line in numbered[1:]:
         try:
-            entries.append((number, ExportLine.model_validate_json(line)))
-        except ValidationError as error:
+            entries.append((number, validate_json(ExportLine, line)))
+        except (ValidationError, RepeatedKeyError) as error:
             raise ImportFormatError(number, _validation_message(error)) from None
     if len(entries) != header.entries:
         raise ImportFormatError(header_number, f"header announces {header.entries} entries, file has {len(entries)}")
