@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -125,9 +126,16 @@ async def _validation_error(_request: Request, error: Exception) -> JSONResponse
     details = [
         {
             "loc": [clip(part) if isinstance(part, str) else part for part in item["loc"]],
-            "msg": clip(item["msg"]),
+            "msg": clip(_message(item)),
             "type": item["type"],
         }
         for item in error.errors()[:MAX_REPORTED_ERRORS]
     ]
     return JSONResponse({"detail": details}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+def _message(item: dict[str, Any]) -> str:
+    """An error's message; for a body that is not JSON with the parser's reason, which
+    FastAPI keeps apart ("JSON decode error" alone says neither where nor what)."""
+    reason = item.get("ctx", {}).get("error") if item["type"] == "json_invalid" else None
+    return f"{item['msg']}: {reason}" if reason else item["msg"]

@@ -304,6 +304,20 @@ def test_a_chunked_body_over_the_limit_is_refused(client: TestClient) -> None:
     assert exported(client) == before
 
 
+def test_a_measurement_giving_a_key_twice_is_refused_naming_it(client: TestClient) -> None:
+    """FastAPI's JSON parser keeps the last of a repeated key: a body with "tokens" twice was
+    stored with the later value."""
+    post_measurement(client)
+    before = exported(client)
+    body = json.dumps(measurement_data())[:-1] + ', "tokens": 1}'
+    response = client.post(
+        "/v1/measurements", content=body, headers={**bearer(WRITE_TOKEN), "Content-Type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert "the key 'tokens' is given twice" in response.json()["detail"][0]["msg"]
+    assert exported(client) == before
+
+
 @pytest.mark.parametrize(
     ("body", "line"),
     [

@@ -7,11 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, status
 
 from service.deps import WRITE, EngineDep
+from service.json_body import UniqueKeysRoute
 from service.schemas import NoQuery
 from tuning_db import store
 from tuning_db.records import MeasurementIn, RecordResult
 
-router = APIRouter(prefix="/v1", tags=["measurements"])
+router = APIRouter(prefix="/v1", tags=["measurements"], route_class=UniqueKeysRoute)
 
 MAX_BODY_BYTES = 64 * 2**10
 """A measurement is under 3 KB, even indented. FastAPI parses and validates a body on the event
