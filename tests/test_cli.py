@@ -18,7 +18,7 @@ import httpx
 from cce_compile import __version__
 from service.auth import parse_token_spec
 from service.process import REPO_ROOT, free_port, serving
-from tests.db_fixtures import bearer
+from tests.db_fixtures import bearer, measurement_data
 
 README = REPO_ROOT / "README.md"
 
@@ -229,6 +229,24 @@ def test_a_bad_import_file_is_one_clipped_line_naming_the_file(tmp_path: Path) -
     done = cce("import", str(many_keys), "--db-url", database)
     assert_one_line_failure(done, str(many_keys), "line 2", "more", "nothing was imported")
     assert len(done.stderr) < 5000
+
+
+def test_a_byte_that_is_not_utf8_far_into_an_import_file_names_its_line_and_offset(tmp_path: Path) -> None:
+    """The byte was named by its offset in the text decoder's chunk (byte 1924 for 100228), and
+    no line."""
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    header = {"format": "cce-tuning-db", "schema_version": 1, "entries": 300, "measurements": 300}
+    lines = [json.dumps(header)] + [
+        json.dumps(measurement_data(V=v, measurement_uid=f"{v:032x}", created_at="2026-01-01T00:00:00Z"))
+        for v in range(1, 301)
+    ]
+    data = "".join(line + "\n" for line in lines).encode()
+    offset = len("".join(line + "\n" for line in lines[:249])) + 10  # inside line 250
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(data[:offset] + b"\xff" + data[offset + 1 :])
+    assert_one_line_failure(cce("import", str(bad), "--db-url", database), str(bad), "line 250",
+                            f"byte {offset} of the file", "not UTF-8", "nothing was imported")
 
 
 def test_lookup_refuses_what_the_service_refuses() -> None:

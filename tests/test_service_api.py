@@ -325,6 +325,7 @@ def test_a_measurement_giving_a_key_twice_is_refused_naming_it(client: TestClien
         ('{"format": "cce-tuning-db", "schema_version": 9, "entries": 0, "measurements": 0}\n', 1),
         ('{"format": "cce-tuning-db", "schema_version": 1, "entries": 1, "measurements": 1}\n{"V": 1}\n', 2),
         (b"\xff\xfe not utf-8", 1),
+        (b'{"format": "cce-tuning-db"}\n\n{"V": 1, "gpu": "\xff"}\n', 3),
         ('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "entries": 0, "measurements": 0}\n', 1),
     ],
 )

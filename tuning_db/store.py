@@ -438,6 +438,18 @@ ImportLine = tuple[int, ExportLine]
 """A validated export line and its line number in the file."""
 
 
+def decoded_lines(data: bytes) -> list[str]:
+    """An export file's lines. A byte that is not UTF-8 is an ImportFormatError naming its line
+    and its offset in the file (a streaming decoder knows only its offset in a chunk)."""
+    try:
+        return data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as error:
+        line_number = data.count(b"\n", 0, error.start) + 1
+        raise ImportFormatError(
+            line_number, f"not UTF-8 text at byte {error.start} of the file (counted from 0): {error.reason}"
+        ) from None
+
+
 def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
     """Validate a whole export file before anything is written."""
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]

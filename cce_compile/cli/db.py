@@ -189,14 +189,11 @@ def import_command(
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.store import ImportFormatError, ImportInterrupted, import_jsonl
+    from tuning_db.store import ImportFormatError, ImportInterrupted, decoded_lines, import_jsonl
 
     engine = store_engine(db_url)
     try:
-        with file.open(encoding="utf-8") as lines:
-            report = import_jsonl(engine, lines, mode=mode, dry_run=dry_run)
-    except UnicodeDecodeError as error:
-        fail(f"{file}: not UTF-8 text (byte {error.start}: {error.reason}); nothing was imported")
+        report = import_jsonl(engine, decoded_lines(file.read_bytes()), mode=mode, dry_run=dry_run)
     except ImportFormatError as error:
         fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
     except ImportInterrupted as error:

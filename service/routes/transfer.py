@@ -33,9 +33,5 @@ def export(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> Response:
 async def import_entries(request: Request, query: Annotated[ImportQuery, Query()], engine: EngineDep) -> ImportReport:
     """Import an export file (the body), checked whole first: on PostgreSQL all lines or none, on
     SQLite in batches of lines; `dry_run` only reports."""
-    body = await request.body()
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise store.ImportFormatError(1, f"the body is not UTF-8: {error}") from None
-    return await run_in_threadpool(store.import_jsonl, engine, text.splitlines(), query.mode, query.dry_run)
+    lines = store.decoded_lines(await request.body())
+    return await run_in_threadpool(store.import_jsonl, engine, lines, query.mode, query.dry_run)
