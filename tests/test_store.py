@@ -279,6 +279,14 @@ def test_import_dry_run_reports_and_changes_nothing(engine: Engine) -> None:
     assert store.export_jsonl(engine) == before
 
 
+def test_an_import_file_may_start_with_a_byte_order_mark(engine: Engine) -> None:
+    """Some Windows editors save UTF-8 with one (U+FEFF): the header was refused as not JSON."""
+    store.record_measurement(engine, measurement(10.0))
+    lines = _exported_with(engine, 5.0)
+    report = store.import_jsonl(engine, ["\ufeff" + lines[0], *lines[1:]])
+    assert (report.lines, report.entries_replaced) == (1, 1)
+
+
 def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:
     header, entry = valid[0], json.loads(valid[1])
     second = dict(entry, measurement_uid="e" * 32, tokens=1024)

@@ -450,9 +450,17 @@ def decoded_lines(data: bytes) -> list[str]:
         ) from None
 
 
+BYTE_ORDER_MARK = "\ufeff"
+"""What some editors (Windows') put first in a UTF-8 file: no part of its JSON."""
+
+
 def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
     """Validate a whole export file before anything is written."""
-    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    numbered = [
+        (number, line.removeprefix(BYTE_ORDER_MARK) if number == 1 else line)
+        for number, line in enumerate(lines, start=1)
+        if line.strip()
+    ]
     if not numbered:
         raise ImportFormatError(1, "empty file: expected a header line")
     header_number, header_line = numbered[0]
