@@ -247,6 +247,43 @@ def test_a_config_stored_before_a_field_existed_reimports_its_own_export(engine:
     assert (report.measurements_added, report.entries_kept) == (0, 1)
 
 
+ICU_COLLATION = "und-x-icu"
+TEXT_KEY_COLUMNS = {"gpus": ["name"], "best_configs": ["kernel", "kernel_version", "triton_version", "dtype", "mode"]}
+
+
+def test_export_is_in_byte_order_whatever_the_collation(postgres_url: str) -> None:
+    """Export ordered by the database's collation: an ICU one puts 'k0' before 'K1', the test
+    database's (C) after, so the same data gave other files. The key columns here take an ICU
+    collation, whatever the test database's own; the test checks that they sort otherwise.
+    (`postgres_url`: skipped without a server.)"""
+    with scratch_schema(POSTGRES_URL, prefix="cce_test_collation") as url:
+        upgrade(url)
+        engine = make_engine(url)
+        with engine.begin() as connection:
+            found = text("SELECT count(*) FROM pg_collation WHERE collname = :name")
+            if connection.scalar(found, {"name": ICU_COLLATION}) == 0:
+                pytest.skip(f"the PostgreSQL server has no {ICU_COLLATION} collation (built without ICU)")
+            for table, columns in TEXT_KEY_COLUMNS.items():
+                for column in columns:
+                    connection.execute(
+                        text(f'ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar COLLATE "{ICU_COLLATION}"')
+                    )
+        for gpu_name, kernel_version in (("A100", "K1"), ("a-100", "k0"), ("a100 x", "Kz"), ("B1", "k.1")):
+            gpu = {"name": gpu_name, "compute_capability": "8.0", "sm_count": 108, "memory_bytes": 1}
+            store.record_measurement(engine, measurement(gpu=gpu, kernel_version=kernel_version))
+            store.record_measurement(engine, measurement(kernel_version=kernel_version))
+        with engine.connect() as connection:
+            collated = connection.scalars(text("SELECT kernel_version FROM best_configs ORDER BY kernel_version")).all()
+        assert collated != sorted(collated)  # the guard: the database sorts otherwise
+        keys = [
+            (entry["gpu"]["name"], entry["kernel"], entry["kernel_version"], entry["triton_version"], entry["V"],
+             entry["D"], entry["dtype"], entry["tokens"], entry["mode"])
+            for entry in map(json.loads, store.export_jsonl(engine)[1:])
+        ]
+        engine.dispose()
+    assert len(keys) == 8 and keys == sorted(keys)  # Python's str order is UTF-8's byte order
+
+
 def _exported_with(engine: Engine, median_ms: float) -> list[str]:
     """An export file holding one entry for the default key, timed at `median_ms`."""
     lines = store.export_jsonl(engine)

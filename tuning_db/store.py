@@ -394,15 +394,17 @@ def retire(engine: Engine, entry_id: int) -> BestEntry:
         return _entry(session.execute(_ENTRIES.where(BestConfig.id == entry_id)).one())
 
 
+def _key_order(row: Row[Any]) -> tuple[Any, ...]:
+    """An _ENTRIES row's key (BEST_KEY_COLUMNS, with the GPU by name), compared in Python: by
+    code point, which is UTF-8's byte order, whatever the database's collation."""
+    return (row.gpu_name, *(getattr(row, column) for column in BEST_KEY_COLUMNS[1:]))
+
+
 def export_jsonl(engine: Engine) -> list[str]:
     """The live best entries as JSON lines, after a header line; one consistent snapshot,
-    in key order, so two exports of the same data are identical."""
+    in key order, so two exports of the same data are identical (on any database)."""
     with read_session(engine, snapshot=True) as session:
-        live = session.execute(
-            _ENTRIES.where(BestConfig.retired.is_(False)).order_by(
-                Gpu.name, *(getattr(BestConfig, column) for column in BEST_KEY_COLUMNS[1:])
-            )
-        ).all()
+        live = sorted(session.execute(_ENTRIES.where(BestConfig.retired.is_(False))).all(), key=_key_order)
         header = ExportHeader(
             entries=len(live), measurements=session.scalar(select(func.count()).select_from(Measurement)) or 0
         )
