@@ -200,7 +200,7 @@ class ExportHeader(StrictModel):
     format: Literal["cce-tuning-db"] = "cce-tuning-db"
     schema_version: Literal[1] = 1
     entries: int = Field(ge=0)
-    measurements: int = Field(ge=0)
+    measurements: int = Field(ge=0, description="the measurements the file carries, one per entry")
 
 
 class LookupQuery(BaseModel):
