@@ -41,7 +41,7 @@ from cce_compile.tuning.publish import (
 )
 from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
 from service.process import REPO_ROOT, free_port, serving
-from tests.db_fixtures import bearer
+from tests.db_fixtures import bearer, measurement_count, measurement_data
 from tests.test_cli import assert_one_line_failure, cce as cce_process
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
 
@@ -153,6 +153,38 @@ def test_db_url_publishing_writes_through_the_store(tuned: TuneResult, sqlite_ur
     answer = lookup(publisher.engine, query)
     assert answer.match_level == "exact" and KernelConfig.from_dict(answer.entry.config) == tuned.best_config
     publisher.engine.dispose()
+
+
+def test_db_url_publishing_that_the_database_fails_says_what_was_stored(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database error (here SQLite's lock held past the busy timeout, from the first
+    measurement's commit on) once escaped the publisher: `cce tune --db-url` stopped with a
+    traceback, saying nothing of what it had stored. The rest are not tried: each would wait out
+    the same lock."""
+    from sqlalchemy import event
+
+    from tuning_db import engine as engine_module
+    from tuning_db.engine import make_engine
+
+    monkeypatch.setattr(engine_module, "SQLITE_BUSY_TIMEOUT_MS", 200)
+    engine = make_engine(sqlite_url)
+    holder = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+
+    @event.listens_for(engine.pool, "checkin", once=True)
+    def _lock_once_the_first_is_stored(*_args: Any) -> None:
+        holder.execute("BEGIN IMMEDIATE")
+
+    try:
+        outcomes = DatabasePublisher(engine).publish([measurement_data(V=vocab) for vocab in (1, 2, 3)])
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert [outcome.accepted for outcome in outcomes] == [True, False, False]
+    assert "database is locked" in outcomes[1].detail and "\n" not in outcomes[1].detail
+    assert outcomes[2].detail.startswith("not sent: the database failed on an earlier measurement")
+    assert measurement_count(engine) == 1
+    engine.dispose()
 
 
 @pytest.mark.interpreter

@@ -225,17 +225,30 @@ class DatabasePublisher:
         self.engine = engine
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
+        """One outcome a measurement. A database error (a lock held past its timeout, a lost
+        connection) refuses that measurement with the error and the rest unsent, as each would
+        wait out the same failure; what was stored before it stays, and the outcomes say which."""
         from pydantic import ValidationError
+        from sqlalchemy.exc import DBAPIError
 
         from tuning_db.records import MeasurementIn
         from tuning_db.store import StoreError, record_measurement
 
         outcomes = []
+        failed = False
         for item in bodies:
+            if failed:
+                detail = "not sent: the database failed on an earlier measurement"
+                outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
+                continue
             try:
                 recorded = record_measurement(self.engine, MeasurementIn.model_validate(item))
             except (ValidationError, StoreError) as error:
                 outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, str(error)[:300]))
+            except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
+                failed = True
+                detail = "database error: " + " ".join(str(error.orig).split())
+                outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail[:300]))
             else:
                 outcomes.append(Outcome(item["kernel"], item["median_ms"], True, recorded.is_best, ""))
         self.engine.dispose()
