@@ -184,7 +184,9 @@ def test_commands_are_registered(args: list[str]) -> None:
     assert CliRunner().invoke(cce, args).exit_code == 0
 
 
-def test_cli_import_through_the_service_waits_for_a_long_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_import_through_the_service_waits_for_a_long_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An import the service takes longer to write than the CLI's HTTP timeout (here cut to
     0.1 s; 60 s against a 7.8 MB file): the CLI once reported a ReadTimeout for an import that
     went on to succeed. Three SQLite batches take 0.3 s in pauses alone."""

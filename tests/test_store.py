@@ -358,13 +358,16 @@ def test_a_bad_import_file_changes_nothing(engine: Engine, case: str) -> None:
 @pytest.mark.parametrize(
     ("line_number", "key", "value"), [(1, "entries", "1"), (2, "median_ms", "9.9"), (2, "sm_count", "7")]
 )
-def test_an_import_naming_a_key_twice_is_refused_naming_it(engine: Engine, line_number: int, key: str, value: str) -> None:
+def test_an_import_naming_a_key_twice_is_refused_naming_it(
+    engine: Engine, line_number: int, key: str, value: str
+) -> None:
     """JSON parsers keep the last of a repeated key, silently: such a line (or header, or GPU
     object) was imported with the later value, unseen."""
     store.record_measurement(engine, measurement(10.0))
     before = store.export_jsonl(engine)
     lines = _exported_with(engine, 5.0)
-    lines[line_number - 1] = re.sub(f'"{key}": [^,}}]+', lambda given: f'{given[0]}, "{key}": {value}', lines[line_number - 1])
+    given_twice = re.sub(f'"{key}": [^,}}]+', lambda given: f'{given[0]}, "{key}": {value}', lines[line_number - 1])
+    lines[line_number - 1] = given_twice
     with pytest.raises(store.ImportFormatError) as raised:
         store.import_jsonl(engine, lines)
     assert raised.value.line_number == line_number and f"the key '{key}' is given twice" in str(raised.value)
