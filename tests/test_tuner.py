@@ -11,6 +11,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -134,6 +135,33 @@ def test_published_measurements_make_the_best_config_what_the_service_answers(
     assert forward["source"]["median_ms"] == pytest.approx(tuned.kernels["forward"].best.median_ms)
     refused = ServicePublisher(service_url, READ_TOKEN).publish(bodies[:1])
     assert not refused[0].accepted and refused[0].detail.startswith("403")
+
+
+def test_publishing_sends_again_a_measurement_the_service_answered_503(tmp_path: Path, postgres_url: str) -> None:
+    """A 503 with Retry-After (a busy database: here a best entry locked past the service's
+    lock_timeout; a deadlock answered alike) stores nothing: the publisher refused the
+    measurement at once, which the tuning run then lost. It waits Retry-After and sends it again."""
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+
+    from tuning_db.engine import make_engine
+
+    scoped = make_url(postgres_url)
+    impatient = scoped.update_query_dict({"options": f"{scoped.query['options']} -clock_timeout=300"})
+    db_url = impatient.render_as_string(hide_password=False)
+    body = measurement_data()
+    holder = make_engine(postgres_url)
+    with serving(tmp_path / "serve.log", "--db-url", db_url, env=TOKENS_ENV) as url:
+        publisher = ServicePublisher(url, WRITE_TOKEN)
+        assert publisher.publish([body])[0].accepted
+        with holder.connect() as connection:
+            connection.execute(text("SELECT id FROM best_configs FOR UPDATE"))
+            releasing = threading.Timer(0.8, connection.rollback)
+            releasing.start()
+            outcomes = publisher.publish([{**body, "median_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0}])
+            releasing.join()
+    holder.dispose()
+    assert [(outcome.accepted, outcome.is_best) for outcome in outcomes] == [(True, True)], outcomes
 
 
 @pytest.mark.interpreter

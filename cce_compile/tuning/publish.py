@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,10 @@ if TYPE_CHECKING:  # SQLAlchemy only where a database is written
     from sqlalchemy import Engine
 
 HTTP_TIMEOUT_S = 30.0
+BUSY_RETRIES = 3
+"""How often a measurement is sent again after a 503 with Retry-After (the database was busy:
+a lock past its timeout, a deadlock; nothing was stored)."""
+MAX_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -203,7 +208,7 @@ class ServicePublisher:
         with self._client() as client:
             for item in bodies:
                 try:
-                    response = client.post("/v1/measurements", json=item)
+                    response = _post_waiting_out_busy(client, item)
                 except httpx.HTTPError as error:
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False,
                                             f"{type(error).__name__}: {error}"[:300]))
@@ -215,6 +220,18 @@ class ServicePublisher:
                     detail = f"{response.status_code}: {response.text[:300]}"
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
         return outcomes
+
+
+def _post_waiting_out_busy(client: Any, item: dict[str, Any]) -> Any:
+    """POST one measurement; a 503 with Retry-After is waited out and sent again, BUSY_RETRIES
+    times at most (a 503 without it, a read-only database, will not pass by itself)."""
+    for _ in range(BUSY_RETRIES):
+        response = client.post("/v1/measurements", json=item)
+        retry_after = response.headers.get("Retry-After", "")
+        if response.status_code != 503 or not retry_after.isdigit():
+            return response
+        time.sleep(min(int(retry_after), MAX_RETRY_AFTER_S))
+    return client.post("/v1/measurements", json=item)
 
 
 class DatabasePublisher:
