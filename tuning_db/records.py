@@ -97,6 +97,11 @@ CLIPPED_CHARS = 200
 """How much of one piece of input an error message may quote."""
 
 
+MAX_RECORD_CHARS = 64 * 2**10
+"""The longest measurement or export line read: one is under 3 KB even indented, and parsing a
+longer one, then listing its errors, holds the GIL (and every other request) for seconds."""
+
+
 MAX_REPORTED_ERRORS = 20
 """An error names this many bad fields at most (a body or line of 50,000 unknown keys has as many)."""
 

@@ -29,6 +29,7 @@ from tuning_db.engine import read_session, write_session
 from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement
 from tuning_db.records import (
     MATCH_LEVELS,
+    MAX_RECORD_CHARS,
     MAX_REPORTED_ERRORS,
     NEAREST_BUCKET_FACTOR,
     BestEntry,
@@ -464,6 +465,10 @@ def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
     ]
     if not numbered:
         raise ImportFormatError(1, "empty file: expected a header line")
+    for number, line in numbered:
+        if len(line) > MAX_RECORD_CHARS:
+            raise ImportFormatError(number, f"line of {len(line)} characters: an export line is under 3 KB "
+                                            f"(at most {MAX_RECORD_CHARS} are read)")
     header_number, header_line = numbered[0]
     try:
         header = validate_json(ExportHeader, header_line)
