@@ -212,6 +212,8 @@ PERSISTENT = {
     "lse_forward_tma_kernel, temperature": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, 4),
     "fused_forward_tma_kernel, temperature": (
         fused_forward_tma_kernel, {**FUSED_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, TMA_STAGES),
+    # Gemma-2's soft-cap: tiles.tanh's exponential bare too
+    "grad_logits_tma_kernel, softcap": (grad_logits_tma_kernel, {**GRAD_LOGITS_TMA, "HAS_SOFTCAP": TRUE}, TMA_STAGES),
 }
 
 
