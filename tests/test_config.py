@@ -11,6 +11,7 @@ import pytest
 from cce_compile.config.kernel_config import ConfigError, KernelConfig
 from cce_compile.config.keys import ProblemKey, n_bucket
 from cce_compile.plan.backward import BackwardPlan, plan_backward, planning_tokens
+from cce_compile.plan.tokens import traced_n_bucket
 from cce_compile.plan.policy import Policy
 from cce_compile.resolve.heuristic import heuristic_config
 
@@ -115,6 +116,35 @@ def test_a_known_token_count_is_planned_for_itself_a_traced_one_for_its_bucket()
     assert planning_tokens(20000) == 20000
     assert planning_tokens(0) == 1
     assert planning_tokens(symbolic) == 32768
+
+
+def _symbols(*values: int) -> tuple:
+    """Backed sizes of a fresh ShapeEnv, as torch.compile traces dynamic dimensions (range 2..inf)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    return shape_env, *(shape_env.create_symintnode(shape_env.create_symbol(value, source=ConstantSource(f"s{i}")),
+                                                    hint=value) for i, value in enumerate(values))
+
+
+@pytest.mark.parametrize(("n_of", "values", "bucket", "guarded"), [
+    (lambda s: s, (100,), 128, True),  # a sequence dimension: one graph per bucket
+    (lambda s: 512 * s, (3,), 2048, True),  # batch 3 of 512: (1024, 2048] holds batches 3 and 4
+    (lambda s: 512 * s, (2,), 1024, False),  # batch 2 of 512 is alone in (512, 1024]: the guard would pin it
+    (lambda s: 5 * s, (2,), 16, True),  # batch 2 of 5: (8, 16] holds batches 2 and 3
+    (lambda s: 10 * (s - 1), (2,), 16, False),  # 10 x (s - 1) at s = 2: 20, the next N, passes 16
+    (lambda s, t: s * t, (2, 2), 4, False),  # both dimensions at their minimum: N = 4 alone in (2, 4]
+    (lambda s, t: s * t, (5, 2), 16, True),
+])
+def test_a_traced_n_guards_its_bucket_unless_the_guard_would_pin_a_dimension(n_of, values, bucket, guarded) -> None:
+    """plan.tokens.traced_n_bucket: the traced value's bucket, guarded where another N of the
+    bucket keeps the dimension free; without a guard where N, at its least value, has no other
+    value in the bucket (mark_dynamic refuses a guard that pins its dimension)."""
+    shape_env, *symbols = _symbols(*values)
+    assert traced_n_bucket(n_of(*symbols)) == bucket
+    assert bool(shape_env.guards) == guarded
+    assert planning_tokens(n_of(*symbols)) == bucket  # the same function decides the plan's
 
 
 @pytest.mark.parametrize(("n", "d", "v"), [

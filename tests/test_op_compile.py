@@ -158,6 +158,124 @@ def test_dynamic_n_does_not_recompile_within_a_bucket(memory: str) -> None:
         torch._dynamo.mark_dynamic(targets, 1)
         compiled(hidden, targets).backward()
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one bucket"
+    if memory == "low":  # a traced config: the next bucket compiles once more
+        hidden, targets = torch.randn(1, 200, 16, requires_grad=True), torch.randint(0, 64, (1, 200))
+        torch._dynamo.mark_dynamic(hidden, 1)
+        torch._dynamo.mark_dynamic(targets, 1)
+        compiled(hidden, targets).backward()
+        assert counter.frame_count == 2, f"{counter.frame_count} frames for two buckets"
+
+
+@pytest.fixture
+def traced_buckets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The N bucket of each config a trace resolves into its settings (problem._settings_for_key)."""
+    from cce_compile.ops import problem
+
+    buckets: list[int] = []
+    settings_for_key = problem._settings_for_key
+
+    @torch.compiler.assume_constant_result
+    def spy(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool) -> str:
+        buckets.append(bucket)
+        return settings_for_key(on_cuda, v, d, dtype, bucket, filtered)
+
+    monkeypatch.setattr(problem, "_settings_for_key", spy)
+    return buckets
+
+
+def _recompute_step(reduction: str, memory: str):
+    """A loss on the recompute path (memory="low", or reduction="none" with uneven upstream gradients)."""
+    def step(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = cce_compile.linear_cross_entropy(e, c, targets, reduction=reduction, memory=memory)
+        return out.square().sum() if reduction == "none" else out
+    return step
+
+
+def _matches_eager(compiled, step, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, dim: int,
+                   **range_: int) -> None:
+    """One compiled call, e's and targets' dimension `dim` marked dynamic (with `range_`, min
+    and max), against eager's loss and gradients."""
+    results = []
+    for fn in (compiled, step):
+        leaves = e.clone().requires_grad_(), c.clone().requires_grad_()
+        if fn is compiled:
+            torch._dynamo.mark_dynamic(leaves[0], dim, **range_)
+            torch._dynamo.mark_dynamic(targets, dim, **range_)
+        value = fn(*leaves, targets)
+        value.backward()
+        results.append((value, *(leaf.grad for leaf in leaves)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("reduction", "memory"), [("mean", "low"), ("none", "workspace")])
+def test_mark_dynamic_with_a_declared_range_compiles_one_graph_for_the_range(
+        reduction: str, memory: str, traced_buckets: list[int]) -> None:
+    """mark_dynamic(e, 0, min=2, max=8192) refuses any guard that narrows the range: the call
+    keys its config on the bucket of the declared max, without a guard, and one graph serves
+    every N of the range with eager's loss and gradients. The bucket's guard (65 <= N <= 128 at
+    N = 100) raised ConstraintViolationError."""
+    torch._dynamo.reset()
+    c = torch.randn(97, 16)
+    step = _recompute_step(reduction, memory)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for n in (100, 300, 1000, 5000):
+        e, targets = torch.randn(n, 16), torch.randint(0, 97, (n,))
+        _matches_eager(compiled, step, e, c, targets, 0, min=2, max=8192)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one declared range"
+    assert traced_buckets == [8192]
+
+
+@pytest.mark.parametrize(("reduction", "memory", "backend"), [
+    ("mean", "low", "aot_eager"), ("none", "workspace", "aot_eager"), ("mean", "low", "inductor"),
+])
+def test_mark_dynamic_batch_of_two_compiles_one_graph_for_every_batch(
+        reduction: str, memory: str, backend: str, traced_buckets: list[int]) -> None:
+    """A marked batch dimension B of (B, T, D) traced at B = 2: N = 2T is alone in its bucket
+    (T, 2T], whose guard would pin B to 2 ("specialized it to be a constant"); the call takes
+    the bucket without a guard, and the one graph serves B = 3, 5 and 8 too (N up to 8T, past
+    the config's bucket), each planned for its own N, with eager's loss and gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = torch.randn(97, 16)
+    step = _recompute_step(reduction, memory)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    frames = []
+    for batch in (2, 3, 5, 8):
+        e, targets = torch.randn(batch, 64, 16), torch.randint(0, 97, (batch, 64))
+        _matches_eager(compiled, step, e, c, targets, 0)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], f"recompiled: frames after each batch {frames}"
+    assert traced_buckets == [128]
+
+
+@pytest.mark.interpreter
+def test_a_graph_serving_batches_past_its_bucket_plans_each_for_its_own_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton path's backward plan, the memory it takes, is made as the opaque op runs,
+    for N itself: the graph traced at batch 2 (config bucket 32, no guard) plans batch 5's
+    N = 80 for 80 tokens, not for the traced bucket."""
+    from cce_compile.plan import launch
+
+    planned: list[int] = []
+    plan_backward = launch.plan_backward
+
+    def spy(n, *args, **kwargs):
+        planned.append(n)
+        return plan_backward(n, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "plan_backward", spy)
+    torch._dynamo.reset()
+    c = torch.randn(97, 16)
+    step = _recompute_step("mean", "low")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for batch in (2, 5):
+        e, targets = torch.randn(batch, 16, 16), torch.randint(0, 97, (batch, 16))
+        _matches_eager(compiled, step, e, c, targets, 0)
+    assert counter.frame_count == 1
+    assert all(type(n) is int for n in planned) and sorted(set(planned)) == [32, 80], planned
 
 
 @pytest.mark.parametrize("memory", ["workspace", "low"])

@@ -14,12 +14,12 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..config.kernel_config import KernelConfig, TileConfig
-from ..config.keys import ProblemKey, n_bucket
+from ..config.keys import ProblemKey
 from ..plan.launch import Options, Problem
 from ..plan.policy import Policy, active_policy, policy_from_json, policy_to_json
+from ..plan.tokens import traced_n_bucket
 from ..resolve.ladder import launch_failed, resolve_config
 from ..resolve.platform import package_source_version
 
@@ -92,9 +92,10 @@ def key_of(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: boo
 
 def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> ProblemKey:
     """`key_v` names the config by another vocabulary size than c's (one every shard of a
-    vocabulary-parallel call names alike, so that rank 0's resolution serves all ranks)."""
+    vocabulary-parallel call names alike, so that rank 0's resolution serves all ranks). N's
+    bucket as plan.tokens.traced_n_bucket chooses it, for a call traced without settings."""
     return key_of(e.is_cuda, int(c.shape[0] if key_v is None else key_v), int(c.shape[1]), dtype_name(e.dtype),
-                  n_bucket(e.shape[0]), filtered, policy)
+                  traced_n_bucket(e.shape[0]), filtered, policy)
 
 
 def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> KernelConfig:
@@ -152,8 +153,9 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
     Policy or version of this package's code. Inside one process a graph keeps what it was
     traced with (Dynamo does not guard on them): torch._dynamo.reset() retraces. V and D are
     read as constants (operator.index, which Dynamo specializes: a dynamic V or D,
-    dynamic=True, recompiles per value, as the config's key needs); N counts by its bucket,
-    one range guard (and compile) per power of two."""
+    dynamic=True, recompiles per value, as the config's key needs); N counts by its bucket
+    (plan.tokens.traced_n_bucket): one range guard (and compile) per power of two where guards
+    are allowed, one graph for a mark_dynamic range or dimension that refuses them."""
     if not torch.compiler.is_compiling():
         return ""
     version = _traced_source_version() + "."
@@ -161,25 +163,7 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
         return version
     v = operator.index(c.shape[0] if key_v is None else key_v)
     return version + _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype),
-                                       _traced_n_bucket(e.shape[0]), filtered)
-
-
-DATA_DEPENDENT_N_BUCKET = 8192
-"""The token bucket a traced call resolves its config for where N is data-dependent (the tokens
-a boolean mask selects): no value to bucket while tracing, so one graph serves every N, with the
-bucket the bundled configs were tuned at. The config only picks tiles; plans count the actual N."""
-
-
-def _traced_n_bucket(n: int | torch.SymInt) -> int:
-    """config.keys.n_bucket of N as Dynamo traces it, one range guard a power of two where N has
-    a value; DATA_DEPENDENT_N_BUCKET where a comparison cannot be decided either way (N without
-    a value: guard_or_false answers False there instead of raising)."""
-    bucket = 1
-    while not guard_or_false(bucket >= n):
-        if not guard_or_false(bucket < n):
-            return DATA_DEPENDENT_N_BUCKET
-        bucket *= 2
-    return bucket
+                                       traced_n_bucket(e.shape[0]), filtered)
 
 
 @torch.compiler.assume_constant_result

@@ -1,7 +1,8 @@
 """How the backward walks the (tokens x vocab) plane: token chunks, vocab slabs, slots.
 
-Runs at trace time under torch.compile, where N may be symbolic: only comparisons against N
-(range guards, one per bucket) and integer arithmetic.
+The ops plan as they run, for N itself: torch.compile sees them as opaque custom ops whose
+implementations run per call on real tensors, so a compiled graph's backward plans each N it
+serves. A caller that plans under tracing passes a SymInt N: planning_tokens buckets it.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config.kernel_config import KernelConfig
-from ..config.keys import n_bucket
 from .policy import Policy
+from .tokens import traced_n_bucket
 
 
 def planning_tokens(n) -> int:
-    """The token count a backward plans for: N itself where it is known (eager calls, static
-    compiles), its bucket where torch.compile traces N symbolically (the plan must then hold
-    for every N of the bucket, and each comparison on N would be a guard). Planning an N
-    between powers of two for its bucket gives it chunks sized for twice its rows. An empty
-    batch plans for one token."""
-    return max(n, 1) if isinstance(n, int) else n_bucket(n)
+    """The token count a backward plans for: N itself where it is an int (every op call: the
+    ops plan as they run, compiled graphs too), else the bucket tokens.traced_n_bucket gives
+    a traced N, the one its config's key takes (each comparison on N would be a guard). A plan
+    for it holds for every N of the graph where that bucket bounds them (a guarded bucket, a
+    declared range), not where a mark_dynamic graph serves N past it (a batch of 2 traced
+    without a guard): that is why the ops plan per call. Planning an N between powers of two
+    for its bucket gives it chunks sized for twice its rows. An empty batch plans for one
+    token."""
+    return max(n, 1) if isinstance(n, int) else traced_n_bucket(n)
 
 
 def next_pow2(value: int) -> int:
