@@ -92,10 +92,13 @@ def backward_cpu(
     softcap: float, filter_eps: float, chunk_v: int, filter_tile: tuple[int, int], vocab_order: Tensor | None,
     forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
     coef_entropy: Tensor | None = None, tilt_tokens: int | None = None, logit_scale: float = 1.0,
+    fp32_grad_c: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
-    back empty, its GEMMs skipped. The coefficients are d loss / d (scaled logits) times
-    `logit_scale` (ops/backward.py scales them): the chain rule's factor.
+    back empty, its GEMMs skipped. `fp32_grad_c`: dC and dbias stay fp32, for a caller that
+    sums them over token chunks and rounds once (the fused forward's chunks). The
+    coefficients are d loss / d (scaled logits) times `logit_scale` (ops/backward.py scales
+    them): the chain rule's factor.
 
     With `vocab_order` (filtered mode), slabs and filter tiles run over the vocabulary in
     that order, as the kernels do, and the gradients land back at each token's own row. As in
@@ -169,6 +172,6 @@ def backward_cpu(
         grad_e.addmm_(tilt.columns(e32, row_mass, out=e32.new_empty((e.shape[0], tilt_rows.shape[0]))), tilt_rows)
     return (
         grad_e.to(e.dtype),
-        grad_c.to(c.dtype),
-        grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None,
+        grad_c if fp32_grad_c else grad_c.to(c.dtype),
+        grad_bias if fp32_grad_c or grad_bias is None or bias is None else grad_bias.to(bias.dtype),
     )

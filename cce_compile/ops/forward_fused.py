@@ -116,6 +116,10 @@ class FusedForward:
         self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
+        # the plain-PyTorch path sums dC over the token chunks in fp32 and rounds once (finish):
+        # summed in bf16, each chunk's rounding added to the last, 64 chunks doubled its error
+        self.grad_c_sum = (torch.zeros(c.shape, dtype=torch.float32, device=c.device)
+                           if plan.fused == "cpu" and need_grad_c and c.dtype != torch.float32 else None)
         self.grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
         self.smoothing = label_smoothing > 0.0
         # label smoothing's -coef_smooth * w share: w @ c for dE, sum of coef_smooth * e for dC
@@ -232,22 +236,25 @@ class FusedForward:
             coef_softmax, coef_target, coef_smooth if self.smoothing else None, self.softcap, 0.0,
             chunk_v=max(self.config.slab_v, self.config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=None, need_grad_e=self.need_grad_e, need_grad_c=self.need_grad_c,
-            logit_scale=self.plan.logit_scale,
+            logit_scale=self.plan.logit_scale, fp32_grad_c=True,
         )
         if self.need_grad_e:
             self.grad_e[row_start:row_end].copy_(grad_e)
         if self.need_grad_c:
+            grad_c_sum = self.grad_c if self.grad_c_sum is None else self.grad_c_sum
             if row_start == 0:
-                self.grad_c.copy_(grad_c)
+                grad_c_sum.copy_(grad_c)
             else:
-                self.grad_c.add_(grad_c)
+                grad_c_sum.add_(grad_c)
         if self.grad_bias is not None:
-            self.grad_bias += grad_bias.float()
+            self.grad_bias += grad_bias
 
     def finish(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if self.e.shape[0] == 0:  # no token: nothing flows back
             if self.need_grad_c:
                 self.grad_c.zero_()
+        elif self.grad_c_sum is not None:
+            self.grad_c.copy_(self.grad_c_sum)
         elif self.smoothing and self.need_grad_c and self.plan.fused != "cpu":
             self.grad_c.addr_(self.smoothing_weights.to(self.grad_c.dtype), self.smoothing_of_e.to(self.grad_c.dtype),
                               alpha=-1)
