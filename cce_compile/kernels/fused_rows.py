@@ -97,7 +97,7 @@ def row_finish_kernel(
         loss += (total_weight * lse - weighted_sum) * (label_smoothing / V)
     loss = tl.where(valid, loss, 0.0)
     if HAS_Z_LOSS:
-        loss += tl.where(valid, z_loss * lse * lse, 0.0)
+        loss += tl.where(valid, z_loss * lse * lse, 0.0)  # (z_loss * lse) * lse, as loss_terms.z_loss_terms
     loss = tl.where(valid & ~in_range, float("nan"), loss)
     tl.store(losses_ptr + tokens, loss, mask=row_mask)
 

@@ -38,7 +38,7 @@ from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu, scale_and_cap
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import AheadCompiler, KernelLauncher, RecentKinds, integer_class
-from .loss_terms import grad_coefficients, mean_scale, target_weight, token_loss
+from .loss_terms import grad_coefficients, mean_scale, target_weight, token_loss, z_loss_terms
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
 SAFE_GAP = 60.0
@@ -224,7 +224,7 @@ class FusedForward:
         losses = token_loss(lse, target_logit, weighted_sum, targets, self.weight, v, self.ignore_index,
                             self.label_smoothing)
         if self.z_loss > 0.0:
-            losses = losses + self.z_loss * torch.where(valid, lse * lse, 0.0)
+            losses = losses + z_loss_terms(lse, self.z_loss, valid)
         self.losses[row_start:row_end] = losses
         grad_loss = torch.where(valid, self.grad_scale, 0.0).expand(rows)
         grad_lse = torch.where(valid, 2.0 * self.z_loss * self.grad_scale * lse, 0.0)

@@ -82,14 +82,21 @@ def reduce_token_loss(loss: Tensor, reduction: str, valid: Tensor, target_weight
     return loss.sum() * mean_scale(denominator)
 
 
+def z_loss_terms(lse: Tensor, z_loss: float, valid: Tensor) -> Tensor:
+    """z_loss * lse**2 per valid token, 0 elsewhere, as (z_loss * lse) * lse: lse * lse
+    overflows fp32 from |lse| ~ 1.8e19 (a temperature near its floor) where the term, with
+    z_loss < 1, still fits. kernels/fused_rows.py orders it the same way."""
+    return torch.where(valid, (z_loss * lse) * lse, 0.0)
+
+
 def reduce_with_z_loss(loss: Tensor, lse: Tensor, z_loss: float, reduction: str, valid: Tensor,
                        target_weight: Tensor | None) -> Tensor:
-    """The token losses reduced as reduce_token_loss, plus z_loss * lse**2 of the valid tokens
-    reduced alike but unweighted: a mean's z term is over their count whatever the class
-    weights, so scaling the weights leaves it (and the loss) unchanged."""
+    """The token losses reduced as reduce_token_loss, plus z_loss_terms reduced alike but
+    unweighted: a mean's z term is over the valid tokens' count whatever the class weights,
+    so scaling the weights leaves it (and the loss) unchanged."""
     reduced = reduce_token_loss(loss, reduction, valid, target_weight)
     if z_loss > 0.0:
-        reduced = reduced + reduce_token_loss(z_loss * torch.where(valid, lse * lse, 0.0), reduction, valid, None)
+        reduced = reduced + reduce_token_loss(z_loss_terms(lse, z_loss, valid), reduction, valid, None)
     return reduced
 
 
