@@ -73,13 +73,14 @@ def mean_scale(denominator: Tensor) -> Tensor:
 def reduce_token_loss(loss: Tensor, reduction: str, valid: Tensor, target_weight: Tensor | None) -> Tensor:
     """"none", "sum", or "mean": the sum over the valid tokens' weight (their count without
     class weights; `target_weight` 0 where not valid), as F.cross_entropy, whatever the
-    weights' sign; 0 where that is 0 (mean_scale)."""
+    weights' sign; 0 where that is 0 (mean_scale). A mean scales the tokens before summing
+    them, so a mean that fits fp32 does not overflow in its sum."""
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
     denominator = valid.sum().to(torch.float32) if target_weight is None else target_weight.sum()
-    return loss.sum() * mean_scale(denominator)
+    return (loss * mean_scale(denominator)).sum()
 
 
 def z_loss_terms(lse: Tensor, z_loss: float, valid: Tensor) -> Tensor:
