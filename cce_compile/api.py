@@ -17,7 +17,9 @@ from . import ops
 from .ops.loss_terms import reduce_with_z_loss, target_weight
 from .ops.precision import without_autocast
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, needs_grad, options_of, traced_settings
-from .parallel.vocab_parallel import VocabParallel, is_dtensor, sharded_operands, vocab_parallel_loss
+from .parallel.vocab_parallel import (
+    VocabParallel, check_vocab_parallel, is_dtensor, sharded_operands, vocab_parallel_loss,
+)
 from .plan.launch import Memory, gradients_in_forward
 
 Reduction = Literal["mean", "sum", "none"]
@@ -63,9 +65,8 @@ def _check_inputs(
     for name, value in (("e", e), ("c", c), (targets_name, targets)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    for name, value in (("bias", bias), ("weight", weight)):
-        if value is not None and not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be None or a torch.Tensor, got {type(bias).__name__}")
     for name, value in (("e", e), ("c", c), (targets_name, targets), ("bias", bias), ("weight", weight)):
         if is_dtensor(value):  # left over from sharded_operands: nothing else reads one
             raise TypeError(f"{name} is a DTensor: pass {name}.to_local() (this rank's part) or {name}.full_tensor(); "
@@ -94,19 +95,30 @@ def _check_inputs(
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"{targets_name} must have shape {tuple(e.shape[:-1])} (e's leading dims), "
                          f"got {tuple(targets.shape)}")
+    _check_weight(weight, c.shape[0])
     for name, value in (("c", c), (targets_name, targets), ("bias", bias), ("weight", weight)):
         if value is not None and value.device != e.device:
             raise ValueError(f"{name} is on {value.device} but e is on {e.device}; put them on one device")
     v = c.shape[0]
     if bias is not None and (bias.shape != (v,) or bias.dtype != c.dtype):
         raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if weight is not None and (weight.shape != (v,) or not weight.dtype.is_floating_point):
-        raise ValueError(f"weight must be a float tensor of shape ({v},), got {tuple(weight.shape)} {weight.dtype}")
-    if weight is not None and weight.requires_grad:
-        raise ValueError("weight must not require grad: the loss is not differentiated by the class weights "
-                         "(as F.cross_entropy's); pass weight.detach()")
     check_loss_options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory=memory, temperature=temperature)
+
+
+def _check_weight(weight: object, v: int | None) -> None:
+    """The class weights: None or a 1-D float tensor of `v` entries (None: any, as a module
+    built before it sees c), not requiring grad."""
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be None or a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 1 or (v is not None and weight.shape[0] != v) or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be None or a 1-D float tensor of shape ({'V' if v is None else v},), "
+                         f"got {tuple(weight.shape)} {weight.dtype}")
+    if weight.requires_grad:
+        raise ValueError("weight must not require grad: the loss is not differentiated by the class weights "
+                         "(as F.cross_entropy's); pass weight.detach()")
 
 
 def _refuse_function_transforms(*operands: Tensor | None) -> None:
@@ -411,9 +423,8 @@ class LinearCrossEntropyLoss(nn.Module):
                            z_loss=z_loss, softcap=softcap, filter_eps=filter_eps, memory=memory,
                            temperature=temperature)
         check_flags(shift=shift, return_lse=return_lse)
-        if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1
-                                   or not weight.dtype.is_floating_point):
-            raise ValueError(f"weight must be None or a 1-D float tensor (V,), got {weight!r:.80}")
+        _check_weight(weight, None)
+        check_vocab_parallel(vocab_parallel)
         self.register_buffer("weight", weight)
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

@@ -51,7 +51,7 @@ def test_bad_tensors(change, error, pattern) -> None:
         ({"temperature": 1e-300}, r"temperature must be a finite number >= 1e-20, got 1e-300"),
         ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
         ({"bias": torch.randn(19)}, r"bias must have shape \(20,\)"),
-        ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be a float tensor"),
+        ({"weight": torch.ones(20, dtype=torch.int64)}, r"weight must be None or a 1-D float tensor of shape \(20,\)"),
         ({"weight": torch.ones(20, requires_grad=True)}, r"weight must not require grad"),
     ],
 )
@@ -131,10 +131,25 @@ def test_targets_of_any_integer_dtype_give_the_int64_answer(dtype: torch.dtype) 
         ({"memory": "huge"}, r"memory must be one of"),
         ({"filter_eps": "fast"}, r"filter_eps must be None, 'auto' or a float"),
         ({"weight": torch.ones(3, 3)}, r"weight must be None or a 1-D float tensor"),
+        ({"weight": torch.ones(20, requires_grad=True)}, r"weight must not require grad"),
     ],
 )
 def test_the_module_checks_its_options_at_construction(options, pattern) -> None:
+    """As the function checks them (a bad one once passed construction and failed at the
+    first call)."""
     with pytest.raises(ValueError, match=pattern):
+        cce_compile.LinearCrossEntropyLoss(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"weight": [1.0] * 20}, r"weight must be None or a torch.Tensor, got list"),
+        ({"vocab_parallel": "x"}, r"vocab_parallel must be a VocabParallel or None, got str"),
+    ],
+)
+def test_the_module_checks_its_options_types_at_construction(options, pattern) -> None:
+    with pytest.raises(TypeError, match=pattern):
         cce_compile.LinearCrossEntropyLoss(**options)
 
 

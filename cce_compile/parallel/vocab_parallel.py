@@ -156,13 +156,17 @@ def is_dtensor(tensor: object) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def check_vocab_parallel(vocab_parallel: object) -> None:
+    if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(f"vocab_parallel must be a VocabParallel or None, got {type(vocab_parallel).__name__}")
+
+
 def sharded_operands(
     c: Tensor, bias: Tensor | None, weight: Tensor | None, vocab_parallel: VocabParallel | None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, VocabParallel | None]:
     """(c, bias, weight, vocab_parallel) as the loss takes them: a DTensor classifier becomes
     its local rows and the VocabParallel its layout says; plain tensors pass through."""
-    if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
-        raise TypeError(f"vocab_parallel must be a VocabParallel or None, got {type(vocab_parallel).__name__}")
+    check_vocab_parallel(vocab_parallel)
     if not is_dtensor(c):
         return c, bias, weight, vocab_parallel
     if vocab_parallel is not None:
