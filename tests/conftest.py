@@ -64,8 +64,9 @@ def no_scratch_floor(use_policy: Callable[..., Policy]) -> None:
 
 @pytest.fixture
 def block_sparse_always(use_policy: Callable[..., Policy]) -> None:
-    """Filtered mode's block-sparse backward however many tiles are kept: tests of that path
-    on small or dense shapes, where the dense fallback (Policy.dense_fraction) would run."""
+    """Filtered mode's block-sparse backward however many tiles are kept, on the kernels and
+    the plain-PyTorch path: tests of that path on small or dense shapes, where the dense
+    fallback (Policy.dense_fraction) would run."""
     use_policy(dense_fraction=1.0)
 
 
@@ -90,19 +91,24 @@ def launch_plans(monkeypatch: pytest.MonkeyPatch) -> list[LaunchPlan]:
 
 @pytest.fixture
 def block_sparse_backwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per filtered backward that chose the block-sparse path over the dense one."""
+    """One entry per filtered backward (the kernels' or the plain-PyTorch path's) that chose
+    the block-sparse path over the dense one: filtering.dense_is_faster spied on in every
+    cce_compile module that imported it."""
+    import cce_compile.ops  # noqa: F401 - loads every op module before the scan below
     from cce_compile.ops import filtering
 
     calls: list[int] = []
-    dense_is_faster = filtering.Steps.dense_is_faster
+    dense_is_faster = filtering.dense_is_faster
 
-    def spy(self, *args):
-        dense = dense_is_faster(self, *args)
+    def spy(*args):
+        dense = dense_is_faster(*args)
         if not dense:
             calls.append(1)
         return dense
 
-    monkeypatch.setattr(filtering.Steps, "dense_is_faster", spy)
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("cce_compile.") and getattr(module, "dense_is_faster", None) is dense_is_faster:
+            monkeypatch.setattr(module, "dense_is_faster", spy)
     return calls
 
 

@@ -320,6 +320,7 @@ def test_bad_tensors_raise() -> None:
         cce_compile.linear_cross_entropy(e, c, tokens, temperature=0)
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 def test_opcheck_forward_and_backward() -> None:
     e, c, tokens = make_inputs("zipf", (33,), 97, 24, torch.float32, seed=2)
     tokens[::4] = -100
@@ -353,6 +354,7 @@ POLICY_STEPS = {"exact": _policy_step, "filtered": _filtered_policy_step}
 """Module functions, not partials: Dynamo compiles a functools.partial twice."""
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize("mode", POLICY_STEPS)
 def test_fullgraph_compile_with_dynamic_n_matches_eager(mode: str) -> None:
     torch._dynamo.reset()
@@ -614,6 +616,7 @@ def test_filtered_temperature_is_the_call_on_scaled_operands(kernels: bool) -> N
         assert relative_error(got, want) < 1e-4, name
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.1])
 def test_filtered_gradients_on_an_lm_like_head_against_float64(entropy_weight: float) -> None:
     """filter_eps="auto" on bf16 inputs of an LM-like head (a Zipfian, sparse softmax): dE and
@@ -661,6 +664,7 @@ def test_filtered_forward_statistics_through_descriptors_and_pointers(launch_pla
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.interpreter)], ids=["cpu", "kernels"])
 def test_filtered_with_tokens_a_minus_inf_bias_rules_out(kernels: bool) -> None:
     """Filtered, the ruled-out tokens (p = 0, logit -inf) sit in skipped tiles: their p * logit

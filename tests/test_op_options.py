@@ -178,6 +178,7 @@ def test_filtered_mode_puts_back_the_skipped_tiles_tilt(monkeypatch: pytest.Monk
     torch.testing.assert_close(tilted[1], untilted[1], rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 def test_filtered_mode_is_close_and_exact_is_default() -> None:
     """filter_eps drops only tiles whose |softmax - onehot| is tiny, so on a peaked softmax
     the gradient stays close; without it every entry contributes."""
@@ -213,6 +214,7 @@ def test_filtered_mode_runs_exact_with_class_weighted_smoothing() -> None:
         assert relative_error(filtered, exact) < 1e-5
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 def test_auto_filter_is_a_quarter_of_the_papers_eps_over_32() -> None:
     """filter_eps="auto" is the dtype's epsilon / 8 (2^-10 for bf16 and fp32): the put-back and
     tilt keep that coarser filter accurate (docs/notes/filtered-put-back.md)."""
@@ -257,6 +259,7 @@ def test_filtered_mode_tilt_covers_a_bias(monkeypatch: pytest.MonkeyPatch) -> No
     assert relative_error(without_k, exact) < 0.7 * relative_error(untilted, exact)
 
 
+@pytest.mark.usefixtures("block_sparse_always")
 @pytest.mark.parametrize("mode", FROZEN_MODES)
 def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_outputs: list, fused_outputs: list) -> None:
     """LoRA freezes the classifier: its gradient is never computed (the op returns it empty),

@@ -70,7 +70,7 @@ def backward_from_coefficients(
             chunk_v=max(config.slab_v, config.forward.block_n), filter_tile=(tile.block_m, tile.block_n),
             vocab_order=vocab_order if plan.filtered else None, forward_block_n=config.forward.block_n,
             need_grad_e=need_grad_e, need_grad_c=need_grad_c, coef_entropy=coef_entropy,
-            logit_scale=plan.logit_scale,
+            logit_scale=plan.logit_scale, dense_fraction=plan.dense_fraction if plan.read_back_steps else None,
         )
     if e.shape[0] == 0:  # no token: nothing flows back
         grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None

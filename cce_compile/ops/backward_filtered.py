@@ -18,7 +18,8 @@ from ..kernels.dropped_tiles import add_tile_rows_kernel, tile_row_sums_kernel
 from .backward_call import BackwardCall, Gradients
 from .backward_dense import DenseBackward
 from .filtering import (
-    FilterStats, SkippedEntropy, Tilt, chunk_tile_mask, filtered_steps, skipped_tiles, step_lists, tilt_sample_size,
+    FilterStats, SkippedEntropy, Tilt, chunk_tile_mask, dense_is_faster, filtered_steps, skipped_tiles, step_lists,
+    tilt_sample_size,
 )
 from .launch import KernelLauncher
 from .problem import cdiv, device_limits
@@ -105,7 +106,8 @@ class FilteredBackward:
             self.recompute(self.capacity, first_row, first_rows, 0)
             self.step_gemms(0, 0, first_row, first_rows, first_acc_offset, self.vocab_tiles, last=False)
             self.steps = self.steps.on_host()
-            if self.steps.dense_is_faster(cdiv(call.n, tile.block_m), self.vocab_tiles, call.plan.dense_fraction):
+            tile_rows = cdiv(call.n, tile.block_m)
+            if dense_is_faster(self.steps.kept(), tile_rows, self.vocab_tiles, call.plan.dense_fraction):
                 del self.grad_logits  # and with it the step computed ahead: the dense path rewrites all
                 return DenseBackward(call, gradients).run()
         self.launch_steps()

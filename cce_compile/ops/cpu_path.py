@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from ..config.keys import n_bucket
-from .filtering import Tilt, flat_rows, mass_sample_rows, tile_widths, tilt_sample_size
+from .filtering import (
+    Tilt, dense_is_faster, flat_rows, kept_tile_mask, mass_sample_rows, tile_widths, tilt_sample_size,
+)
 
 
 def scale_and_cap(logits: Tensor, logit_scale: float, softcap: float) -> Tensor:
@@ -77,6 +79,13 @@ def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: in
     return keep[row0 % block_m: row0 % block_m + rows, col0 % block_n: col0 % block_n + cols]
 
 
+def _tile_row_maxima(x: Tensor, block_n: int) -> Tensor:
+    """(rows, ceil(cols / block_n)): each row's largest entry in each block_n-column tile."""
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x, (0, (-cols) % block_n), value=float("-inf"))
+    return padded.reshape(rows, padded.shape[1] // block_n, block_n).amax(dim=2)
+
+
 def _tile_row_means(x: Tensor, block_n: int) -> Tensor:
     """Each row's mean over each block_n-column tile (the last may be short), repeated over
     the tile's columns."""
@@ -93,6 +102,7 @@ def backward_cpu(
     forward_block_n: int = 128, need_grad_e: bool = True, need_grad_c: bool = True,
     coef_entropy: Tensor | None = None, tilt_tokens: int | None = None, logit_scale: float = 1.0,
     fp32_grad_c: bool = False,
+    dense_fraction: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(dE, dC, dbias) in the inputs' dtypes, accumulated in fp32; a gradient not needed comes
     back empty, its GEMMs skipped. `fp32_grad_c`: dC and dbias stay fp32, for a caller that
@@ -108,15 +118,25 @@ def backward_cpu(
     row sums back (ops/filtering.SkippedTiles), and dE gains their tilt (filtering.Tilt, from
     the skipped softmax mass per row and per forward tile); flat rows (filtering.flat_rows)
     keep every tile. `tilt_tokens` sizes the tilt's sample (tilt_sample_size) for that many
-    tokens instead of the call's: a probe of a few rows, as a full batch's call has it."""
+    tokens instead of the call's: a probe of a few rows, as a full batch's call has it. With
+    `dense_fraction` (LaunchPlan.read_back_steps: the kernels' backward knows its kept tiles)
+    the call runs exact where the kernels' would (filtering.dense_is_faster on
+    kept_tile_mask's tiles)."""
     v = c.shape[0]
     e32 = e.to(torch.float32)
-    if filter_eps > 0.0:  # one pass more over the logits (in any order), for the rows the filter leaves whole
-        row_max = torch.stack([
-            _logits(e32, c, bias, slice(start, start + chunk_v), softcap, logit_scale).amax(dim=1)
-            for start in range(0, v, chunk_v)
-        ]).amax(dim=0)
-        flat = flat_rows(row_max - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
+    if filter_eps > 0.0:  # one pass more over the logits: the forward tiles' maxima, as the kernels' forward keeps
+        order = vocab_order if vocab_order is not None else torch.arange(v, device=e.device)
+        step = max(chunk_v // forward_block_n, 1) * forward_block_n
+        tile_max = torch.cat([
+            _tile_row_maxima(_logits(e32, c, bias, order[start:start + step], softcap, logit_scale), forward_block_n)
+            for start in range(0, v, step)
+        ], dim=1)
+        if dense_fraction is not None:
+            kept = kept_tile_mask(tile_max, lse, targets, order, filter_eps, forward_block_n, *filter_tile)
+            if dense_is_faster(int(kept.sum()), *kept.shape, dense_fraction):
+                filter_eps = 0.0
+    if filter_eps > 0.0:
+        flat = flat_rows(tile_max.amax(dim=1) - lse >= math.log(filter_eps), (targets >= 0) & (targets < v))
         row_mass = e32.new_zeros((e.shape[0],))  # coef_softmax * softmax mass in skipped tiles
         tile_mass = e32.new_zeros((-(-v // forward_block_n),))  # |coef_softmax| * that, over the sample
         sample = mass_sample_rows(e.shape[0], e.device)

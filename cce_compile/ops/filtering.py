@@ -476,11 +476,16 @@ class Steps:
         counts = [(kept[b[1:n + 1]] - kept[b[:n]]).tolist() for kept, b, n in zip(kept_before, bounds, chunk_steps)]
         return Steps(self.step_bounds, self.n_steps, columns, counts)
 
-    def dense_is_faster(self, tile_rows: int, tile_columns: int, dense_fraction: float) -> bool:
-        """Whether more than dense_fraction of the tile_rows x tile_columns tiles are kept
-        (read back), where the dense backward beats the block-sparse one."""
-        kept = sum(sum(chunk) for chunk in self.counts)
-        return kept > dense_fraction * tile_rows * tile_columns
+    def kept(self) -> int:
+        """The kept tiles of every chunk and step (read back)."""
+        return sum(sum(chunk) for chunk in self.counts)
+
+
+def dense_is_faster(kept: int, tile_rows: int, tile_columns: int, dense_fraction: float) -> bool:
+    """Whether more than dense_fraction of the tile_rows x tile_columns d-logits tiles are
+    kept (kept_tile_mask's), where the dense backward beats the block-sparse one: filtered
+    mode's backward then runs exact, on the kernels and on the plain-PyTorch path alike."""
+    return kept > dense_fraction * tile_rows * tile_columns
 
 
 def filtered_steps(mask: Tensor, capacity: int, read_back: bool) -> Steps:
