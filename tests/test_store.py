@@ -374,6 +374,22 @@ def test_an_import_naming_a_key_twice_is_refused_naming_it(
     assert store.export_jsonl(engine) == before
 
 
+@pytest.mark.parametrize("line_number", [1, 2])
+def test_an_integer_past_pythons_digit_limit_is_a_format_error(engine: Engine, line_number: int) -> None:
+    """json.loads raises a bare ValueError on an integer of more than 4300 digits: the repeated-key
+    check let it escape the import (a 500 from the service, a line without the file's from the
+    CLI); pydantic names it as any bad JSON, on its line."""
+    store.record_measurement(engine, measurement(10.0))
+    before = store.export_jsonl(engine)
+    lines = _exported_with(engine, 5.0)
+    key = "entries" if line_number == 1 else "median_ms"
+    lines[line_number - 1] = re.sub(f'"{key}": [^,}}]+', f'"{key}": {"9" * 5000}', lines[line_number - 1])
+    with pytest.raises(store.ImportFormatError) as raised:
+        store.import_jsonl(engine, lines)
+    assert raised.value.line_number == line_number and "Invalid JSON" in str(raised.value)
+    assert store.export_jsonl(engine) == before
+
+
 def _import_file(count: int, gpu_of: dict[int, dict[str, Any]] | None = None, **created_at_of: str) -> list[str]:
     """An export file of `count` lines, each its own key (so they fill several batches),
     created at 2026-01-01 UTC unless `created_at_of` names the line ("line_7": ...);

@@ -146,8 +146,10 @@ def validate_json(model: type[Model], text: str) -> Model:
     """`model.model_validate_json(text)`, refusing a key given twice (RepeatedKeyError)."""
     try:
         json.loads(text, object_pairs_hook=unique_keys)
-    except (json.JSONDecodeError, RecursionError):
-        pass  # not JSON (or nested too deep for json): pydantic names what is wrong
+    except RepeatedKeyError:
+        raise
+    except (ValueError, RecursionError):  # not JSON, nested too deep, an integer past Python's digits limit:
+        pass  # pydantic names what is wrong
     return model.model_validate_json(text)
 
 
