@@ -244,6 +244,31 @@ def test_a_zero3_partitioned_head_is_refused_by_name() -> None:
         model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
 
 
+def test_the_head_goes_beneath_the_models_accelerate_hook() -> None:
+    """A device_map model's root hook moves the outputs back to the inputs' device: the head once
+    replaced the hooked forward, so its log-probs skipped the hook (and stayed on the head's GPU),
+    as patch()'s loss once did. Installed beneath it, the hook runs around both kinds of call."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class CountingHook(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module: nn.Module, *args, **kwargs) -> tuple:
+            self.calls += 1
+            return args, kwargs
+
+    torch.manual_seed(0)
+    model, hook = tiny_llama(), CountingHook()
+    ref_model = copy.deepcopy(model).double()
+    add_fused_lm_head(hooks.add_hook_to_module(model, hook))
+    input_ids = torch.randint(0, 211, (2, 12))
+    ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
+    assert relative_error(model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs, ref_lp) < 2e-5
+    assert hook.calls == 1
+    model(input_ids=input_ids)
+    assert hook.calls == 2
+
+
 def test_a_head_offloaded_by_accelerate_is_loaded_by_its_hook(tmp_path) -> None:
     """lm_head on disk: its weight is on meta until its accelerate hook loads it (once a meta
     tensor reached the op); the log-probs are the model's own."""
@@ -281,6 +306,17 @@ def test_the_softcap_is_the_one_the_models_forward_applies() -> None:
     input_ids = torch.randint(0, 211, (2, 12))
     ref_lp, _ = reference(ref_model, input_ids, None, input_ids, 1.0)
     assert relative_error(model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs, ref_lp) < 2e-5
+
+
+def test_a_softcap_declared_as_a_class_attribute_counts() -> None:
+    """DiffusionGemma's text config sets final_logit_softcapping as a class attribute, not an
+    __init__ parameter, and its forward applies it: the config class declares it all the same."""
+    from cce_compile.integrations.transformers import declares_softcap
+
+    config_class = getattr(pytest.importorskip("transformers"), "DiffusionGemmaTextConfig", None)
+    if config_class is None:
+        pytest.skip("this transformers has no DiffusionGemma")
+    assert declares_softcap(config_class) and not declares_softcap(LlamaConfig)
 
 
 def test_a_head_added_after_patch_keeps_unpatch_from_dropping_it() -> None:

@@ -153,7 +153,8 @@ def declares_softcap(config_class: type) -> bool:
     declare it (Gemma 2, 3, 3n, 4, VaultGemma, ...) are those whose forwards soft-cap the logits
     by it; any other config carries the key only as one kept from a config.json, which the
     model's forward ignores, and so must the loss."""
-    return "final_logit_softcapping" in inspect.signature(config_class.__init__).parameters
+    field = "final_logit_softcapping"  # an __init__ parameter, or a class attribute (DiffusionGemma's)
+    return hasattr(config_class, field) or field in inspect.signature(config_class.__init__).parameters
 
 
 def _soft_capped(logits: Tensor, softcap: float | None) -> Tensor:
@@ -362,7 +363,7 @@ def _check_patchable(model_class: type, target: object) -> None:
         raise ValueError(f"{_name(target)} is already patched; unpatch it first")
 
 
-def _forward_slot(target: object) -> str:
+def forward_slot(target: object) -> str:
     """Where the target's forward is to be replaced: beneath its accelerate hook where it has one
     (add_hook_to_module keeps the forward it wraps in `_old_forward`), so that the hook runs
     around the patched forward as around the original: that of a model loaded with device_map
@@ -380,7 +381,7 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     _check_patchable(model_class, model_or_class)
     softcapped = declares_softcap(model_class.config_class)
-    slot = _forward_slot(model_or_class)
+    slot = forward_slot(model_or_class)
     # for unpatch(); an instance's own forward (e.g. the one beneath a hook) is also called on fallback
     setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get(slot))
     if isinstance(model_or_class, type):
@@ -402,7 +403,7 @@ def unpatch(model_or_class: Patchable) -> Patchable:
     one from before patch() would silently drop it too."""
     if _REPLACED_FORWARD not in vars(model_or_class):
         raise ValueError(f"{_name(model_or_class)} is not patched")
-    slot = _forward_slot(model_or_class)
+    slot = forward_slot(model_or_class)
     current = vars(model_or_class).get(slot)
     if getattr(current, "__func__", current) is not vars(model_or_class)[_PATCHED_FORWARD]:
         raise ValueError(

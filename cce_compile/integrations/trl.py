@@ -36,7 +36,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import declares_softcap, replaced_forward, through_head
+from .transformers import declares_softcap, forward_slot, replaced_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
@@ -99,7 +99,8 @@ def add_fused_lm_head(
     _check_supported(model, outputs)
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")
-    setattr(model, _REPLACED_FORWARD, vars(model).get("forward"))  # for the flag-less calls: replaced_forward
+    slot = forward_slot(model)  # beneath an accelerate hook, which then runs around the head too
+    setattr(model, _REPLACED_FORWARD, vars(model).get(slot))  # for the flag-less calls: replaced_forward
     text_config = model.config.get_text_config()
     softcap = text_config.final_logit_softcapping if declares_softcap(type(text_config)) else None
     entropy = "entropy" in outputs
@@ -147,4 +148,4 @@ def add_fused_lm_head(
         return FusedLogProbsOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
                                    label_mask=mask)
 
-    model.forward = types.MethodType(fused_forward, model)
+    setattr(model, slot, types.MethodType(fused_forward, model))
