@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 import cce_compile
 from cce_compile import ops
+from cce_compile.config.keys import n_bucket
 from cce_compile.ops.problem import config_for, encode_settings
 from cce_compile.plan.policy import active_policy
 
@@ -208,13 +209,15 @@ def _matches_eager(compiled, step, e: torch.Tensor, c: torch.Tensor, targets: to
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize(("reduction", "memory"), [("mean", "low"), ("none", "workspace")])
+@pytest.mark.parametrize(("reduction", "memory", "largest"),
+                         [("mean", "low", 8192), ("none", "workspace", 8192), ("mean", "low", sys.maxsize)])
 def test_mark_dynamic_with_a_declared_range_compiles_one_graph_for_the_range(
-        reduction: str, memory: str, traced_buckets: list[int]) -> None:
+        reduction: str, memory: str, largest: int, traced_buckets: list[int]) -> None:
     """mark_dynamic(e, 0, min=2, max=8192) refuses any guard that narrows the range: the call
     keys its config on the bucket of the declared max, without a guard, and one graph serves
     every N of the range with eager's loss and gradients. The bucket's guard (65 <= N <= 128 at
-    N = 100) raised ConstraintViolationError."""
+    N = 100) raised ConstraintViolationError; so did a max past 2^48 (a max near sys.maxsize
+    stands for none, where a min alone is refused), taken for unbounded."""
     torch._dynamo.reset()
     c = torch.randn(97, 16)
     step = _recompute_step(reduction, memory)
@@ -222,20 +225,20 @@ def test_mark_dynamic_with_a_declared_range_compiles_one_graph_for_the_range(
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     for n in (100, 300, 1000, 5000):
         e, targets = torch.randn(n, 16), torch.randint(0, 97, (n,))
-        _matches_eager(compiled, step, e, c, targets, 0, min=2, max=8192)
+        _matches_eager(compiled, step, e, c, targets, 0, min=2, max=largest)
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames for one declared range"
-    assert traced_buckets == [8192]
+    assert traced_buckets == [n_bucket(largest)]
 
 
 @pytest.mark.parametrize(("reduction", "memory", "backend"), [
     ("mean", "low", "aot_eager"), ("none", "workspace", "aot_eager"), ("mean", "low", "inductor"),
 ])
-def test_mark_dynamic_batch_of_two_compiles_one_graph_for_every_batch(
+def test_mark_dynamic_batch_of_two_compiles_without_pinning_the_batch(
         reduction: str, memory: str, backend: str, traced_buckets: list[int]) -> None:
     """A marked batch dimension B of (B, T, D) traced at B = 2: N = 2T is alone in its bucket
-    (T, 2T], whose guard would pin B to 2 ("specialized it to be a constant"); the call takes
-    the bucket without a guard, and the one graph serves B = 3, 5 and 8 too (N up to 8T, past
-    the config's bucket), each planned for its own N, with eager's loss and gradients."""
+    (T, 2T], whose guard would pin B to 2 ("specialized it to be a constant"); the call guards
+    N <= 4T instead, one graph for B = 2 to 4, and B = 5 and 8 compile the next bucket's, with
+    eager's loss and gradients."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     c = torch.randn(97, 16)
@@ -247,15 +250,15 @@ def test_mark_dynamic_batch_of_two_compiles_one_graph_for_every_batch(
         e, targets = torch.randn(batch, 64, 16), torch.randint(0, 97, (batch, 64))
         _matches_eager(compiled, step, e, c, targets, 0)
         frames.append(counter.frame_count)
-    assert frames[0] == frames[-1], f"recompiled: frames after each batch {frames}"
-    assert traced_buckets == [128]
+    assert frames == [1, 1, 2, 2], f"frames after each batch {frames}"
+    assert traced_buckets == [256, 512]
 
 
 @pytest.mark.interpreter
 def test_a_graph_serving_batches_past_its_bucket_plans_each_for_its_own_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton path's backward plan, the memory it takes, is made as the opaque op runs,
-    for N itself: the graph traced at batch 2 (config bucket 32, no guard) plans batch 5's
-    N = 80 for 80 tokens, not for the traced bucket."""
+    for N itself: the graph traced at batch 2 of 16 (config bucket 64, N <= 64) plans batch 2's
+    N = 32 for 32 tokens and batch 4's for 64, not both for the config's bucket."""
     from cce_compile.plan import launch
 
     planned: list[int] = []
@@ -271,11 +274,11 @@ def test_a_graph_serving_batches_past_its_bucket_plans_each_for_its_own_n(monkey
     step = _recompute_step("mean", "low")
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    for batch in (2, 5):
+    for batch in (2, 4):
         e, targets = torch.randn(batch, 16, 16), torch.randint(0, 97, (batch, 16))
         _matches_eager(compiled, step, e, c, targets, 0)
     assert counter.frame_count == 1
-    assert all(type(n) is int for n in planned) and sorted(set(planned)) == [32, 80], planned
+    assert all(type(n) is int for n in planned) and sorted(set(planned)) == [32, 64], planned
 
 
 @pytest.mark.parametrize("memory", ["workspace", "low"])

@@ -18,8 +18,9 @@ DATA_DEPENDENT_N_BUCKET = 8192
 upper bound: no value to bucket while tracing, so one graph serves every N, with the bucket the
 bundled configs were tuned at."""
 
-_LARGEST_BUCKET = 1 << 48
-"""Past this an upper bound is taken for none (ShapeEnv's unbounded sizes)."""
+_LARGEST_BUCKET = 1 << 63
+"""The bucket of the largest size (sys.maxsize: a declared max of it stands for none where
+mark_dynamic refuses a min alone); past it a range is unbounded (ShapeEnv's int_oo)."""
 
 
 def traced_n_bucket(n: int | torch.SymInt) -> int:
@@ -29,16 +30,17 @@ def traced_n_bucket(n: int | torch.SymInt) -> int:
     narrows) a traced N guards on the traced value's bucket (B/2, B]: one graph per bucket,
     with its config. torch._dynamo.mark_dynamic refuses a guard that narrows a declared range
     or pins the dimension to one value (ConstraintViolationError), and a data-dependent N has
-    no value to guard on; there the bucket is chosen without a guard and one graph serves
-    every N it takes:
+    no value to guard on; there the bucket is chosen otherwise:
 
     - N's range has a finite upper bound (a declared max, a mask's size, the graph's other
       guards) or already lies in one bucket (this trace's guard): the bucket of that bound, no
       guard; the config of the largest N the graph serves;
-    - the traced N is the smallest N can be (a dynamic dimension at its minimum, a batch of 2):
-      the traced value's bucket, no guard, where that bucket may hold no other N, so that its
-      guard would pin the dimension (N = 2T is alone in (T, 2T]); both sides of the check are
-      statically_known_true, which adds no guard;
+    - the traced N is the smallest N can be (a dynamic dimension at its minimum, a batch of 2)
+      and its bucket may hold no other N, so that the bucket's guard would pin the dimension
+      (N = 2T is alone in (T, 2T]): one guard N <= twice the bucket, which leaves it more than
+      one value (a batch of 2 to 4), and that bucket's config; a larger N compiles its own
+      graph, per bucket as above (the check's both sides are statically_known_true, which adds
+      no guard);
     - else the guard; DATA_DEPENDENT_N_BUCKET where it cannot be decided (N without a value:
       guard_or_false answers False there instead of raising).
 
@@ -59,14 +61,14 @@ def traced_n_bucket(n: int | torch.SymInt) -> int:
     from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
     bound = 1
-    while bound < _LARGEST_BUCKET and not statically_known_true(n <= bound):
+    while bound <= _LARGEST_BUCKET:
+        if statically_known_true(n <= bound):
+            return bound
         bound *= 2
-    if bound < _LARGEST_BUCKET:
-        return bound
     hint = _traced_value(n)
     bucket = n_bucket(hint)
-    if statically_known_true(n >= hint) and _alone_in_bucket(n, hint, bucket):
-        return bucket
+    if statically_known_true(n >= hint) and _alone_in_bucket(n, hint, bucket) and guard_or_false(n <= 2 * bucket):
+        return 2 * bucket
     if guard_or_false(n > bucket // 2) and guard_or_false(n <= bucket):
         return bucket
     return DATA_DEPENDENT_N_BUCKET
@@ -78,7 +80,7 @@ def _alone_in_bucket(n, least: int, bucket: int) -> bool:
     there (N = c x s, s >= 2: N - least a multiple of least / 2, not provably of least) and
     least + least / 2 fits the bucket; where N takes another form (N = c x (s - 1), whose next
     value 2 x least passes the bucket; a product of two dimensions) it is not known, and taken
-    as alone: skipping a guard costs the other buckets' configs, a pinning one fails the compile."""
+    as alone: a wider bucket costs its config's fit, a pinning guard fails the compile."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     step = least // 2
