@@ -325,6 +325,17 @@ def test_an_import_file_may_start_with_a_byte_order_mark(engine: Engine) -> None
     assert (report.lines, report.entries_replaced) == (1, 1)
 
 
+@pytest.mark.parametrize("line_break", ["\n", "\r\n", "\r"])
+def test_an_import_file_may_end_its_lines_in_any_newline(engine: Engine, line_break: str) -> None:
+    """Universal newlines, as cce import once read the file: a classic Mac's bare \r was refused
+    ('trailing characters') once lines were split at \n alone."""
+    store.record_measurement(engine, measurement(10.0))
+    lines = _exported_with(engine, 5.0)
+    data = line_break.join(lines).encode() + line_break.encode()
+    report = store.import_jsonl(engine, store.decoded_lines(data))
+    assert (report.lines, report.entries_replaced) == (1, 1)
+
+
 def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:
     header, entry = valid[0], json.loads(valid[1])
     second = dict(entry, measurement_uid="e" * 32, tokens=1024)

@@ -10,6 +10,7 @@ own row lock, so concurrent writers can never lose the faster one.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections import Counter
@@ -440,13 +441,18 @@ ImportLine = tuple[int, ExportLine]
 """A validated export line and its line number in the file."""
 
 
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+"""What ends a line of an export file: Python's universal newlines (\n, \r\n, a classic Mac's
+\r), not str.splitlines', which also splits at characters JSON text may hold raw (U+2028)."""
+
+
 def decoded_lines(data: bytes) -> list[str]:
     """An export file's lines. A byte that is not UTF-8 is an ImportFormatError naming its line
     and its offset in the file (a streaming decoder knows only its offset in a chunk)."""
     try:
-        return data.decode("utf-8").split("\n")
+        return _LINE_BREAK.split(data.decode("utf-8"))
     except UnicodeDecodeError as error:
-        line_number = data.count(b"\n", 0, error.start) + 1
+        line_number = len(_LINE_BREAK.split(data[:error.start].decode("utf-8")))
         raise ImportFormatError(
             line_number, f"not UTF-8 text at byte {error.start} of the file (counted from 0): {error.reason}"
         ) from None
