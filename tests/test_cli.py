@@ -4,6 +4,8 @@ start, and the README's service example working as written."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import re
@@ -11,6 +13,8 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -260,6 +264,32 @@ def test_lookup_refuses_what_the_service_refuses() -> None:
         assert done.returncode == 2
 
 
+@contextlib.contextmanager
+def _answering_html() -> Iterator[str]:
+    """A real HTTP server on a loopback port that answers every GET with 200 and an HTML page."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>Sign in</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(tmp_path: Path) -> None:
     """`--url` once printed the heuristic's config with exit 0 when the service refused the token,
     was not there or was not HTTP, a log line the only hint; without --url the op's ladder still
@@ -272,11 +302,13 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
                  env={"CCE_SERVICE_TOKENS": "read-token-0001:read"}) as base_url:
         answered = cce(*problem, "--url", base_url, env={**scratch, "CCE_TUNING_TOKEN": "read-token-0001"})
         assert answered.returncode == 0 and json.loads(answered.stdout)["match_level"] == "none", answered.stderr
-        for url, token, reason in ((base_url, "", "HTTP 401"), (base_url, "wrong-token-123", "unknown token"),
-                                   (dead, "", "ConnectError"), ("ftp://x", "", "UnsupportedProtocol")):
-            done = cce(*problem, "--url", url, env={**scratch, "CCE_TUNING_TOKEN": token})
-            assert_one_line_failure(done, f"--url {url}: cannot ask the service", reason)
-            assert done.stdout == ""
+        with _answering_html() as other_server:  # a login page, another app behind the URL
+            for url, token, reason in ((base_url, "", "HTTP 401"), (base_url, "wrong-token-123", "unknown token"),
+                                       (dead, "", "ConnectError"), ("ftp://x", "", "UnsupportedProtocol"),
+                                       (other_server, "", "answered no JSON object")):
+                done = cce(*problem, "--url", url, env={**scratch, "CCE_TUNING_TOKEN": token})
+                assert_one_line_failure(done, f"--url {url}: cannot ask the service", reason)
+                assert done.stdout == ""
     ladder = cce(*problem, env={**scratch, "CCE_TUNING_URL": dead})
     assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
 

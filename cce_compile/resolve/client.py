@@ -45,6 +45,12 @@ class ServiceUnusable(Exception):
     """The service could not be asked (unreachable, refused the token, answered an error)."""
 
 
+class UnreadableAnswer(ServiceUnusable):
+    """The service answered, but nothing this client reads as a config (not JSON, an unknown
+    match level: another server at the URL, a newer service): a miss for the op, whose breaker
+    stays closed so it asks again per key; an error for `cce lookup --url`."""
+
+
 def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
     """The service's best config for `key`, or None (no entry, offline, or unusable): the op's
     optional source. Any failure opens a process-wide breaker, so a dead service costs one
@@ -53,14 +59,17 @@ def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) 
         return None
     try:
         return ask_service(settings, platform, key)
+    except UnreadableAnswer as error:
+        log.warning("tuning service %s %s", settings.url, error)
+        return None
     except ServiceUnusable as error:
         _trip(settings.url, str(error))
         return None
 
 
 def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Found | None:
-    """The service's best config for `key`, or None (no entry, or an answer it cannot read,
-    logged); raises ServiceUnusable, naming why, where the service could not be asked.
+    """The service's best config for `key`, or None (no entry); raises ServiceUnusable, naming
+    why, where the service could not be asked, UnreadableAnswer where its answer is unreadable.
 
     One retry for a dropped connection or a 5xx; a timeout is not retried. The whole
     lookup, retry included, has SERVICE_TIMEOUT_S (a server that dribbles its answer
@@ -82,7 +91,7 @@ def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Foun
     outcome = answers[0] if answers else f"no complete answer within {SERVICE_TIMEOUT_S}s (a hung name lookup?)"
     if isinstance(outcome, str):
         raise ServiceUnusable(outcome)
-    return _parse_answer(settings.url, outcome)
+    return _parse_answer(outcome)
 
 
 async def _fetch_within_deadline(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
@@ -157,17 +166,15 @@ def _query(platform: Platform, key: ProblemKey) -> dict[str, Any]:
     return params
 
 
-def _parse_answer(url: str, body: bytes) -> Found | None:
-    """A GET /v1/configs/best body as a Found; None for 'no entry' and for anything
-    unreadable (not JSON, nested past the parser's depth, not an object)."""
+def _parse_answer(body: bytes) -> Found | None:
+    """A GET /v1/configs/best body as a Found; None for 'no entry'; UnreadableAnswer for
+    anything else (not JSON, nested past the parser's depth, not an object, an unknown level)."""
     data = parse_json(body)
     if not isinstance(data, dict):
-        log.warning("tuning service %s answered no JSON object: %r", url, body[:200])
-        return None
+        raise UnreadableAnswer(f"answered no JSON object: {body[:200]!r}")
     if data.get("match_level") == "none":
         return None
     level = match_level_of(data.get("match_level"))
     if level is None:
-        log.warning("tuning service %s answered an unknown match level %r", url, data.get("match_level"))
-        return None
+        raise UnreadableAnswer(f"answered an unknown match level {data.get('match_level')!r}")
     return Found(data.get("config"), level)
