@@ -42,7 +42,7 @@ from cce_compile.tuning.publish import (
 )
 from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
 from service.process import REPO_ROOT, free_port, serving
-from tests.db_fixtures import bearer, measurement_count, measurement_data
+from tests.db_fixtures import measurement_count, measurement_data
 from tests.test_cli import assert_one_line_failure, cce as cce_process
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
 
@@ -78,10 +78,16 @@ def tuned() -> TuneResult:
 
 
 @pytest.fixture(scope="module")
-def service_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    directory = tmp_path_factory.mktemp("service")
-    with serving(directory / "serve.log", "--db-url", f"sqlite:///{directory / 'tuning.db'}", env=TOKENS_ENV) as url:
-        yield url
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real service on its SQLite file: (its URL, the file)."""
+    database = tmp_path_factory.mktemp("service") / "tuning.db"
+    with serving(database.parent / "serve.log", "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as url:
+        yield url, database
+
+
+@pytest.fixture(scope="module")
+def service_url(service: tuple[str, Path]) -> str:
+    return service[0]
 
 
 def _best(url: str, problem: Problem, kernel: str = KERNEL_NAME) -> dict[str, Any]:
@@ -265,22 +271,28 @@ def test_cli_checks_where_results_go_before_tuning(tmp_path: Path) -> None:
 TINY_CLI = ("tune", "--vocab", "200", "--hidden", "16", "--tokens", "40", "--budget-s", "0", "--input-sets", "1")
 
 
-def _stored(url: str) -> int:
-    """How many measurements the service holds (its export's header counts them)."""
-    header = httpx.get(f"{url}/v1/export", headers=bearer(READ_TOKEN)).text.splitlines()[0]
-    return json.loads(header)["measurements"]
+def _stored(database: Path) -> int:
+    """How many measurements the service's database holds, the slower ones behind no entry too."""
+    from tuning_db.engine import make_engine
+
+    engine = make_engine(f"sqlite:///{database}")
+    try:
+        return measurement_count(engine)
+    finally:
+        engine.dispose()
 
 
-def test_publish_checks_the_token_can_write_before_tuning(service_url: str) -> None:
+def test_publish_checks_the_token_can_write_before_tuning(service: tuple[str, Path]) -> None:
     """A read token or an unknown one once tuned the whole problem, then had every measurement
     refused; the check sends an empty measurement, which stores nothing, even with a write token."""
-    before = _stored(service_url)
+    service_url, database = service
+    before = _stored(database)
     for token, status in ((READ_TOKEN, "403"), ("unknown-token-0002", "401")):
         done = cce_process(*TINY_CLI, "--publish", service_url, env={sources.TOKEN_ENV: token})
         assert_one_line_failure(done, f"--publish {service_url}", "CCE_TUNING_TOKEN cannot write", status)
         assert done.returncode == 1
     ServicePublisher(service_url, WRITE_TOKEN).check()
-    assert _stored(service_url) == before
+    assert _stored(database) == before
 
 
 def test_an_empty_destination_is_refused() -> None:
