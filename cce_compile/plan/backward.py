@@ -19,8 +19,8 @@ def planning_tokens(n) -> int:
     ops plan as they run, compiled graphs too), else the bucket tokens.traced_n_bucket gives
     a traced N, the one its config's key takes (each comparison on N would be a guard). A plan
     for it holds for every N of the graph where that bucket bounds them (a guarded bucket, a
-    declared range), not where a mark_dynamic graph serves N past it (a batch of 2 traced
-    without a guard): that is why the ops plan per call. Planning an N between powers of two
+    declared range), not for a data-dependent N, which has no bound: that is why the ops plan
+    per call. Planning an N between powers of two
     for its bucket gives it chunks sized for twice its rows. An empty batch plans for one
     token."""
     return max(n, 1) if isinstance(n, int) else traced_n_bucket(n)
