@@ -323,6 +323,25 @@ def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
     assert_one_line_failure(cce(*problem, "--out", str(tmp_path)), "--out", "is a directory")
 
 
+def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:
+    """`python -m cce_compile.cli.bench` and `...cli.tune` (what GPU machines run, docs/performance.md)
+    fail in one line too: a misused option with status 2, an unforeseen error with status 1."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+    def alone(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", f"cce_compile.cli.{module}", *args], capture_output=True,
+                              text=True, env=environment, cwd=tmp_path, timeout=120)
+
+    done = alone("tune", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--dry-run",
+                 "--out", str(tmp_path / "no" / "such" / "x.json"))
+    assert_one_line_failure(done, "Invalid value for --out", "(see --help)")
+    assert done.returncode == 2
+    (tmp_path / "bench.csv").write_text("a,b\n1,2\n")
+    done = alone("bench", "--render", "--out", str(tmp_path))
+    assert_one_line_failure(done, "ValueError", "results columns")
+    assert done.returncode == 1
+
+
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")

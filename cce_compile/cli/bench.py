@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES
-from cce_compile.cli.errors import fail
+from cce_compile.cli.errors import fail, run_alone
 
 
 def _split(values: list[str] | None, option: str) -> list[str]:
@@ -109,4 +109,4 @@ def register(app: typer.Typer) -> None:
 
 
 if __name__ == "__main__":
-    typer.run(bench)
+    run_alone(bench)

@@ -62,3 +62,13 @@ class Cli(typer.Typer):
             print(f"cce: error: {one_line(error)}", file=sys.stderr)
             raise SystemExit(1) from None
         raise SystemExit(status if isinstance(status, int) else 0)
+
+
+def run_alone(command: Callable[..., Any]) -> NoReturn:
+    """Run one command as its own program (`python -m cce_compile.cli.bench`, `...cli.tune`, what
+    GPU machines run without the service's stack) with the `cce` command's failure handling:
+    `typer.run` would print a misused option in a box and a failure as a traceback."""
+    app = Cli(add_completion=False)
+    app.command()(command)
+    app()
+    raise SystemExit(0)  # Cli.__call__ always exits; this line states it for the type checker

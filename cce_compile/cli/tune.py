@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, refuse_empty
+from cce_compile.cli.errors import fail, refuse_empty, run_alone
 from cce_compile.cli.lookup import checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
@@ -267,4 +267,4 @@ def register(app: typer.Typer) -> None:
 
 
 if __name__ == "__main__":
-    typer.run(tune)
+    run_alone(tune)
