@@ -135,13 +135,18 @@ def test_cli_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch, caps
     pytest.param(["--impls", " "], "names nothing", id="no-impl-named"),
     pytest.param(["--budget-s", "-5"], "greater than or equal to 0", id="negative-budget"),
     pytest.param(["--impls", "nope"], "unknown impls", id="unknown-impl"),
+    pytest.param(["--out", "{tmp}/bench.csv"], "is not a folder", id="out-a-file"),
+    pytest.param(["--out", "{tmp}"], "bench.csv line 2: 2 cells", id="out-a-short-row"),
 ])
 def test_cli_checks_its_arguments_before_asking_for_a_gpu(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], said: str
 ) -> None:
     """Each was accepted (a shape of zeros went to the harness, `--shapes ,,` ran every model
-    shape, --sync was dropped) or, without a GPU, reported as the missing GPU instead."""
+    shape, --sync was dropped, an --out whose bench.csv cannot take rows failed after the first
+    shape's run) or, without a GPU, reported as the missing GPU instead."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "bench.csv").write_text(",".join(results.COLUMNS) + "\nNVIDIA H200,2.11\n")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     status, error = _bench(capsys, *args)
     assert status == 2 and said in error and "CUDA" not in error, error
 
@@ -361,6 +366,23 @@ def test_csv_appends_under_one_header_and_refuses_another(tmp_path: Path) -> Non
     other.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="does not have the results columns"):
         results.append_rows(other, [_row()])
+
+
+def test_a_row_cut_short_is_named_by_its_line_and_never_appended_to(tmp_path: Path) -> None:
+    """A run stopped mid-row leaves a short last line: rendering met its missing cells as None
+    (AttributeError), and the next run's first row was glued onto it."""
+    path = tmp_path / "bench.csv"
+    results.append_rows(path, [_row(), _row(impl="torch")])
+    whole = path.read_text()
+    path.write_text(whole[: whole.rindex(",0.003,")])
+    for call in (lambda: results.read_rows(path), lambda: results.render(path),
+                 lambda: results.append_rows(path, [_row(impl="liger")])):
+        with pytest.raises(ValueError, match=r"bench.csv line 3: 16 cells where the results have 18"):
+            call()
+    assert path.read_text() == whole[: whole.rindex(",0.003,")]
+    path.write_text(whole + "1,2\n")
+    with pytest.raises(ValueError, match="line 4: 2 cells"):
+        results.read_rows(path)
 
 
 def test_latest_keeps_the_newest_row_of_each_measurement(tmp_path: Path) -> None:

@@ -53,12 +53,12 @@ def _check_header(header: list[str] | None, path: Path) -> None:
 
 
 def append_rows(csv_path: Path, rows: Iterable[Mapping[str, object]]) -> None:
-    """Appends `rows` (a value per column; None for not measured), writing the header to a new file."""
+    """Appends `rows` (a value per column; None for not measured), writing the header to a new
+    file; an existing file must read back whole (`read_rows`)."""
     csv_path = Path(csv_path)
     exists = csv_path.exists() and csv_path.stat().st_size > 0
     if exists:
-        with csv_path.open(newline="") as handle:
-            _check_header(next(csv.reader(handle), None), csv_path)
+        read_rows(csv_path)  # a row cut off mid-line would take the first appended row's cells
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     with csv_path.open("a", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
@@ -72,11 +72,22 @@ def append_rows(csv_path: Path, rows: Iterable[Mapping[str, object]]) -> None:
 
 
 def read_rows(csv_path: Path) -> list[Row]:
+    """The CSV's rows, each with a cell per column. A row with fewer or more cells (a run cut
+    off mid-row, a hand edit) raises ValueError naming its line: rendering would otherwise
+    meet a missing cell as None far from its cause."""
     csv_path = Path(csv_path)
+    rows: list[Row] = []
     with csv_path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         _check_header(reader.fieldnames, csv_path)
-        return list(reader)
+        for row in reader:
+            if None in row or None in row.values():
+                cells = sum(value is not None for key, value in row.items() if key is not None)
+                cells += len(row.get(None) or ())
+                raise ValueError(f"{csv_path} line {reader.line_num}: {cells} cells where the results have "
+                                 f"{len(COLUMNS)}")
+            rows.append(row)
+    return rows
 
 
 def latest(rows: list[Row]) -> list[Row]:

@@ -39,6 +39,21 @@ def _render(out: Path, sync: list[Path]) -> None:
         typer.echo(f"wrote {path}")
 
 
+def _check_out(out: Path) -> None:
+    """Refuses an --out the results could not be appended to, before any GPU time is spent: the
+    first rows are written only after the first shape's whole run."""
+    from cce_compile.bench import results
+
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"{out} is not a folder", param_hint="--out")
+    csv_path = out / results.CSV_NAME
+    if csv_path.exists():
+        try:
+            results.read_rows(csv_path)
+        except (OSError, ValueError) as err:
+            raise typer.BadParameter(str(err), param_hint="--out") from err
+
+
 def bench(
     shapes: Annotated[Optional[list[str]], typer.Option(
         help=f"shape names ({', '.join([*SHAPES, *QUICK_SHAPES])}) or NxDxV; repeat or comma-separate; "
@@ -87,6 +102,7 @@ def bench(
         kind_list = harness.resolve_kinds(_split(kinds, "--kinds"))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    _check_out(out)
     try:
         harness.require_cuda()
     except harness.BenchmarkUnavailable as err:
