@@ -54,7 +54,9 @@ def test_token_prints_fresh_tokens_the_service_accepts() -> None:
     assert first != second and len(first) >= 8
     entry = cce("token", "--scopes", "read,write").stdout.strip()
     assert parse_token_spec(f"{first}:read;{entry}")[first] == frozenset({"read"})
-    assert_one_line_failure(cce("token", "--scopes", "reed"), "--scopes", "unknown scope 'reed'")
+    misused = cce("token", "--scopes", "reed")
+    assert_one_line_failure(misused, "--scopes", "unknown scope 'reed'")
+    assert misused.returncode == 2  # a misused option, as docs/service.md says
 
 
 def test_a_misused_option_is_one_line_with_status_2() -> None:

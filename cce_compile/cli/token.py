@@ -7,8 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail
-
 TOKEN_BYTES = 24
 """32 URL-safe characters: far past the service's 8-character minimum, and unguessable."""
 
@@ -28,8 +26,8 @@ def token(
 
     try:  # the scope list alone: in a whole entry ';' and '#' would split it ('read;admin')
         parse_scopes(scopes)
-    except ValueError as error:
-        fail(f"--scopes: {error}")
+    except ValueError as error:  # a misused option: status 2, as typer gives other bad values
+        raise typer.BadParameter(str(error), param_hint="--scopes") from None
     typer.echo(f"{fresh}:{','.join(name.strip() for name in scopes.split(','))}")
 
 
