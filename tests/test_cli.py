@@ -349,6 +349,21 @@ def test_export_from_a_dead_service_is_one_line() -> None:
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")
 
 
+def test_export_and_import_refuse_a_service_and_a_database_named_together(tmp_path: Path) -> None:
+    """Each used --url and silently ignored --db-url; the environment's CCE_TUNING_DB_URL is a
+    default that --url outranks."""
+    url, database = f"http://127.0.0.1:{free_port()}", f"sqlite:///{tmp_path / 'tuning.db'}"
+    export = tmp_path / "export.jsonl"
+    export.write_text('{"schema": 1}\n')
+    for args in (["export"], ["import", str(export)]):
+        both = cce(*args, "--url", url, "--db-url", database)
+        assert_one_line_failure(both, "--url", "not both")
+        assert both.returncode == 2
+        from_env = cce(*args, "--url", url, env={"CCE_TUNING_DB_URL": database})
+        assert_one_line_failure(from_env, "ConnectError")
+    assert not (tmp_path / "tuning.db").exists()
+
+
 def test_a_postgresql_url_without_psycopg_names_the_extra() -> None:
     """psycopg is installed here, so the child hides it as an uninstalled package would be."""
     url = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

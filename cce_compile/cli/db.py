@@ -156,8 +156,20 @@ def _service_request(
     return response.text
 
 
-def export_command(db_url: DbUrlOption = None, url: ServiceUrlOption = None, token: TokenOption = None) -> None:
+def _refuse_two_targets(ctx: typer.Context, url: str | None) -> None:
+    """--url and a --db-url given on the command line name two stores; the command would use one
+    and silently ignore the other. CCE_TUNING_DB_URL in the environment is a default, which an
+    explicit --url outranks."""
+    source = ctx.get_parameter_source("db_url")  # typer's own copy of click's ParameterSource
+    if url and source is not None and source.name == "COMMANDLINE":
+        raise typer.BadParameter("give --url or --db-url, not both", param_hint="--url")
+
+
+def export_command(
+    ctx: typer.Context, db_url: DbUrlOption = None, url: ServiceUrlOption = None, token: TokenOption = None
+) -> None:
     """Write the live best entries as JSON lines to stdout (first line: schema header)."""
+    _refuse_two_targets(ctx, url)
     if url:
         sys.stdout.write(_service_request("GET", url, "/v1/export", token))
         return
@@ -171,6 +183,7 @@ def export_command(db_url: DbUrlOption = None, url: ServiceUrlOption = None, tok
 
 
 def import_command(
+    ctx: typer.Context,
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="a file written by `cce export`")],
     mode: Annotated[ImportMode, typer.Option(help="what to do when a key already has an entry")] = "keep_better",
     dry_run: Annotated[bool, typer.Option(help="report what would change, change nothing")] = False,
@@ -180,6 +193,7 @@ def import_command(
 ) -> None:
     """Import an export file (checked whole first; on PostgreSQL one transaction, on SQLite in
     batches of lines) and print the counts."""
+    _refuse_two_targets(ctx, url)
     if url:
         params = {"mode": mode, "dry_run": str(dry_run).lower()}
         answer = _service_request("POST", url, "/v1/import", token, wait_for_answer=True, params=params,
