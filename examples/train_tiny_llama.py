@@ -31,13 +31,25 @@ def tiny_llama(vocab: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum (the loss needs 2 steps to fall, a vocabulary past
+    the 3 special tokens, and at least 2 positions to shift labels against)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum {minimum}")
+        return value
+    parse.__name__ = "integer"  # argparse names a value int() refuses by it
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=at_least(2), default=20)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, eager)")
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=at_least(4), default=4096)
+    parser.add_argument("--batch", type=at_least(1), default=4)
+    parser.add_argument("--seq", type=at_least(2), default=64)
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -40,6 +40,16 @@ def test_the_training_example_lowers_the_loss_through_the_op(tmp_path: Path) -> 
     assert "cce_compile's op computed the loss for 1 shape(s): V=1024 D=64 float32 on cpu" in done.stdout
 
 
+@pytest.mark.parametrize("option, value", [("--steps", "0"), ("--vocab", "3"), ("--batch", "0"), ("--seq", "1")])
+def test_the_training_example_refuses_sizes_it_cannot_train_at(tmp_path: Path, option: str, value: str) -> None:
+    """--steps 0 once ended 'the loss did not go through cce_compile's op'; the others in a
+    traceback from randint or dynamo."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / "train_tiny_llama.py"), option, value],
+                          capture_output=True, text=True, env=user_environment(tmp_path), cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument {option}: {value} is below the minimum" in done.stderr
+
+
 def test_the_two_node_example_finds_the_published_config(tmp_path: Path) -> None:
     environment = {**user_environment(tmp_path), "PORT": str(free_port())}
     done = subprocess.run(["bash", str(EXAMPLES / "two_node_service.sh")], capture_output=True, text=True,
