@@ -4,15 +4,25 @@ metrics, and bad input that must get a 4xx and leave the database as it was."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.db_fixtures import GPU_H100, H100_KEY, POSTGRES_URL, bearer, lookup_params, measurement_data
+from tests.db_fixtures import (
+    GPU_H100,
+    H100_KEY,
+    POSTGRES_URL,
+    bearer,
+    lookup_params,
+    measurement_count,
+    measurement_data,
+)
 from service.app import create_app
 from service.settings import ServiceSettings
+from tuning_db.engine import make_engine
 from tuning_db.scratch import scratch_schema
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0001", "write-token-0001", "admin-token-0001"
@@ -119,6 +129,32 @@ def test_slower_measurement_does_not_replace_the_best(client: TestClient) -> Non
     slower = post_measurement(client, median_ms=9.0, p20_ms=8.0, p80_ms=10.0)
     assert (slower["is_best"], slower["best_median_ms"]) == (False, 8.0)
     assert best(client)["source"]["median_ms"] == 8.0
+
+
+def test_a_measurement_sent_again_with_its_idempotency_key_is_stored_once(client: TestClient, db_url: str) -> None:
+    """A client that lost the answer to a stored measurement (a gateway's 503, a timeout) and
+    sends it again under the same Idempotency-Key gets the first one's answer, not a second
+    row; the key in another form (hyphens, capitals) is the same key. Without a key every
+    POST is a new measurement, as before keys existed."""
+    key = uuid.uuid4()
+    headers = bearer(WRITE_TOKEN)
+    body = measurement_data()
+    first = client.post("/v1/measurements", json=body, headers={**headers, "Idempotency-Key": key.hex})
+    again = client.post("/v1/measurements", json=body, headers={**headers, "Idempotency-Key": str(key).upper()})
+    assert (first.status_code, again.status_code) == (201, 201), again.text
+    assert first.json()["measurement_uid"] == again.json()["measurement_uid"] == key.hex
+    assert (first.json()["already_stored"], again.json()["already_stored"]) == (False, True)
+    before = exported(client)
+    other = client.post("/v1/measurements", json=measurement_data(V=5), headers={**headers, "Idempotency-Key": key.hex})
+    assert other.status_code == 409 and "new Idempotency-Key" in other.json()["detail"], other.text
+    bad = client.post("/v1/measurements", json=body, headers={**headers, "Idempotency-Key": "retry-1"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"], bad.text
+    assert exported(client) == before
+    post_measurement(client)
+    post_measurement(client)
+    engine = make_engine(db_url)
+    assert measurement_count(engine) == 3
+    engine.dispose()
 
 
 def test_list_configs_and_gpus(client: TestClient) -> None:

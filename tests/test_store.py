@@ -132,6 +132,54 @@ def test_a_gpu_name_with_other_properties_is_refused_and_nothing_written(engine:
     assert store.export_jsonl(engine) == before
 
 
+def test_a_measurement_sent_again_under_its_uid_is_stored_once(engine: Engine) -> None:
+    """A publisher's retry of a measurement the store had committed (its answer lost) once
+    appended it again: two rows of one timed run. Sent under the same uid (the service's
+    Idempotency-Key), the second is the first's row; another content under that uid is refused."""
+    uid = uuid.uuid4().hex
+    first = store.record_measurement(engine, measurement(), uid=uid)
+    again = store.record_measurement(engine, measurement(), uid=uid)
+    assert (first.measurement_uid, again.measurement_uid) == (uid, uid)
+    assert (first.already_stored, again.already_stored) == (False, True)
+    assert (again.entry_id, again.is_best, again.best_median_ms) == (first.entry_id, True, 10.0)
+    with pytest.raises(store.ConflictError, match=f"uid {uid} is stored with other median_ms.*new Idempotency-Key"):
+        store.record_measurement(engine, measurement(9.0), uid=uid)
+    assert measurement_count(engine) == 1 and lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+    assert not store.record_measurement(engine, measurement()).already_stored  # no uid: a new one, as before
+    assert measurement_count(engine) == 2
+
+
+def test_a_retry_racing_its_uncommitted_first_send_is_stored_once(db_url: str) -> None:
+    """The retry arrives while the first send's transaction has inserted its row and not yet
+    committed: the retry waits for it (PostgreSQL on the uid's unique index, SQLite on the write
+    lock) and then finds the committed row, instead of adding a second or failing."""
+    uid = uuid.uuid4().hex
+    first_engine, retry_engine = make_engine(db_url), make_engine(db_url)
+    inserted = threading.Event()
+
+    @event.listens_for(first_engine, "after_cursor_execute")
+    def _hold_the_transaction_open(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("INSERT INTO measurements"):
+            inserted.set()
+            time.sleep(0.5)  # the retry meets the uncommitted row
+
+    results: list[store.RecordResult] = []
+
+    def retry() -> None:
+        inserted.wait(timeout=10)
+        results.append(store.record_measurement(retry_engine, measurement(), uid=uid))
+
+    retrying = threading.Thread(target=retry)
+    retrying.start()
+    first = store.record_measurement(first_engine, measurement(), uid=uid)
+    retrying.join(timeout=30)
+    assert [result.measurement_uid for result in (first, *results)] == [uid, uid]
+    assert (first.already_stored, results[0].already_stored) == (False, True)
+    assert measurement_count(first_engine) == 1
+    first_engine.dispose()
+    retry_engine.dispose()
+
+
 GPU_H100_PCIE = {"name": "NVIDIA H100 PCIe", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1}
 
 

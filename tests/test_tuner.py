@@ -5,6 +5,8 @@ processes, one line each); the candidate pruning."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import re
@@ -168,6 +170,58 @@ def test_publishing_sends_again_a_measurement_the_service_answered_503(tmp_path:
             releasing.join()
     holder.dispose()
     assert [(outcome.accepted, outcome.is_best) for outcome in outcomes] == [(True, True)], outcomes
+
+
+@contextlib.contextmanager
+def _gateway_losing_the_first_answer(upstream: str) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A real HTTP gateway on a loopback port in front of `upstream`: it forwards every POST,
+    and answers the first 503 with Retry-After whatever the service said, as a proxy does whose
+    upstream connection dropped after the service had committed. Yields its URL, then the
+    headers of each POST it forwarded."""
+    forwarded: list[dict[str, str]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            headers = {name.lower(): value for name, value in self.headers.items()}
+            headers = {name: value for name, value in headers.items() if name not in ("host", "content-length")}
+            answer = httpx.post(upstream + self.path, content=body, headers=headers, timeout=30)
+            forwarded.append(headers)
+            status, content, extra = answer.status_code, answer.content, {}
+            if len(forwarded) == 1:
+                status, content, extra = 503, b'{"detail": "upstream connection lost"}', {"Retry-After": "1"}
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", "Content-Length": str(len(content)), **extra}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(content)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", forwarded
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_measurement_stored_before_its_answer_was_lost_is_stored_once(tmp_path: Path) -> None:
+    """The service stored the measurement, and the gateway in front of it answered 503 with
+    Retry-After: the publisher sent it again, and the database held the one timed run twice.
+    Each measurement now travels under an Idempotency-Key of its own, the same on every send,
+    which the service stores as its uid: the retry finds the first send's row."""
+    database = tmp_path / "tuning.db"
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as url:
+        with _gateway_losing_the_first_answer(url) as (gateway, forwarded):
+            outcomes = ServicePublisher(gateway, WRITE_TOKEN).publish([measurement_data(), measurement_data(V=5)])
+    assert _stored(database) == 2  # one row per measurement, none for the retry
+    assert [(outcome.accepted, outcome.is_best) for outcome in outcomes] == [(True, True)] * 2, outcomes
+    keys = [headers.get("idempotency-key") for headers in forwarded]
+    assert len(forwarded) == 3 and keys[0] == keys[1] != keys[2] and None not in keys, forwarded
 
 
 @pytest.mark.interpreter

@@ -287,6 +287,9 @@ class RecordResult(BaseModel):
     entry_id: int
     is_best: bool = Field(description="whether this measurement is now the key's best")
     best_median_ms: float
+    already_stored: bool = Field(
+        False, description="whether an earlier send under the same Idempotency-Key stored it: nothing was added"
+    )
 
 
 class GpuSummary(BaseModel):

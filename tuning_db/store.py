@@ -155,12 +155,19 @@ def _check_gpu(gpu: Gpu, spec: GpuSpec) -> None:
         )
 
 
+IMPORT_UID_FIX = "give an edited line a new uid"
+"""What an import's line does about a uid stored with other content."""
+
+
 def _add_measurement(
-    session: Session, measurement: MeasurementIn, gpu_id: int, uid: str, created_at: datetime
+    session: Session, measurement: MeasurementIn, gpu_id: int, uid: str, created_at: datetime,
+    fix: str = IMPORT_UID_FIX,
 ) -> tuple[Measurement, bool]:
     """Append a measurement of the GPU `gpu_id` unless one with this uid exists; returns the
-    stored row and whether it was added (a re-imported file adds nothing twice). A stored uid
-    with other content is a ConflictError: a uid names one measurement."""
+    stored row and whether it was added (a re-imported file, a retried POST, adds nothing
+    twice). A stored uid with other content is a ConflictError saying `fix`: a uid names one
+    measurement. The insert-or-nothing is the database's: a concurrent writer of the same uid
+    waits for the first to commit (its unique index on PostgreSQL, the write lock on SQLite)."""
     fields = measurement.model_dump(include=set(_MEASUREMENT_COLUMNS))
     values = {_MEASUREMENT_COLUMNS[name]: value for name, value in fields.items()}
     values |= {"uid": uid, "gpu_id": gpu_id, "n_bucket": n_bucket(measurement.tokens), "created_at": created_at}
@@ -171,12 +178,14 @@ def _add_measurement(
     if added is not None:
         return added, True
     stored = session.scalars(select(Measurement).where(Measurement.uid == uid)).one()
-    _check_same_content(stored, measurement, same_gpu=stored.gpu_id == gpu_id)
+    _check_same_content(stored, measurement, same_gpu=stored.gpu_id == gpu_id, fix=fix)
     return stored, False
 
 
-def _check_same_content(stored: Measurement, measurement: MeasurementIn, same_gpu: bool) -> None:
-    """Raise ConflictError unless the stored measurement of this uid is `measurement`."""
+def _check_same_content(
+    stored: Measurement, measurement: MeasurementIn, same_gpu: bool, fix: str = IMPORT_UID_FIX
+) -> None:
+    """Raise ConflictError, saying `fix`, unless the stored measurement of this uid is `measurement`."""
     stored_fields = {name: getattr(stored, column) for name, column in _MEASUREMENT_COLUMNS.items()}
     stored_fields["config"] = _today_form(stored.config)
     differing = [] if same_gpu else ["gpu"]
@@ -184,7 +193,7 @@ def _check_same_content(stored: Measurement, measurement: MeasurementIn, same_gp
     if differing:
         raise ConflictError(
             f"measurement uid {stored.uid} is stored with other {', '.join(differing)}: a uid names one "
-            "measurement (give an edited line a new uid)"
+            f"measurement ({fix})"
         )
 
 
@@ -272,10 +281,24 @@ def _entry(row: Row[Any]) -> BestEntry:
     )
 
 
-def record_measurement(engine: Engine, measurement: MeasurementIn) -> RecordResult:
-    """Append one measurement and make it the key's best if it is the fastest, atomically."""
+RETRY_UID_FIX = "a retry sends the same measurement; send another one under a new Idempotency-Key"
+"""What a client does about a uid (its Idempotency-Key) stored with other content."""
+_UID = re.compile(r"[0-9a-f]{32}")
+
+
+def record_measurement(engine: Engine, measurement: MeasurementIn, uid: str | None = None) -> RecordResult:
+    """Append one measurement and make it the key's best if it is the fastest, atomically.
+
+    `uid` (32 lowercase hex digits) is the client's name for this measurement, the same on
+    every send of it: a send whose first one was stored (its answer lost, or a 503 from a
+    gateway after the commit) adds nothing and answers for the stored row. Without it the
+    measurement gets a new uid, so each call appends one."""
+    if uid is not None and not _UID.fullmatch(uid):
+        raise ValueError(f"a measurement uid is 32 lowercase hex digits, not {clip(uid)!r}")
     with write_session(engine) as session:  # the lock order of _write_lines, one row of each
-        row, _ = _add_measurement(session, measurement, _gpu_id(session, measurement.gpu), uuid.uuid4().hex, _now())
+        row, added = _add_measurement(
+            session, measurement, _gpu_id(session, measurement.gpu), uid or uuid.uuid4().hex, _now(), RETRY_UID_FIX
+        )
         _upsert_best(session, row, "keep_better")
         best_id, best_measurement_id, best_median_ms = session.execute(
             select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms).where(*_same_key(row))
@@ -285,6 +308,7 @@ def record_measurement(engine: Engine, measurement: MeasurementIn) -> RecordResu
             entry_id=best_id,
             is_best=best_measurement_id == row.id,
             best_median_ms=best_median_ms,
+            already_stored=not added,
         )
 
 

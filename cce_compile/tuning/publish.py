@@ -19,6 +19,7 @@ import re
 import socket
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +39,8 @@ if TYPE_CHECKING:  # SQLAlchemy only where a database is written
 HTTP_TIMEOUT_S = 30.0
 BUSY_RETRIES = 3
 """How often a measurement is sent again after a 503 with Retry-After (the database was busy:
-a lock past its timeout, a deadlock; nothing was stored)."""
+a lock past its timeout, a deadlock; or a gateway lost the service's answer, which its
+Idempotency-Key makes harmless)."""
 MAX_RETRY_AFTER_S = 5
 
 
@@ -208,7 +210,7 @@ class ServicePublisher:
         with self._client() as client:
             for item in bodies:
                 try:
-                    response = _post_waiting_out_busy(client, item)
+                    response = _post_waiting_out_busy(client, item, uuid.uuid4().hex)
                 except httpx.HTTPError as error:
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False,
                                             f"{type(error).__name__}: {error}"[:300]))
@@ -222,16 +224,24 @@ class ServicePublisher:
         return outcomes
 
 
-def _post_waiting_out_busy(client: Any, item: dict[str, Any]) -> Any:
-    """POST one measurement; a 503 with Retry-After is waited out and sent again, BUSY_RETRIES
-    times at most (a 503 without it, a read-only database, will not pass by itself)."""
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+"""Names a measurement across its sends: the service stores it once however often it comes
+(service/routes/measurements.py); a service older than the header ignores it."""
+
+
+def _post_waiting_out_busy(client: Any, item: dict[str, Any], key: str) -> Any:
+    """POST one measurement under its idempotency `key`; a 503 with Retry-After is waited out
+    and sent again, BUSY_RETRIES times at most (a 503 without it, a read-only database, will
+    not pass by itself). Every send carries the same key: a 503 may come from a gateway after
+    the service stored the measurement, and the retry then stores nothing twice."""
+    headers = {IDEMPOTENCY_KEY_HEADER: key}
     for _ in range(BUSY_RETRIES):
-        response = client.post("/v1/measurements", json=item)
+        response = client.post("/v1/measurements", json=item, headers=headers)
         retry_after = response.headers.get("Retry-After", "")
         if response.status_code != 503 or not retry_after.isdigit():
             return response
         time.sleep(min(int(retry_after), MAX_RETRY_AFTER_S))
-    return client.post("/v1/measurements", json=item)
+    return client.post("/v1/measurements", json=item, headers=headers)
 
 
 class DatabasePublisher:

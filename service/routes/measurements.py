@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Header, Query, status
 
 from service.deps import WRITE, EngineDep
 from service.json_body import UniqueKeysRoute
@@ -18,9 +19,24 @@ MAX_BODY_BYTES = MAX_RECORD_CHARS
 """FastAPI parses and validates a body on the event loop, before auth: 8 MB of 700,000 unknown
 keys held it, and every other request, for 8 s."""
 
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+
 
 @router.post("/measurements", dependencies=WRITE, status_code=status.HTTP_201_CREATED, response_model=RecordResult)
 def record_measurement(
-    measurement: MeasurementIn, _query: Annotated[NoQuery, Query()], engine: EngineDep
+    measurement: MeasurementIn,
+    _query: Annotated[NoQuery, Query()],
+    engine: EngineDep,
+    idempotency_key: Annotated[
+        uuid.UUID | None,
+        Header(
+            alias=IDEMPOTENCY_KEY_HEADER,
+            description="a UUID the client draws for this measurement and sends with every retry of it: a retry "
+            "whose first send was stored adds nothing (already_stored) and gets the stored one's answer; it becomes "
+            "the measurement's uid",
+        ),
+    ] = None,
 ) -> RecordResult:
-    return store.record_measurement(engine, measurement)
+    """Append a measurement; sent again under its Idempotency-Key (its answer was lost: a
+    gateway's 503, a timeout) it is stored once."""
+    return store.record_measurement(engine, measurement, uid=None if idempotency_key is None else idempotency_key.hex)
