@@ -8,11 +8,13 @@ from fastapi import Request, status
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-UNDEFINED_TABLE_SQLSTATE = "42P01"
+from tuning_db.engine import missing_schema
+
 LOCK_RETRY_AFTER_S = 1
 """A lock is held for one transaction (an import on SQLite commits in batches): retry soon."""
 SCHEMA_RETRY_AFTER_S = 30
-"""A schema waits for an operator to run `cce db upgrade`."""
+"""A schema waits for an operator to run `cce db upgrade`: longer than a client waits (the
+publisher's MAX_RETRY_AFTER_S), so it gives up at once instead of retrying."""
 
 
 READ_ONLY_SQLSTATE = "25006"
@@ -22,11 +24,6 @@ def read_only(error: DBAPIError) -> bool:
     """SQLite's 'attempt to write a readonly database', PostgreSQL's read_only_sql_transaction
     (a hot standby, or default_transaction_read_only): no retry mends either."""
     return getattr(error.orig, "sqlstate", None) == READ_ONLY_SQLSTATE or "readonly database" in str(error.orig)
-
-
-def _missing_schema(error: DBAPIError) -> bool:
-    """PostgreSQL's undefined_table, SQLite's 'no such table'."""
-    return getattr(error.orig, "sqlstate", None) == UNDEFINED_TABLE_SQLSTATE or "no such table" in str(error.orig)
 
 
 async def database_error(_request: Request, error: Exception) -> JSONResponse:
@@ -39,7 +36,7 @@ async def database_error(_request: Request, error: Exception) -> JSONResponse:
             {"detail": "the database is read-only: writes fail until an operator makes it writable"},
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
         )
-    if _missing_schema(error):
+    if missing_schema(error):
         detail = "the database schema is not set up: run `cce db upgrade`"
         retry_after = SCHEMA_RETRY_AFTER_S
     elif isinstance(error, OperationalError):

@@ -39,18 +39,23 @@ class Served:
 
 
 @contextmanager
-def serving(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -> Iterator[str]:
+def serving(
+    log: Path, *serve_args: str, env: Mapping[str, str] | None = None, ready_path: str = "/readyz"
+) -> Iterator[str]:
     """Run `python -m cce_compile.cli.main serve --port <free> *serve_args` on loopback
-    until the block ends (SIGINT, as Ctrl-C would); yields the base URL once /readyz is 200.
+    until the block ends (SIGINT, as Ctrl-C would); yields the base URL once `ready_path`
+    answers 200 (/healthz for a service on a database that is not ready by design).
 
     The child's environment is this one plus `env`, less CCE_TUNING_DB_URL unless `env`
     sets it, so the database is the one the arguments name. Its output goes to `log`."""
-    with serving_process(log, *serve_args, env=env) as served:
+    with serving_process(log, *serve_args, env=env, ready_path=ready_path) as served:
         yield served.base_url
 
 
 @contextmanager
-def serving_process(log: Path, *serve_args: str, env: Mapping[str, str] | None = None) -> Iterator[Served]:
+def serving_process(
+    log: Path, *serve_args: str, env: Mapping[str, str] | None = None, ready_path: str = "/readyz"
+) -> Iterator[Served]:
     """`serving`, yielding the process too (for tests that signal or kill it). When the block
     ends, a master still running gets SIGINT; its process group is killed if it lingers."""
     port = free_port()
@@ -65,7 +70,7 @@ def serving_process(log: Path, *serve_args: str, env: Mapping[str, str] | None =
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _ready(base_url):
+        while not _ready(base_url + ready_path):
             if process.poll() is not None:
                 raise RuntimeError(f"cce serve exited with {process.returncode}:\n{log.read_text()}")
             if time.monotonic() > deadline:
@@ -90,8 +95,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def _ready(base_url: str) -> bool:
+def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200
+        return httpx.get(url, timeout=1).status_code == 200
     except httpx.TransportError:
         return False

@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -36,6 +37,7 @@ from cce_compile.resolve.platform import local_platform
 from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
 from cce_compile.tuning.publish import (
     DatabasePublisher,
+    PublishError,
     bundled_entries,
     ServicePublisher,
     local_identity,
@@ -222,6 +224,46 @@ def test_a_measurement_stored_before_its_answer_was_lost_is_stored_once(tmp_path
     assert [(outcome.accepted, outcome.is_best) for outcome in outcomes] == [(True, True)] * 2, outcomes
     keys = [headers.get("idempotency-key") for headers in forwarded]
     assert len(forwarded) == 3 and keys[0] == keys[1] != keys[2] and None not in keys, forwarded
+
+
+@pytest.mark.postgres
+def test_publishing_to_a_database_without_schema_fails_at_once_naming_the_fix(
+    tmp_path: Path, postgres_schema_url: str
+) -> None:
+    """A service on a PostgreSQL schema never upgraded answers 503 with Retry-After: 30 (it
+    waits for an operator's `cce db upgrade`): the publisher waited 5 s three times for each
+    measurement, then refused it in the service's JSON, 15 s a measurement for what no wait
+    mends. It now refuses the first at once with the service's reason, and sends no more."""
+    from tests.db_fixtures import POSTGRES_URL
+    from tuning_db.scratch import scratch_schema
+
+    with (scratch_schema(POSTGRES_URL, prefix="cce_test") as empty_url,
+          serving(tmp_path / "serve.log", "--db-url", empty_url, env=TOKENS_ENV, ready_path="/healthz") as url):
+        publisher = ServicePublisher(url, WRITE_TOKEN)
+        start = time.monotonic()
+        outcomes = publisher.publish([measurement_data(), measurement_data(V=5), measurement_data(V=6)])
+        elapsed = time.monotonic() - start
+        assert elapsed < 3, (elapsed, outcomes)
+        with pytest.raises(PublishError, match=r"not ready: 503: schema at None, .*: run `cce db upgrade`$"):
+            publisher.check()  # what `cce tune --publish` meets first, in one line
+    assert [outcome.accepted for outcome in outcomes] == [False] * 3
+    assert outcomes[0].detail == "503: the database schema is not set up: run `cce db upgrade`"
+    assert all(outcome.detail.startswith("not sent: ") for outcome in outcomes[1:]), outcomes
+
+
+def test_db_url_publishing_to_a_database_without_schema_names_the_fix(tmp_path: Path) -> None:
+    """The driver's 'no such table: gpus' was all it said (`cce tune --db-url` checks the schema
+    first; a library caller, or a schema dropped during the run, met this)."""
+    from tuning_db.engine import make_engine
+
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    engine = make_engine(f"sqlite:///{empty}")
+    outcomes = DatabasePublisher(engine).publish([measurement_data(), measurement_data(V=5)])
+    assert [outcome.accepted for outcome in outcomes] == [False, False]
+    assert outcomes[0].detail == (f"the database has no schema (no such table: gpus): run "
+                                  f"`cce db upgrade --db-url sqlite:///{empty}`")
+    assert outcomes[1].detail.startswith("not sent: ")
 
 
 @pytest.mark.interpreter
@@ -452,6 +494,28 @@ def test_a_service_lost_during_the_run_loses_neither_file(tmp_path: Path) -> Non
     assert re.search(r"published 0 of \d+ measurements", stderr) and "ConnectError" in stderr, stderr
     assert json.loads(out.read_text())["measurements"]
     assert [entry["V"] for entry in bundled_entries(bundle)] == [problem.v]
+
+
+def test_a_schema_lost_during_the_run_is_one_refusal_naming_the_fix(tmp_path: Path) -> None:
+    """The service's database lost its tables while `cce tune` ran (the check before it had
+    passed): every measurement waited 15 s and was refused on a line of the service's JSON. Now
+    the first is refused at once with the service's reason and the rest share a line."""
+    out = tmp_path / "report.json"
+    database = tmp_path / "tuning.db"
+    problem = Problem(24, 300, 16, "bfloat16", "exact")
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as url:
+        with _tune_until_planned(problem, "--publish", url, "--out", str(out)) as child:
+            with sqlite3.connect(database) as connection:
+                for table in ("best_configs", "measurements", "gpus", "alembic_version"):
+                    connection.execute(f"DROP TABLE {table}")
+            _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 1, stderr
+    sent = len(json.loads(out.read_text())["measurements"])
+    lines = stderr[stderr.index("published 0 of"):].strip().splitlines()
+    assert len(lines) == 3 and lines[0] == f"published 0 of {sent} measurements", stderr
+    assert re.fullmatch(r"  refused cce \([0-9.]+ ms\): 503: the database schema is not set up: run `cce db upgrade`",
+                        lines[1]), stderr
+    assert lines[2] == f"  not sent: {sent - 1} more measurements (the service failed on an earlier measurement)"
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing() -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 DB_URL_ENV = "CCE_TUNING_DB_URL"
@@ -38,7 +39,16 @@ def resolve_db_url(url: str | None = None) -> str:
     return url or os.environ.get(DB_URL_ENV) or default_db_url()
 
 
-def shown_url(url: str) -> str:
+UNDEFINED_TABLE_SQLSTATE = "42P01"
+
+
+def missing_schema(error: DBAPIError) -> bool:
+    """Whether `error` is a query on a database without the schema (PostgreSQL's
+    undefined_table, SQLite's 'no such table'): no retry mends it, `cce db upgrade` does."""
+    return getattr(error.orig, "sqlstate", None) == UNDEFINED_TABLE_SQLSTATE or "no such table" in str(error.orig)
+
+
+def shown_url(url: str | URL) -> str:
     """`url` fit to print: its password hidden."""
     return make_url(url).render_as_string(hide_password=True)
 

@@ -108,7 +108,8 @@ def tune(
 
 
 def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> bool:
-    """Publish and report what the store said; whether it took every measurement."""
+    """Publish and report what the store said; whether it took every measurement. Those not
+    sent after a failure share one line: the failure's own line says what to do."""
     outcomes = publisher.publish(bodies)
     refused = [outcome for outcome in outcomes if not outcome.accepted]
     whole = outcomes[0]  # measurements() puts the whole-op measurement first
@@ -117,8 +118,12 @@ def _publish(publisher: Publisher, bodies: list[dict[str, Any]]) -> bool:
         + (f"; the whole-op config is the key's best: {whole.is_best}" if whole.accepted else ""),
         err=True,
     )
+    unsent = [outcome.detail for outcome in refused if outcome.detail.startswith("not sent: ")]
     for outcome in refused:
-        typer.echo(f"  refused {outcome.kernel} ({outcome.median_ms:.3f} ms): {outcome.detail}", err=True)
+        if not outcome.detail.startswith("not sent: "):
+            typer.echo(f"  refused {outcome.kernel} ({outcome.median_ms:.3f} ms): {outcome.detail}", err=True)
+    if unsent:
+        typer.echo(f"  not sent: {len(unsent)} more measurements ({unsent[0].removeprefix('not sent: ')})", err=True)
     return not refused
 
 

@@ -42,6 +42,12 @@ BUSY_RETRIES = 3
 a lock past its timeout, a deadlock; or a gateway lost the service's answer, which its
 Idempotency-Key makes harmless)."""
 MAX_RETRY_AFTER_S = 5
+"""The longest Retry-After waited out. A longer one (a schema that waits for an operator's
+`cce db upgrade`: 30 s) will not have passed after any wait a run can afford: that measurement
+is refused at once with the service's reason, and the rest are not sent."""
+NOT_SENT = "not sent: the {store} failed on an earlier measurement"
+"""The refusal of a measurement not sent because the one before met a failure it would meet
+too ({store}: database or service)."""
 
 
 @dataclass(frozen=True)
@@ -194,21 +200,28 @@ class ServicePublisher:
         except httpx.HTTPError as error:
             raise PublishError(f"tuning service unreachable: {type(error).__name__}: {error}") from None
         if ready.status_code != 200:
-            raise PublishError(f"tuning service not ready: {ready.status_code} {ready.text[:200]}")
+            raise PublishError(f"tuning service not ready: {_answer(ready)}")
         if write.status_code in (401, 403):
-            raise PublishError(f"${sources.TOKEN_ENV} cannot write: {write.status_code} {write.text[:200]}")
+            raise PublishError(f"${sources.TOKEN_ENV} cannot write: {_answer(write)}")
         if write.status_code != 422:
             raise PublishError(f"POST /v1/measurements answered {write.status_code}, not 422, to an empty "
                                f"measurement: {write.text[:200]}")
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
         """One outcome a measurement; one the connection lost is refused with the error, so
-        that what the run found still reaches its files (cli/tune.py)."""
+        that what the run found still reaches its files (cli/tune.py). A 503 still there once
+        waited out (a database without schema, read-only, or busy past the retries) refuses
+        that measurement with the service's reason and the rest unsent: each would meet it."""
         import httpx
 
         outcomes = []
+        failed = False
         with self._client() as client:
             for item in bodies:
+                if failed:
+                    detail = NOT_SENT.format(store="service")
+                    outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
+                    continue
                 try:
                     response = _post_waiting_out_busy(client, item, uuid.uuid4().hex)
                 except httpx.HTTPError as error:
@@ -219,8 +232,8 @@ class ServicePublisher:
                     answer = response.json()
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], True, answer["is_best"], ""))
                 else:
-                    detail = f"{response.status_code}: {response.text[:300]}"
-                    outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
+                    failed = response.status_code == 503
+                    outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, _answer(response)))
         return outcomes
 
 
@@ -230,18 +243,31 @@ IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
 
 
 def _post_waiting_out_busy(client: Any, item: dict[str, Any], key: str) -> Any:
-    """POST one measurement under its idempotency `key`; a 503 with Retry-After is waited out
-    and sent again, BUSY_RETRIES times at most (a 503 without it, a read-only database, will
-    not pass by itself). Every send carries the same key: a 503 may come from a gateway after
-    the service stored the measurement, and the retry then stores nothing twice."""
+    """POST one measurement under its idempotency `key`; a 503 with a Retry-After of at most
+    MAX_RETRY_AFTER_S is waited out and sent again, BUSY_RETRIES times at most. A 503 without
+    it (a read-only database) or with a longer one (a database without schema) is returned at
+    once: neither passes within a wait worth making. Every send carries the same key: a 503 may
+    come from a gateway after the service stored the measurement, and the retry then stores
+    nothing twice."""
     headers = {IDEMPOTENCY_KEY_HEADER: key}
     for _ in range(BUSY_RETRIES):
         response = client.post("/v1/measurements", json=item, headers=headers)
         retry_after = response.headers.get("Retry-After", "")
-        if response.status_code != 503 or not retry_after.isdigit():
+        if response.status_code != 503 or not retry_after.isdigit() or int(retry_after) > MAX_RETRY_AFTER_S:
             return response
-        time.sleep(min(int(retry_after), MAX_RETRY_AFTER_S))
+        time.sleep(int(retry_after))
     return client.post("/v1/measurements", json=item, headers=headers)
+
+
+def _answer(response: Any) -> str:
+    """A refusal in one line: its status and the service's `detail` where that is text (its
+    reason, such as 'run `cce db upgrade`'), else the start of the body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+        detail = None
+    text = detail if isinstance(detail, str) else response.text
+    return f"{response.status_code}: {' '.join(text.split())[:300]}"
 
 
 class DatabasePublisher:
@@ -258,6 +284,7 @@ class DatabasePublisher:
         from pydantic import ValidationError
         from sqlalchemy.exc import DBAPIError
 
+        from tuning_db.engine import missing_schema, shown_url
         from tuning_db.records import MeasurementIn
         from tuning_db.store import StoreError, record_measurement
 
@@ -265,7 +292,7 @@ class DatabasePublisher:
         failed = False
         for item in bodies:
             if failed:
-                detail = "not sent: the database failed on an earlier measurement"
+                detail = NOT_SENT.format(store="database")
                 outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
                 continue
             try:
@@ -274,8 +301,13 @@ class DatabasePublisher:
                 outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, str(error)[:300]))
             except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
                 failed = True
-                detail = "database error: " + " ".join(str(error.orig).split())
-                outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail[:300]))
+                reason = " ".join(str(error.orig).split())
+                if missing_schema(error):
+                    detail = (f"the database has no schema ({reason[:200]}): run "
+                              f"`cce db upgrade --db-url {shown_url(self.engine.url)}`")
+                else:
+                    detail = f"database error: {reason}"[:300]
+                outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, detail))
             else:
                 outcomes.append(Outcome(item["kernel"], item["median_ms"], True, recorded.is_best, ""))
         self.engine.dispose()
