@@ -315,6 +315,49 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
     assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
 
 
+PASSWORD, TOKEN = "pw-s3cret-1", "tok-s3cret-2"
+
+
+def test_a_url_in_an_error_or_a_log_line_shows_no_password_or_token(tmp_path: Path) -> None:
+    """A URL given with a password (http://user:password@host, postgresql://user:password@host,
+    ?password=, ?token=) was printed as given in one-line errors and the op's log line: into
+    terminals, CI logs and bug reports. Each shows *** instead, and the rest of the URL, which
+    says which one failed."""
+    from cce_compile.cli.serve import startup_report
+    from service.settings import ServiceSettings
+
+    port = free_port()
+    http_url, http_shown = f"http://tuner:{PASSWORD}@127.0.0.1:{port}", f"http://tuner:***@127.0.0.1:{port}"
+    problem = ["lookup", "--gpu", "NVIDIA H100 80GB HBM3", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192",
+               "--json"]
+    scratch = {"CCE_CONFIG_CACHE_DIR": str(tmp_path / "configs"), "CCE_TUNING_TOKEN": "", "CCE_TUNING_URL": ""}
+    postgres = f"postgresql+psycopg://postgres:{PASSWORD}@127.0.0.1:{port}/test"
+    postgres_query = f"postgresql+psycopg://postgres@127.0.0.1:{port}/test?sslmode=disable&password={PASSWORD}"
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    failures = (
+        ([*problem, "--url", f"{http_url}/?token={TOKEN}"],
+         f"--url {http_shown}/?token=***: cannot ask the service"),
+        (["export", "--url", http_url], f"GET {http_shown}/v1/export: ConnectError"),
+        (["import", str(export_file), "--url", f"{http_url}/?access_token={TOKEN}"],
+         f"POST {http_shown}/?access_token=***: ConnectError"),  # the value hides the path appended after it
+        (["export", "--db-url", postgres], f"--db-url postgresql+psycopg://postgres:***@127.0.0.1:{port}/test: "
+                                           "cannot open the database"),
+        (["db", "upgrade", "--db-url", postgres_query],
+         f"--db-url postgresql+psycopg://postgres@127.0.0.1:{port}/test?password=***&sslmode=disable: cannot open"),
+    )
+    for args, fragment in failures:
+        done = cce(*args, env=scratch)
+        assert_one_line_failure(done, fragment)
+        assert PASSWORD not in done.stderr + done.stdout and TOKEN not in done.stderr + done.stdout, done.stderr
+    logged = cce(*problem, env={**scratch, "CCE_TUNING_URL": f"{http_url}/?token={TOKEN}"})  # the op's ladder
+    assert logged.returncode == 0 and json.loads(logged.stdout)["source"] == "heuristic", logged.stderr
+    assert f"tuning service {http_shown}/?token=*** unusable" in logged.stderr, logged.stderr
+    assert PASSWORD not in logged.stderr and TOKEN not in logged.stderr, logged.stderr
+    report = startup_report(ServiceSettings(db_url=postgres_query), postgres_query)
+    assert report[0] == f"database postgresql+psycopg://postgres@127.0.0.1:{port}/test?password=***&sslmode=disable"
+
+
 def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
     """The files are written after the whole run: a bad path must stop it first (a dry run too)."""
     problem = ["tune", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--dry-run"]

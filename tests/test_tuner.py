@@ -413,12 +413,17 @@ def test_a_destination_that_cannot_work_stops_tune_in_one_line(tmp_path: Path) -
         (["--publish", f"http://{dead}"], token, 1, [f"--publish http://{dead}: tuning service unreachable"]),
         (["--publish", "garbage"], token, 2, ["--publish garbage: not an http:// or https:// URL"]),
         (["--publish", f"http://{dead}"], {sources.TOKEN_ENV: ""}, 2, ["--publish", "needs a write token"]),
+        (["--publish", f"http://tuner:pw-s3cret@{dead}/?token=tok-s3cret"], token, 1,
+         [f"--publish http://tuner:***@{dead}/?token=***: tuning service unreachable"]),
+        (["--db-url", f"postgresql+psycopg://postgres:pw-s3cret@{dead}/test"], {}, 1,
+         [f"--db-url postgresql+psycopg://postgres:***@{dead}/test: cannot open the database"]),
     )
     with ThreadPoolExecutor(len(cases)) as pool:  # each process spends seconds importing torch
         runs = list(pool.map(lambda case: cce_process(*TINY_CLI, *case[0], env=case[1]), cases))
     for (args, _, status, fragments), done in zip(cases, runs):
         assert_one_line_failure(done, *fragments)
         assert done.returncode == status, (args, done.stderr)
+        assert "s3cret" not in done.stderr, done.stderr  # a password or token in a URL is shown as ***
 
 
 def test_db_url_is_a_database_cce_db_upgrade_made(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from cce_compile.redact import redact_urls
+
 DB_URL_ENV = "CCE_TUNING_DB_URL"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 CONNECT_TIMEOUT_S = 5
@@ -49,8 +51,9 @@ def missing_schema(error: DBAPIError) -> bool:
 
 
 def shown_url(url: str | URL) -> str:
-    """`url` fit to print: its password hidden."""
-    return make_url(url).render_as_string(hide_password=True)
+    """`url` fit to print: its password hidden, in the userinfo and in a query parameter
+    (libpq takes ?password=, which SQLAlchemy's hide_password leaves)."""
+    return redact_urls(make_url(url).render_as_string(hide_password=True))
 
 
 def sqlite_file(url: str) -> Path | None:

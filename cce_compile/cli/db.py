@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, one_line, refuse_empty
+from cce_compile.redact import redact_urls
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
@@ -93,7 +94,8 @@ def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
     path = sqlite_file(url)
     if existing and path is not None and not path.exists():
         engine.dispose()
-        fail(f"--db-url {url}: no such SQLite database; create it with `cce db upgrade --db-url {url}`")
+        shown = shown_url(url)
+        fail(f"--db-url {shown}: no such SQLite database; create it with `cce db upgrade --db-url {shown}`")
     try:
         with engine.connect():
             pass
@@ -150,7 +152,7 @@ def _service_request(
     try:
         response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout, **kwargs)
     except (httpx.HTTPError, httpx.InvalidURL) as error:
-        fail(f"{method} {url.rstrip('/')}{path}: {type(error).__name__}: {error}")
+        fail(f"{method} {redact_urls(url.rstrip('/'))}{path}: {type(error).__name__}: {redact_urls(str(error))}")
     if response.is_error:
         fail(f"{response.status_code}: {response.text[:ERROR_DETAIL_CHARS]}")
     return response.text

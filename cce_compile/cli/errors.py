@@ -1,7 +1,9 @@
 """How the `cce` command fails: one line on stderr and a non-zero exit, never a traceback.
 
 Commands call `fail` for the failures they foresee; anything else that escapes a command is
-still reported in one line (CCE_TRACEBACK=1 shows the traceback, for a bug report)."""
+still reported in one line (CCE_TRACEBACK=1 shows the traceback, for a bug report). Every
+such line has the passwords and tokens of the URLs it quotes hidden (cce_compile.redact):
+the commands name the URL they failed on, as the user gave it, credentials included."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Any, NoReturn
 
 import typer
 
+from cce_compile.redact import redact_urls
+
 TRACEBACK_ENV = "CCE_TRACEBACK"
 POSTGRES_DRIVER_HINT = "PostgreSQL URLs need psycopg: pip install 'cce-compile[postgres]'"
 
@@ -19,8 +23,13 @@ POSTGRES_DRIVER_HINT = "PostgreSQL URLs need psycopg: pip install 'cce-compile[p
 def fail(message: str, status: int = 1) -> NoReturn:
     """Stop the command with `message` (one line) and exit `status`: 1, or 2 where the command
     cannot run here at all (a GPU command without a GPU, nothing to render)."""
-    typer.echo(f"cce: error: {' '.join(message.split())}", err=True)
+    typer.echo(_line(message), err=True)
     raise typer.Exit(status)
+
+
+def _line(message: str) -> str:
+    """`message` as the command's one error line, the credentials of its URLs hidden."""
+    return f"cce: error: {redact_urls(' '.join(message.split()))}"
 
 
 def refuse_empty(message: str) -> Callable[[str | None], str | None]:
@@ -54,12 +63,12 @@ class Cli(typer.Typer):
             if type(error).__name__ == "NoArgsIsHelpError":  # `cce` alone: the help is already printed
                 raise SystemExit(getattr(error, "exit_code", 2)) from None
             message = error.format_message() if hasattr(error, "format_message") else str(error)
-            print(f"cce: error: {' '.join(message.split())} (see --help)", file=sys.stderr)
+            print(f"{_line(message)} (see --help)", file=sys.stderr)
             raise SystemExit(getattr(error, "exit_code", 2)) from None
         except Exception as error:  # the last line of defence: no command prints a traceback
             if os.environ.get(TRACEBACK_ENV, "").strip() in ("1", "true", "yes"):
                 raise
-            print(f"cce: error: {one_line(error)}", file=sys.stderr)
+            print(_line(one_line(error)), file=sys.stderr)
             raise SystemExit(1) from None
         raise SystemExit(status if isinstance(status, int) else 0)
 

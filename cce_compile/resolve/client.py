@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from ..config.keys import KERNEL_NAME, ProblemKey
+from ..redact import redact_urls
 from .platform import Platform
 from .sources import TOKEN_ENV, Found, Settings, match_level_of, parse_json
 
@@ -38,7 +39,8 @@ def _trip(url: str, reason: str) -> None:
     global _service_down
     with _breaker_lock:
         _service_down = reason
-    log.warning("tuning service %s unusable (%s); not asking it again in this process", url, reason)
+    log.warning("tuning service %s unusable (%s); not asking it again in this process",
+                redact_urls(url), redact_urls(reason))
 
 
 class ServiceUnusable(Exception):
@@ -60,7 +62,7 @@ def fetch_from_service(settings: Settings, platform: Platform, key: ProblemKey) 
     try:
         return ask_service(settings, platform, key)
     except UnreadableAnswer as error:
-        log.warning("tuning service %s %s", settings.url, error)
+        log.warning("tuning service %s %s", redact_urls(settings.url), redact_urls(str(error)))
         return None
     except ServiceUnusable as error:
         _trip(settings.url, str(error))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cce_compile.config.keys import KERNEL_NAME
+from cce_compile.redact import redact_urls
 from cce_compile.resolve import sources
 from cce_compile.resolve.platform import kernel_version, local_platform, triton_version
 from cce_compile.config.kernel_config import KernelConfig
@@ -224,9 +225,9 @@ class ServicePublisher:
                     continue
                 try:
                     response = _post_waiting_out_busy(client, item, uuid.uuid4().hex)
-                except httpx.HTTPError as error:
+                except httpx.HTTPError as error:  # its text may quote the URL: credentials hidden
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False,
-                                            f"{type(error).__name__}: {error}"[:300]))
+                                            redact_urls(f"{type(error).__name__}: {error}")[:300]))
                     continue
                 if response.status_code == 201:
                     answer = response.json()

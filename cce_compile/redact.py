@@ -1,0 +1,33 @@
+"""URLs fit to print: a password or token a user put in a URL must not reach a terminal, a CI
+log or a bug report through an error message or a log line that names the URL.
+
+Standard library only: the op's service client logs with it (no web or database stack
+loaded), the `cce` command's errors and the database layer too.
+"""
+
+from __future__ import annotations
+
+import re
+
+HIDDEN = "***"
+"""What a secret is shown as (SQLAlchemy's `hide_password` shows a password alike)."""
+
+_USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/\s:@]*):[^/\s]*@")
+"""`scheme://user:password@`: the password is whatever lies between the first ':' and the
+last '@' before the path (an unescaped '@' in a password stays inside it)."""
+_SECRET_PARAMETER = re.compile(
+    r"(?P<name>[?&#;](?:[^=&#;\s]*?)(?:token|secret|passw|pwd|key|auth|signature|sig|credential)[^=&#;\s]*=)"
+    r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*",
+    re.IGNORECASE,
+)
+"""A query or fragment parameter whose name says it holds a secret (token=, access_token=,
+api_key=, password=, X-Amz-Signature=, ...): its value up to the next separator, a space, a
+quote, a bracket, or a colon that ends the URL in a message ('URL: reason')."""
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the password of every URL in it, and the value of every query parameter
+    that names a secret, shown as ***; the rest (scheme, user, host, path) kept, which says
+    which URL it was. For any message: a URL, or an error that may quote one."""
+    text = _USERINFO_PASSWORD.sub(lambda match: f"{match['scheme']}{match['user']}:{HIDDEN}@", text)
+    return _SECRET_PARAMETER.sub(lambda match: f"{match['name']}{HIDDEN}", text)
