@@ -222,7 +222,7 @@ def test_kernel_version_covers_the_kernels_and_the_policy(tmp_path, monkeypatch:
 def test_the_gluon_kernels_run_for_the_options_they_compute() -> None:
     """On a Hopper GPU at short K: the plain loss runs every Gluon kernel; linear_log_probs'
     entropy the Gluon recompute (its entropy term) and, where the policy lets it, the Gluon
-    forward (its mean-logit statistic), but not the Gluon fused forward, which has neither; a
+    forward (its entropy statistic), but not the Gluon fused forward, which has neither; a
     bias none of them."""
     from cce_compile.plan.launch import Options, Problem, plan_launch
 

@@ -124,7 +124,7 @@ def test_compiled_matches_eager() -> None:
 
 @pytest.mark.parametrize("d", [896, 1000])
 def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, launch_plans: list, use_policy) -> None:
-    """The Gluon forward's mean-logit statistic (where the policy lets it run) and the Gluon
+    """The Gluon forward's entropy statistic (where the policy lets it run) and the Gluon
     recompute's entropy term against the tensor-descriptor forward and recompute, on ragged rows
     and vocabulary, a K tail (D = 1000) and ignored tokens: both as close to float64 as fp32 math
     over other tiles gets (each path sums its logits and tiles in its own order, so the two are
@@ -156,9 +156,42 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
         assert relative_error(got, want) < 5e-3, name  # bf16 d-logits of other tiles, rounded apart
 
 
+@pytest.mark.parametrize("forward", ["gluon", "tma", "split"])
+def test_entropy_of_large_logits_on_every_forward(forward: str, launch_plans: list, use_policy) -> None:
+    """tests/test_log_probs.py's rows of large logits at a realistic size, on the forwards the
+    interpreter cannot run: the Gluon forward's entropy epilogue (forward_gluon_with_entropy),
+    the tensor-descriptor one and the split one (fp32). Every logit is shifted by +50 (a hidden
+    unit every head row reads: the Gluon forward takes no bias) and token 7's raised by a gap
+    growing over the rows from 0 to 30, so rows run from flat to one-hot (~2e-7 nats); each
+    row's entropy is within 5e-5 of float64 relatively, and never negative."""
+    from .reference import reference_log_probs
+
+    n, v, d = 2048, 50001, 896
+    g = torch.Generator().manual_seed(4)
+    e, c = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / d**0.5
+    c[:, -2:] = 0.0
+    c[:, -2], e[:, -2] = 1.0, 50.0
+    c[7, -1], e[:, -1] = 1.0, torch.linspace(0.0, 30.0, n)
+    dtype = torch.float32 if forward == "split" else torch.bfloat16
+    e, c = e.to(dtype).cuda(), c.to(dtype).cuda()
+    tokens = torch.randint(0, v, (n,), generator=g).cuda()
+    if forward == "gluon":
+        use_policy(forward_gluon_with_entropy=True)
+    else:
+        use_policy(forward_gluon_max_k_steps=0)
+    with torch.no_grad():
+        _, entropy = cce_compile.linear_log_probs(e, c, tokens, entropy=True)
+    assert launch_plans[0].forward == forward
+    _, reference = reference_log_probs(e.double(), c.double(), tokens, entropy=True)
+    assert float(reference.min()) < 1e-6 and float(reference.max()) > 8.0, "rows not from one-hot to flat"
+    relative = float(((entropy.double() - reference).abs() / reference).max())
+    assert relative <= 5e-5, relative
+    assert bool((entropy >= 0.0).all()), float(entropy.min())
+
+
 def test_no_grad_pass_peaks_at_its_per_tile_buffers(launch_plans: list) -> None:
     """The old / reference policy's pass with entropy: the forward's two (vocab tiles, N) fp32
-    buffers (log-sum-exps, mean logits; merged in place), nothing N x V."""
+    buffers (log-sum-exps, entropies; merged in place), nothing N x V."""
     from cce_compile.ops.problem import config_for
     from cce_compile.plan.policy import active_policy
 

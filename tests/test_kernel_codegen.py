@@ -150,7 +150,7 @@ LOGITS = {
     "lse_forward_kernel": (lse_forward_kernel, {
         **LOGITS_TILE, "partial_ptr": "*fp32", "tile_max_ptr": "*fp32", "N": "i32", "V": "i32",
         "tiles_per_split": "i32", "num_splits": "i32", "stat_stride": "i32", "stride_tile_max": "i32",
-        "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "FILTER": FALSE}),
+        "NEED_WEIGHTED_SUM": FALSE, "NEED_ENTROPY": FALSE, "FILTER": FALSE}),
     "grad_logits_kernel, filtered": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": FALSE}),
     # under a CUDA graph capture: each program walks the step's slots
     "grad_logits_kernel, filtered, strided": (grad_logits_kernel, {**GRAD_LOGITS, "FILTER": TRUE, "STRIDED": TRUE}),
@@ -188,8 +188,8 @@ LSE_FORWARD_TMA = {
                                                 "weight_ptr", "D", "e_desc", "c_desc", "num_programs", "UPCAST",
                                                 "IEEE")},
     "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
-    "tile_mean_logit_ptr": "*fp32", "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32",
-    "NEED_WEIGHTED_SUM": FALSE, "NEED_MEAN_LOGIT": FALSE, "STORE_TILE_MAX": FALSE,
+    "tile_entropy_ptr": "*fp32", "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32",
+    "NEED_WEIGHTED_SUM": FALSE, "NEED_ENTROPY": FALSE, "STORE_TILE_MAX": FALSE,
 }
 FUSED_FORWARD_TMA = {
     **{name: LSE_FORWARD_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
@@ -205,9 +205,9 @@ PERSISTENT = {
     "fused_forward_tma_kernel": (fused_forward_tma_kernel, FUSED_FORWARD_TMA, TMA_STAGES),
     "lse_forward_tma_kernel": (lse_forward_tma_kernel, LSE_FORWARD_TMA, 4),
     "lse_forward_tma_kernel, filtered": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE}, 4),
-    # filtered linear_log_probs with entropy: the tile mean logits' plane stored too
+    # filtered linear_log_probs with entropy: the tile entropies' plane stored too
     "lse_forward_tma_kernel, filtered, entropy": (
-        lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_MEAN_LOGIT": TRUE}, 4),
+        lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_ENTROPY": TRUE}, 4),
     # a temperature: the logits scaled in fp32 between the dot and the epilogue
     "lse_forward_tma_kernel, temperature": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, 4),
     "fused_forward_tma_kernel, temperature": (
@@ -224,7 +224,7 @@ SIZE_PRODUCTS = {
     "offsets of lse_forward_tma_kernel, filtered": (
         lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered"][1], [("N", "num_n")]),
     "offsets of lse_forward_kernel, filtered, entropy": (
-        lse_forward_kernel, {**LOGITS["lse_forward_kernel"][1], "FILTER": TRUE, "NEED_MEAN_LOGIT": TRUE},
+        lse_forward_kernel, {**LOGITS["lse_forward_kernel"][1], "FILTER": TRUE, "NEED_ENTROPY": TRUE},
         [("N", "stride_tile_max"), ("stat_stride", "c3_i32")]),
     "offsets of lse_forward_tma_kernel, filtered, entropy": (
         lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered, entropy"][1], [("N", "num_n")]),
@@ -343,13 +343,13 @@ if __name__ == "__main__":
         ttir = compile_for_hopper(kernel, args, num_stages=4).asm["ttir"]
         found[name] = {"32-bit size products": size_products_in_i32(ttir, sizes)}
     tile = Policy().gluon_tile
-    for entropy in (False, True):  # linear_log_probs' entropy: the mean-logit statistic, the d-logits term
+    for entropy in (False, True):  # linear_log_probs' entropy: the entropy statistic, the d-logits term
         suffix = " (entropy)" * entropy
         found["lse_forward_ws_kernel" + suffix] = warp_specialized_kinds(compile_warp_specialized(
             lse_forward_ws_kernel,
-            {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_mean_logit_ptr": "*fp32"},
+            {"targets_ptr": "*i64", "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_entropy_ptr": "*fp32"},
             ["N", "row_start", "rows_in_launch", "V", "D"],
-            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "NEED_MEAN_LOGIT": entropy,
+            {"GROUP_M": tile.group_m, "STAGES": tile.num_stages, "NEED_ENTROPY": entropy,
              "LOGIT_SCALE": TEMPERATURE[1] if entropy else 1.0},
             {"e_desc": tile.block_m, "c_desc": tile.block_n},
         ))

@@ -115,7 +115,7 @@ def test_log_probs_alone() -> None:
 ])
 def test_kernels_under_the_interpreter(dtype: torch.dtype, options: dict) -> None:
     """The Triton kernels: lse_forward_kernel (fp32) or lse_forward_tma_kernel (16-bit) with the
-    mean-logit statistic, and grad_logits_kernel with the entropy term."""
+    entropy statistic, and grad_logits_kernel with the entropy term."""
     e, c, tokens, bias, options = _case(21, dtype, options, lead=(2, 37), v=203, d=45)
     check_log_probs(e, c, tokens, bias, options)
 
@@ -124,7 +124,7 @@ def test_kernels_under_the_interpreter(dtype: torch.dtype, options: dict) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_a_minus_inf_bias_rules_out(kernels: bool, dtype: torch.dtype) -> None:
     """A bias of -inf on some tokens (p = 0 there): the entropy's p log p and its gradient's
-    p * logit count 0, not NaN, in the forward's mean logit and in the backward's d-logits."""
+    p * logit count 0, not NaN, in the forward's entropy sums and in the backward's d-logits."""
     e, c, tokens, bias, options = _case(23, dtype, {"bias": True, "ruled_out": True}, lead=(70,), v=190, d=48)
     with on_kernels(kernels):
         check_log_probs(e, c, tokens, bias, options)
@@ -142,7 +142,7 @@ def test_tensor_descriptor_recompute_under_the_interpreter() -> None:
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_and_descriptor_forwards_agree_with_the_cpu_path(dtype: torch.dtype) -> None:
-    """The kernels' mean logit merges across vocab splits (fp32: lse_forward_kernel) and tiles
+    """The kernels' entropy merges across vocab splits (fp32: lse_forward_kernel) and tiles
     (bf16: lse_forward_tma_kernel) as the CPU path's does, on peaked rows."""
     e, c, tokens = make_inputs("peaked", (90,), 700, 32, dtype, seed=3)
     kernels = cce_compile.linear_log_probs(e, c, tokens, entropy=True)
@@ -275,6 +275,51 @@ def test_entropy_gradient_where_the_mean_logit_dwarfs_the_spread(kernels: bool, 
     e, c, tokens, bias, _ = _case(23, torch.float32, {"bias": True}, lead=(2, 11), v=97, d=32)
     with on_kernels(kernels):
         check_log_probs(e, c, tokens, bias, {"temperature": temperature})
+
+
+def _shifted_rows(dtype: torch.dtype, shift: float = 50.0) -> tuple[torch.Tensor, ...]:
+    """(e, c, tokens, bias): logits N(0, 1) plus `shift` (the bias), token 7's raised by a gap
+    that grows over the rows from 0 to 30 (a hidden unit only its head row reads), so the rows
+    run from flat (entropy ~5 nats) to one-hot to fp32's resolution (~5e-10 nats), every logit
+    near `shift` or above it."""
+    n, v, d = 48, 203, 32
+    g = torch.Generator().manual_seed(4)
+    e, c = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / d**0.5
+    c[:, -1] = 0.0
+    c[7, -1] = 1.0
+    e[:, -1] = torch.linspace(0.0, 30.0, n)
+    tokens = torch.randint(0, v, (n,), generator=g)
+    return e.to(dtype), c.to(dtype), tokens, torch.full((v,), shift).to(dtype)
+
+
+@pytest.mark.parametrize(("kernels", "dtype", "filter_eps"), [
+    (False, torch.float32, None), (False, torch.float32, 2.0**-7),
+    pytest.param(True, torch.float32, None, marks=pytest.mark.interpreter),  # lse_forward_kernel's splits
+    pytest.param(True, torch.float32, 2.0**-7, marks=pytest.mark.interpreter),  # ... with filtered mode's tile planes
+    pytest.param(True, torch.bfloat16, None, marks=pytest.mark.interpreter),  # lse_forward_tma_kernel's tiles, merged
+    pytest.param(True, torch.bfloat16, 2.0**-7, marks=pytest.mark.interpreter),  # ... from filtered mode's planes
+], ids=["cpu", "cpu-filtered", "split", "split-filtered", "tma", "tma-filtered"])
+def test_entropy_of_large_logits_is_accurate_and_never_negative(
+        kernels: bool, dtype: torch.dtype, filter_eps: float | None, launch_plans: list) -> None:
+    """The entropy is summed about the row's largest logit, in two terms >= 0 (the log of the
+    sum of exponentials, taken as log1p of its terms below the max, and the mean gap below the
+    max): written as lse - sum_j p_j l_j, two numbers near the logits (~50-80 here) cancelled
+    to within fp32's rounding of them, 1-3e-5 nats off, a near one-hot row's entropy 0 (and at
+    a shift of 100 negative). Every row's entropy, 5e-10 to 5 nats, stays within 5e-5 of
+    float64 relatively (the logits' own rounding moves it by up to ~1e-5), on every forward
+    kernel the interpreter runs, filtered mode's included."""
+    e, c, tokens, bias = _shifted_rows(dtype)
+    _, reference = reference_log_probs(e.double(), c.double(), tokens, bias=bias.double(), entropy=True)
+    with cce_compile.override_config(SMALL_TILES), on_kernels(kernels):
+        _, entropy = cce_compile.linear_log_probs(e.clone().requires_grad_(), c, tokens, bias=bias, entropy=True,
+                                                  filter_eps=filter_eps)  # a gradient to come: the filter applies
+    if kernels:
+        assert (launch_plans[0].forward, launch_plans[0].filtered) == (
+            "split" if dtype == torch.float32 else "tma", filter_eps is not None)
+    assert float(reference.min()) < 1e-8 and float(reference.max()) > 4.0, "rows not from one-hot to flat"
+    error = (entropy.detach().double() - reference).abs()
+    assert float((error / reference).max()) <= 5e-5, float((error / reference).max())
+    assert bool((entropy >= 0.0).all()), float(entropy.min())
 
 
 def test_loss_module_takes_a_temperature() -> None:
@@ -563,7 +608,7 @@ def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
         return run_filtered(torch.float32, kernels, filter_eps, entropy)
 
     kernels, cpu, exact = run(True), run(False), run(False, None)
-    for got, want in zip(kernels[:2], exact[:2]):  # the kernels sum in vocab order: the entropy's lse - mu cancels
+    for got, want in zip(kernels[:2], exact[:2]):  # the kernels sum in vocab order
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert relative_error(cpu[2], exact[2]) > 1e-2, "the filter skipped little: the test shows nothing"
     for kernel_grad, cpu_grad in zip(kernels[2:], cpu[2:]):
@@ -659,7 +704,7 @@ def test_filtered_forward_statistics_through_descriptors_and_pointers(launch_pla
     tile_lse, tile_mean_logit = through_descriptors[5:7]
     assert tile_mean_logit.dtype == torch.float16 and tile_mean_logit.shape == tile_lse.shape
     assert (tile_mean_logit <= 1e-2).all() and (tile_mean_logit < -1.0).any()  # a tile's mean logit is under lse
-    for got, expected in zip(through_descriptors, through_pointers):  # the entropy's lse - mu cancels: 1e-4
+    for got, expected in zip(through_descriptors, through_pointers):  # summed in other orders: 1e-4
         tolerance = {"rtol": 2e-3, "atol": 2e-3} if got.dtype == torch.float16 else {"rtol": 1e-4, "atol": 1e-4}
         torch.testing.assert_close(got, expected, **tolerance)
 

@@ -134,34 +134,41 @@ def test_frozen_head_or_hidden_states_skip_that_gradient(mode: str, backward_out
 
 
 def test_tile_stats_merge_streams_like_torch() -> None:
-    """merge_tile_stats_kernel against torch.logsumexp and the softmax-weighted mean of the
-    tiles' means, ragged in tiles and rows, in both layouts the forward hands it (the means in
-    another layout than the log-sum-exps), with -inf tiles (whose NaN means add nothing), an
-    all -inf row, +inf and NaN; neither input changes."""
+    """merge_tile_stats_kernel against torch.logsumexp and the entropy of the tiles' softmax
+    (the entropy of their shares plus their entropies, weighted by the shares), ragged in tiles
+    and rows, in both layouts the forward hands it (the entropies in another layout than the
+    log-sum-exps), with -inf tiles (whose NaN entropies add nothing), an all -inf row, +inf and
+    NaN, and a near one-hot row, one tile 20 nats above 44 (each share under fp32's rounding of
+    1: a log of the shares' sum would lose them all) to within 1e-5 relatively; neither input
+    changes."""
     from cce_compile.ops.forward import merge_tile_stats
 
     generator = torch.Generator().manual_seed(0)
-    tile_lse = torch.randn(45, 150, generator=generator) * 8.0
-    tile_mean = torch.randn(45, 150, generator=generator) * 3.0 + 10.0
+    tile_lse = torch.randn(45, 150, generator=generator) * 8.0 + 50.0
+    tile_entropy = torch.rand(45, 150, generator=generator) * 5.0
     tile_lse[::3, 10] = float("-inf")
-    tile_mean[::3, 10] = float("nan")
+    tile_entropy[::3, 10] = float("nan")
     tile_lse[:, 11] = float("-inf")
     tile_lse[7, 12] = float("inf")
     tile_lse[40, 13] = float("nan")
-    expected_lse = torch.logsumexp(tile_lse, dim=0)
-    shares = torch.exp(tile_lse - expected_lse)
-    expected_mean = torch.where(shares > 0, shares * tile_mean, 0.0).sum(dim=0)
-    kept = (tile_lse.clone(), tile_mean.clone())
+    tile_lse[:, 14], tile_entropy[:, 14] = 30.0, 1e-3
+    tile_lse[5, 14], tile_entropy[5, 14] = 50.0, 1e-9
+    expected_lse = torch.logsumexp(tile_lse.double(), dim=0)
+    shares = torch.exp(tile_lse.double() - expected_lse)
+    expected_entropy = torch.where(shares > 0, shares * (tile_entropy.double() - torch.log(shares)), 0.0).sum(dim=0)
+    kept = (tile_lse.clone(), tile_entropy.clone())
     for lse_layout in (tile_lse, tile_lse.T.contiguous().T):
-        lse, mean = merge_tile_stats(lse_layout, tile_mean)
-        torch.testing.assert_close(lse, expected_lse, equal_nan=True)
+        lse, entropy = merge_tile_stats(lse_layout, tile_entropy)
+        torch.testing.assert_close(lse, expected_lse.float(), equal_nan=True)
         finite = torch.isfinite(expected_lse)
-        torch.testing.assert_close(mean[finite], expected_mean[finite])
-        assert torch.isnan(mean[13])  # a NaN log-sum-exp's row
-    for buffer, before in zip((tile_lse, tile_mean), kept):
+        torch.testing.assert_close(entropy[finite], expected_entropy[finite].float())
+        assert bool((entropy[finite] >= 0.0).all())
+        assert abs(float(entropy[14]) / float(expected_entropy[14]) - 1.0) < 1e-5, float(entropy[14])
+        assert torch.isnan(entropy[13])  # a NaN log-sum-exp's row
+    for buffer, before in zip((tile_lse, tile_entropy), kept):
         torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
-    lse, no_mean = merge_tile_stats(tile_lse)
-    assert no_mean is None and lse[11] == float("-inf") and lse[12] == float("inf")
+    lse, no_entropy = merge_tile_stats(tile_lse)
+    assert no_entropy is None and lse[11] == float("-inf") and lse[12] == float("inf")
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])

@@ -44,6 +44,26 @@ def exp_shifted(x, shift):
 
 
 @triton.jit
+def log1p(x):
+    """log(1 + x) for x >= 0 to a few roundings of relative error however small x is, free
+    of libdevice (which the interpreter lacks): log(u) * x / (u - 1) with u = 1 + x rounded,
+    whose rounding the ratio undoes (Goldberg), and x itself where u rounds to 1."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def log_sumexp_about_max(sumexp, strict_sum):
+    """log(sumexp) for sumexp = sum_j exp(logit_j - max logit), given `strict_sum`, its terms
+    of the logits below the max (kernels/forward.tile_entropy_sums): the largest logit's own 1
+    plus them. Near 1, log(sumexp) loses what the fp32 sum rounded away beside that 1 (every
+    term under 6e-8 added to it, so up to all of a peaked row's rest: ~1 / (1 + gap) of a
+    near one-hot row's entropy); log1p of the strict sum keeps it. From 1.5 up, where a tie
+    for the max may count in sumexp too, log(sumexp) is as accurate."""
+    return tl.where(sumexp < 1.5, log1p(strict_sum), tl.log(sumexp))
+
+
+@triton.jit
 def tanh(x):
     """tanh(x) in fp32 to within a few roundings of relative error for every x, free of
     libdevice (which the interpreter lacks).

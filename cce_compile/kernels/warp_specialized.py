@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from .tiles import exp_shifted, grouped_tile
+from .tiles import exp_shifted, grouped_tile, log_sumexp_about_max
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 """The copy engine's global-to-shared load: async_copy_global_to_shared up to Triton 3.6,
@@ -149,7 +149,7 @@ def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
     """The forward's: the rows' log-sum-exp over the tile's columns into tile_lse[tile column,
     row] (row = row_start + local row, of e's N), and the target's logit where the target falls
     in the tile."""
-    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V = args
+    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_entropy_ptr, N, row_start, rows_in_launch, V = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     row_mask = local_rows < rows_in_launch
@@ -167,11 +167,16 @@ def forward_epilogue(acc, pid_m, pid_n, local_rows, args):
 
 @gluon.jit
 def forward_entropy_epilogue(acc, pid_m, pid_n, local_rows, args):
-    """forward_epilogue, and the tile's softmax-weighted mean logit into tile_mean_logit[tile
-    column, row] (linear_log_probs' entropy; the op merges the tiles' as lse_forward_tma_kernel's).
-    Every statistic comes from acc, masked where it is used: the masked logits held beside acc
-    (which the mean needs) would spill (ptxas for sm_90: ~800 bytes a thread)."""
-    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N, row_start, rows_in_launch, V = args
+    """forward_epilogue, and the entropy of the rows' softmax over the tile into
+    tile_entropy[tile column, row] (linear_log_probs' entropy; the op merges the tiles' as
+    lse_forward_tma_kernel's), about the tile's largest logit as
+    kernels/forward.tile_softmax_entropy sums it: log_sumexp_about_max of the sum of exps and
+    of their sum below the max, plus sum_j exp_j (tile max - logit_j) / (sum of exps), two
+    terms >= 0. Every statistic comes from acc, masked where it is used: the masked logits
+    held beside acc (which the entropy needs) would spill (ptxas for sm_90: ~800 bytes a
+    thread); past V acc holds the zero fill's 0, finite (so its gap needs no clamp, unlike
+    tile_entropy_sums' -inf logits), beside an exponential of 0."""
+    targets_ptr, tile_lse_ptr, target_logit_ptr, tile_entropy_ptr, N, row_start, rows_in_launch, V = args
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     in_vocab = (cols < V)[None, :]  # past V the zero fill's logits of 0 are masked out
@@ -185,24 +190,28 @@ def forward_entropy_epilogue(acc, pid_m, pid_n, local_rows, args):
     exps = gl.where(in_vocab, exp_shifted(acc, shift), 0.0)
     tile_sumexp = gl.sum(exps, axis=1)
     out = pid_n.to(gl.int64) * N + rows
-    gl.store(tile_mean_logit_ptr + out, gl.sum(exps * acc, axis=1) / tile_sumexp, mask=row_mask)
+    gaps = shift[:, None] - acc
+    below = gl.where(gaps > 0.0, exps, 0.0)
+    tile_gap, tile_strict = gl.sum(below * gaps, axis=1), gl.sum(below, axis=1)
+    tile_entropy = log_sumexp_about_max(tile_sumexp, tile_strict) + tile_gap / tile_sumexp
+    gl.store(tile_entropy_ptr + out, tile_entropy, mask=row_mask)
     gl.store(tile_lse_ptr + out, shift + gl.log(tile_sumexp), mask=row_mask)
 
 
 @gluon.jit
-def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N,
+def lse_forward_ws_kernel(e_desc, c_desc, targets_ptr, tile_lse_ptr, target_logit_ptr, tile_entropy_ptr, N,
                           row_start, rows_in_launch, V, D, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          NEED_MEAN_LOGIT: gl.constexpr, LOGIT_SCALE: gl.constexpr):
+                          NEED_ENTROPY: gl.constexpr, LOGIT_SCALE: gl.constexpr):
     """The forward over rows [row_start, row_start + rows_in_launch) of e's N (the op launches
-    it per row chunk, as lse_forward_tma_kernel), with NEED_MEAN_LOGIT the tiles' mean logits too.
+    it per row chunk, as lse_forward_tma_kernel), with NEED_ENTROPY the tiles' entropies too.
     Launched with num_warps=4 (the consumer; the producer is a one-warp worker) and
     maxnreg=128, so two programs fit an SM: the consumer takes what the producer's 24
     registers a thread leave."""
     e_ring, c_ring, ready, free = allocate_ring(e_desc, c_desc, STAGES)
-    epilogue: gl.constexpr = forward_entropy_epilogue if NEED_MEAN_LOGIT else forward_epilogue
+    epilogue: gl.constexpr = forward_entropy_epilogue if NEED_ENTROPY else forward_epilogue
     gl.warp_specialize([
         (consume_tiles, (epilogue, e_desc, c_desc, e_ring, c_ring, ready, free, rows_in_launch, V, D, GROUP_M,
-                         LOGIT_SCALE, (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_mean_logit_ptr, N,
+                         LOGIT_SCALE, (targets_ptr, tile_lse_ptr, target_logit_ptr, tile_entropy_ptr, N,
                                        row_start, rows_in_launch, V))),
         (load_operands, (e_desc, c_desc, e_ring, c_ring, ready, free, row_start, rows_in_launch, 0, V, D, GROUP_M)),
     ], [1], [24])

@@ -35,16 +35,21 @@ def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, so
 
 def forward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    softcap: float, need_weighted_sum: bool, chunk_v: int, need_mean_logit: bool = False, logit_scale: float = 1.0,
+    softcap: float, need_weighted_sum: bool, chunk_v: int, need_entropy: bool = False, logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """(lse, target_logit, sum_j w_j l_j or None, sum_j softmax_j l_j or None), each fp32 (N,)."""
+    """(lse, target_logit, sum_j w_j l_j or None, the entropy -sum_j p_j log p_j or None), each
+    fp32 (N,). The entropy is summed about the running max m as the kernels sum it
+    (kernels/forward.tile_entropy_sums, tiles.log_sumexp_about_max):
+    log(sum_j exp(l_j - m)) + sum_j p_j (m - l_j), terms >= 0 that never cancel, where
+    lse - sum_j p_j l_j is off by the logits' rounding."""
     n, v = e.shape[0], c.shape[0]
     e32 = e.to(torch.float32)
     row_max = e32.new_full((n,), float("-inf"))
     row_sumexp = e32.new_zeros((n,))
     target_logit = e32.new_zeros((n,))
     weighted_sum = e32.new_zeros((n,)) if need_weighted_sum else None
-    exp_logit_sum = e32.new_zeros((n,))  # sum_j exp(l_j - row_max) l_j, rescaled with row_sumexp
+    gap_sum = e32.new_zeros((n,))  # sum_j exp(l_j - row_max) (row_max - l_j), rebased as row_max grows
+    strict_sum = e32.new_zeros((n,))  # sum_j exp(l_j - row_max) over l_j < row_max
     for start in range(0, v, chunk_v):
         stop = min(start + chunk_v, v)
         logits = _logits(e32, c, bias, slice(start, stop), softcap, logit_scale)
@@ -52,9 +57,13 @@ def forward_cpu(
         shift = torch.where(new_max == float("-inf"), 0.0, new_max)
         rescale = torch.exp(row_max - shift)
         exps = torch.exp(logits - shift[:, None])
+        if need_entropy:  # p = 0 (a -inf logit, its gap clamped) counts 0; so does a gap before any column
+            gaps = (shift[:, None] - logits).clamp_max(3.0e38)
+            below = torch.where(gaps > 0, exps, 0.0)
+            rebased = torch.where(row_sumexp > 0, rescale * (gap_sum + (shift - row_max) * row_sumexp), 0.0)
+            gap_sum = rebased + (below * gaps).sum(dim=1)
+            strict_sum = torch.where(new_max > row_max, rescale * row_sumexp, strict_sum) + below.sum(dim=1)
         row_sumexp = row_sumexp * rescale + exps.sum(dim=1)
-        if need_mean_logit:
-            exp_logit_sum = exp_logit_sum * rescale + torch.where(exps > 0, exps * logits, 0.0).sum(dim=1)
         row_max = new_max
         local = targets - start
         hit = (local >= 0) & (local < stop - start)
@@ -64,7 +73,11 @@ def forward_cpu(
             w = weight[start:stop].to(torch.float32) if weight is not None else None
             weighted_sum = weighted_sum + (logits * w if w is not None else logits).sum(dim=1)
     lse = row_max + torch.log(row_sumexp)
-    return lse, target_logit, weighted_sum, exp_logit_sum / row_sumexp if need_mean_logit else None
+    entropy = None
+    if need_entropy:
+        log_sumexp = torch.where(row_sumexp < 1.5, torch.log1p(strict_sum), torch.log(row_sumexp))
+        entropy = log_sumexp + gap_sum / row_sumexp
+    return lse, target_logit, weighted_sum, entropy
 
 
 def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: int, eps: float) -> Tensor:

@@ -121,14 +121,18 @@ def backward_tile_stats(
     forward_block_n: int, block_m: int, block_n: int,
 ) -> FilterStats:
     """What the backward needs of the forward kernel's tile statistics (N, forward tiles fp32:
-    tile maxima, tile log-sum-exps and, for the entropy, tile mean logits, stacked), decided as
+    tile maxima, tile log-sum-exps and, for the entropy, tile entropies, stacked), decided as
     the forward ends so that only these live until the backward. kept_tiles is
     kept_tile_mask's; tile_lse is each row's log-sum-exp per forward tile less its lse, in fp16
     (what SkippedTiles puts back is exp of it: off by under 1% where a tile holds 1e-7 of a
     row's mass or more): a quarter of the statistics' bytes, on Qwen2.5's 16384 x 151936 head
-    39 MB instead of 156 (docs/notes/filtered-tile-statistics.md). tile_mean_logit is stored
-    the same way, a tile of no mass (whose mean is 0 / 0) and fp16's overflow made finite."""
+    39 MB instead of 156 (docs/notes/filtered-tile-statistics.md). tile_mean_logit, each tile's
+    mean logit (its log-sum-exp less its entropy) less lse, is stored the same way, a tile of no
+    mass (whose mean is NaN) and fp16's overflow made finite. The entropies' plane is
+    overwritten with the mean logits: nothing reads it after."""
     kept = kept_tile_mask(tile_stats[0], lse, targets, order, filter_eps, forward_block_n, block_m, block_n)
+    if tile_stats.shape[0] > 2:
+        torch.sub(tile_stats[1], tile_stats[2], out=tile_stats[2])
     relative = [torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device) for _ in tile_stats[1:]]
     for plane, out in zip(tile_stats[1:], relative):
         torch.sub(plane, lse[:, None], out=out)  # in fp32, stored in fp16: one pass

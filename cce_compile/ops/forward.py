@@ -1,6 +1,6 @@
 """The forward's runners, one per plan.forward kernel: each gives every row's log-sum-exp and
-target logit (for label smoothing its weighted logit sum, for entropy its softmax-weighted mean
-logit); `run_forward` turns them into the per-token loss and, in filtered mode, what the
+target logit (for label smoothing its weighted logit sum, for linear_log_probs its entropy);
+`run_forward` turns them into the per-token loss and, in filtered mode, what the
 backward filters with."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .loss_terms import token_loss
 from .problem import cdiv, device_limits, kernel_flags
 
 RowStats = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
-"""(lse, target_logit, weighted logit sum or None, softmax-weighted mean logit or None), each
+"""(lse, target_logit, weighted logit sum or None, entropy -sum_j p_j log p_j or None), each
 fp32 (N,)."""
 
 
@@ -43,7 +43,7 @@ def run_forward(
 
 def row_and_filter_stats(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
-    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, filter_eps: float,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_entropy: bool, filter_eps: float,
 ) -> tuple[RowStats, FilterStats]:
     """row_stats and, in filtered mode, what the backward filters with: the vocabulary's
     order, and on the Triton path the tile statistics the kernel records walking it, turned
@@ -51,11 +51,11 @@ def row_and_filter_stats(
     n, v = e.shape[0], c.shape[0]
     order = vocab_order(e, c, bias) if plan.filtered else targets.new_empty((0,))
     on_triton = plan.forward != "cpu"
-    # Filtered mode's tile maxima, log-sum-exps and (entropy) mean logits, by position in `order`.
-    planes = 2 + need_mean_logit
+    # Filtered mode's tile maxima, log-sum-exps and (entropy) entropies, by position in `order`.
+    planes = 2 + need_entropy
     tile_stats = torch.empty((planes, n, cdiv(v, config.forward.block_n)) if plan.filtered and on_triton else (0, 0),
                              dtype=torch.float32, device=e.device)
-    stats = row_stats(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit, order,
+    stats = row_stats(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_entropy, order,
                       tile_stats)
     if plan.filtered and on_triton:
         return stats, backward_tile_stats(
@@ -67,55 +67,55 @@ def row_and_filter_stats(
 
 def row_stats(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
-    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_entropy: bool, order: Tensor,
     tile_stats: Tensor,
 ) -> RowStats:
     """Every row's statistics by the kernel plan.forward names (the Gluon forward computes no
     weighted sum: plan_launch does not pick it for options that need one)."""
     if plan.forward == "gluon":
-        return forward_gluon(plan, e, c, targets, need_mean_logit)
+        return forward_gluon(plan, e, c, targets, need_entropy)
     if plan.forward == "tma":
-        return forward_tma(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
+        return forward_tma(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_entropy,
                            order, tile_stats)
     if plan.forward == "split":
-        return forward_split(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_mean_logit,
+        return forward_split(plan, config, e, c, targets, bias, weight, softcap, need_weighted_sum, need_entropy,
                              order, tile_stats)
     return forward_cpu(e, c, targets, bias, weight, softcap, need_weighted_sum, chunk_v=config.slab_v,
-                       need_mean_logit=need_mean_logit, logit_scale=plan.logit_scale)
+                       need_entropy=need_entropy, logit_scale=plan.logit_scale)
 
 
-def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_mean_logit: bool) -> RowStats:
+def forward_gluon(plan: LaunchPlan, e: Tensor, c: Tensor, targets: Tensor, need_entropy: bool) -> RowStats:
     """lse_forward_ws_kernel per plan.forward_chunk_rows rows: each (vocab tile, row)'s
-    log-sum-exp (and softmax-weighted mean logit), merged after."""
+    log-sum-exp (and entropy), merged after."""
     n, v = e.shape[0], c.shape[0]
     tile, per_sm = plan.gluon_tile, plan.gluon_programs_per_sm
     tile_lse = torch.empty((cdiv(v, tile.block_n), n), dtype=torch.float32, device=e.device)
-    tile_mean_logit = torch.empty_like(tile_lse) if need_mean_logit else tile_lse
+    tile_entropy = torch.empty_like(tile_lse) if need_entropy else tile_lse
     target_logit = torch.zeros(n, dtype=torch.float32, device=e.device)
     launch = KernelLauncher(lse_forward_ws_kernel, plan.direct_launch)
     descriptors = operand_descriptors(e, c, tile)
     for row_start, rows in row_chunks(n, plan.forward_chunk_rows):
         launch(
             (programs_for(e.device, tiles_of(rows, v, tile), per_sm),),
-            *descriptors, targets, tile_lse, target_logit, tile_mean_logit, n, row_start, rows, v, e.shape[1],
-            GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_MEAN_LOGIT=need_mean_logit,
+            *descriptors, targets, tile_lse, target_logit, tile_entropy, n, row_start, rows, v, e.shape[1],
+            GROUP_M=tile.group_m, STAGES=tile.num_stages, NEED_ENTROPY=need_entropy,
             LOGIT_SCALE=plan.logit_scale, **launch_options(per_sm),
         )
-    lse, mean_logit = merge_tile_stats(tile_lse, tile_mean_logit if need_mean_logit else None)
-    return lse, target_logit, None, mean_logit
+    lse, entropy = merge_tile_stats(tile_lse, tile_entropy if need_entropy else None)
+    return lse, target_logit, None, entropy
 
 
 def forward_tma(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
-    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor,
+    weight: Tensor | None, softcap: float, need_weighted_sum: bool, need_entropy: bool, order: Tensor,
     tile_stats: Tensor,
 ) -> RowStats:
     """lse_forward_tma_kernel, persistent on tensor descriptors, per plan.forward_chunk_rows
     rows: a grid over all of N lets its programs drift apart along their tiles until the
     operands they hold at once outgrow L2. Filtered mode walks the vocabulary in `order` (a
     copy of c, freed when this returns: the copy engine cannot gather rows) and writes each
-    tile's maximum, log-sum-exp and (entropy) mean logit into tile_stats; other calls merge lse
-    from per-tile ones."""
+    tile's maximum, log-sum-exp and (linear_log_probs) entropy into tile_stats; other calls
+    merge lse from per-tile ones."""
     n, v = e.shape[0], c.shape[0]
     tile = config.forward
     vocab_tiles = cdiv(v, tile.block_n)
@@ -127,10 +127,10 @@ def forward_tma(
     tile_weighted_sum = (
         torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device) if need_weighted_sum else lse_by_tile
     )
-    tile_mean_logit = lse_by_tile  # an unread stand-in without the mean logit
-    if need_mean_logit:
-        tile_mean_logit = (tile_stats[2].T if plan.filtered
-                           else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device))
+    tile_entropy = lse_by_tile  # an unread stand-in without the entropy
+    if need_entropy:
+        tile_entropy = (tile_stats[2].T if plan.filtered
+                        else torch.empty((vocab_tiles, n), dtype=torch.float32, device=e.device))
     sms = device_limits(e.device)[0]
     launch = KernelLauncher(lse_forward_tma_kernel, plan.direct_launch)
     e_desc = TensorDescriptor.from_tensor(e, [tile.block_m, tile.block_k])
@@ -139,32 +139,33 @@ def forward_tma(
         launch(
             (programs_for(e.device, tiles_of(rows, v, tile), 1),), e_desc, c_desc,
             bias_walk, targets_walk, weight_walk, lse_by_tile, target_logit, tile_weighted_sum,
-            lse_by_tile, tile_mean_logit, n, row_start, rows, v, e.shape[1], sms, softcap,
+            lse_by_tile, tile_entropy, n, row_start, rows, v, e.shape[1], sms, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, LOGIT_SCALE=plan.logit_scale,
             HAS_WEIGHT=weight is not None,
-            NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, STORE_TILE_MAX=plan.filtered,
+            NEED_WEIGHTED_SUM=need_weighted_sum, NEED_ENTROPY=need_entropy, STORE_TILE_MAX=plan.filtered,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
         )
     tile_lse = tile_stats[1].T if plan.filtered else lse_by_tile
-    lse, mean_logit = merge_tile_stats(tile_lse, tile_mean_logit if need_mean_logit else None)
+    lse, entropy = merge_tile_stats(tile_lse, tile_entropy if need_entropy else None)
     weighted_sum = tile_weighted_sum.sum(dim=0) if need_weighted_sum else None
-    return lse, target_logit, weighted_sum, mean_logit
+    return lse, target_logit, weighted_sum, entropy
 
 
 def forward_split(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
-    softcap: float, need_weighted_sum: bool, need_mean_logit: bool, order: Tensor, tile_stats: Tensor,
+    softcap: float, need_weighted_sum: bool, need_entropy: bool, order: Tensor, tile_stats: Tensor,
 ) -> RowStats:
     """lse_forward_kernel: row blocks x vocab splits of pointer loads, each split's running
-    maximum and sum merged after (tensors the copy engine cannot take: fp32, odd strides)."""
+    maximum and sum merged after (tensors the copy engine cannot take: fp32, odd strides), the
+    entropy's sums too (split_entropy)."""
     n, v = e.shape[0], c.shape[0]
     tile = config.forward
     filtered = plan.filtered
     vocab_tiles = cdiv(v, tile.block_n)
     tiles_per_split = cdiv(vocab_tiles, min(config.vocab_splits, vocab_tiles))
     num_splits = cdiv(vocab_tiles, tiles_per_split)
-    stats = 3 + need_weighted_sum + need_mean_logit
+    stats = 3 + need_weighted_sum + 2 * need_entropy
     partial = torch.empty((stats, num_splits, n), dtype=torch.float32, device=e.device)
     lse_forward_kernel[(cdiv(n, tile.block_m) * num_splits,)](
         e, c, bias, targets, weight, order if filtered else targets,
@@ -173,7 +174,7 @@ def forward_split(
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0, LOGIT_SCALE=plan.logit_scale,
         HAS_WEIGHT=weight is not None,
-        NEED_WEIGHTED_SUM=need_weighted_sum, NEED_MEAN_LOGIT=need_mean_logit, FILTER=filtered,
+        NEED_WEIGHTED_SUM=need_weighted_sum, NEED_ENTROPY=need_entropy, FILTER=filtered,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=e.shape[1] % tile.block_k == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **kernel_flags(e),
@@ -184,23 +185,40 @@ def forward_split(
     sumexp = (partial[1] * rescale).sum(dim=0)
     lse = shift + torch.log(sumexp)
     weighted_sum = partial[3].sum(dim=0) if need_weighted_sum else None
-    mean_logit = (partial[-1] * rescale).sum(dim=0) / sumexp if need_mean_logit else None
-    return lse, partial[2].sum(dim=0), weighted_sum, mean_logit
+    entropy = split_entropy(partial[0], partial[1], partial[-2], partial[-1], split_max, shift, rescale,
+                            sumexp) if need_entropy else None
+    return lse, partial[2].sum(dim=0), weighted_sum, entropy
 
 
-def merge_tile_stats(tile_lse: Tensor, tile_mean: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def split_entropy(split_max: Tensor, split_sumexp: Tensor, split_gap_sum: Tensor, split_strict_sum: Tensor,
+                  row_max: Tensor, shift: Tensor, rescale: Tensor, sumexp: Tensor) -> Tensor:
+    """The rows' entropies (N,) from lse_forward_kernel's splits' (splits, N) maxima, sums of
+    exp(logit - max), gap sums and strict sums (kernels/forward.tile_entropy_sums:
+    about each split's max), given the rows' largest logit `row_max` (`shift`: 0 where it is
+    -inf), each split's `rescale` exp(max - shift) and the rows' `sumexp` about the shift: the
+    sums rebased to the shift as the kernel rebases them (rebased_gap_sum, rebased_strict_sum;
+    a split of no columns, max -inf and sum 0, adds 0, not inf * 0), then
+    tiles.log_sumexp_about_max + gap sum / sumexp, two terms >= 0."""
+    rebased_gap = rescale * (split_gap_sum + (shift - split_max) * split_sumexp)
+    gap_sum = torch.where(split_sumexp > 0.0, rebased_gap, 0.0).sum(dim=0)
+    strict_sum = torch.where(split_max < row_max, rescale * split_sumexp, split_strict_sum).sum(dim=0)
+    log_sumexp = torch.where(sumexp < 1.5, torch.log1p(strict_sum), torch.log(sumexp))
+    return log_sumexp + gap_sum / sumexp
+
+
+def merge_tile_stats(tile_lse: Tensor, tile_entropy: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Each row's log-sum-exp from its per-tile ones (tile_lse: (tiles, N), any strides) and,
-    given the tiles' softmax-weighted mean logits (tiles, N), the row's: one pass
-    over both, no temporary of their size, neither buffer changed (filtered mode's backward
-    still reads its tile log-sum-exps)."""
+    given the tiles' entropies (tiles, N), the row's (merge_tile_stats_kernel): one pass over
+    both, no temporary of their size, neither buffer changed (filtered mode's backward still
+    reads its tile log-sum-exps)."""
     num_tiles, n = tile_lse.shape
     lse = torch.empty(n, dtype=torch.float32, device=tile_lse.device)
-    mean = torch.empty_like(lse) if tile_mean is not None else None
-    means = tile_mean if tile_mean is not None else tile_lse
+    entropy = torch.empty_like(lse) if tile_entropy is not None else None
+    entropies = tile_entropy if tile_entropy is not None else tile_lse
     block_rows = 64
     merge_tile_stats_kernel[(cdiv(n, block_rows),)](
-        tile_lse, means, lse, mean if mean is not None else lse, n, num_tiles,
-        tile_lse.stride(0), tile_lse.stride(1), means.stride(0), means.stride(1),
-        NEED_MEAN=tile_mean is not None, BLOCK_ROWS=block_rows, BLOCK_TILES=32,
+        tile_lse, entropies, lse, entropy if entropy is not None else lse, n, num_tiles,
+        tile_lse.stride(0), tile_lse.stride(1), entropies.stride(0), entropies.stride(1),
+        NEED_ENTROPY=tile_entropy is not None, BLOCK_ROWS=block_rows, BLOCK_TILES=32,
     )
-    return lse, mean
+    return lse, entropy

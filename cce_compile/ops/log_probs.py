@@ -3,7 +3,8 @@ entropies of softmax(e @ c.T + bias) (soft-capped), a forward and a backward op 
 autograd that joins them, opaque to torch.compile as the loss's ops are (ops/library.py).
 
 The forward is the loss forward's kernels (ops/forward.row_and_filter_stats): one GEMM's work,
-each row's log-sum-exp and target logit and, for entropy, its softmax-weighted mean logit. The
+each row's log-sum-exp and target logit and, for entropy, the entropy itself, summed about the
+row's largest logit so that no two large terms cancel (kernels/forward.tile_entropy_sums). The
 backward is the loss's recompute backward (ops/backward.backward_from_coefficients) with
 coefficients for arbitrary upstream gradients of both outputs (loss_terms.log_prob_coefficients),
 the entropy's p_j * l_j term a flag of the d-logits kernel. With filter_eps > 0 both take the
@@ -39,9 +40,10 @@ def linear_log_probs_forward(
     e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None, ignore_index: int, softcap: float, entropy: bool,
     filter_eps: float, logit_scale: float = 1.0, settings: str = "",
 ) -> LogProbOutputs:
-    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, mean_logit, kept_tiles,
-    tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and mean_logit
-    (sum_j p_j l_j, what the entropy's backward needs) empty without `entropy`; the last four
+    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, row_entropy, kept_tiles,
+    tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and row_entropy
+    (the entropy at ignored tokens too, what the entropy's backward needs) empty without
+    `entropy`; the last four
     what filtered mode's backward filters with (filtering.FilterStats; empty with
     `filter_eps` 0, exact mode). `softcap` 0 means none; `logit_scale` (1 / temperature)
     multiplies the logits before it (ops/library.py).
@@ -49,12 +51,12 @@ def linear_log_probs_forward(
     resolves its own)."""
     config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), config, policy)
-    (lse, target_logit, _, mean_logit), filter_stats = row_and_filter_stats(
+    (lse, target_logit, _, row_entropy), filter_stats = row_and_filter_stats(
         plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
-    log_probs, entropies = log_prob_terms(lse, target_logit, mean_logit, tokens, c.shape[0], ignore_index)
-    if entropies is None or mean_logit is None:  # two empties: a custom op's outputs may not alias
-        entropies, mean_logit = lse.new_empty((0,)), lse.new_empty((0,))
-    return log_probs, entropies, lse, mean_logit, *filter_stats
+    log_probs, entropies = log_prob_terms(lse, target_logit, row_entropy, tokens, c.shape[0], ignore_index)
+    if entropies is None or row_entropy is None:  # two empties: a custom op's outputs may not alias
+        entropies, row_entropy = lse.new_empty((0,)), lse.new_empty((0,))
+    return log_probs, entropies, lse, row_entropy, *filter_stats
 
 
 @linear_log_probs_forward.register_fake
@@ -70,23 +72,24 @@ def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps
 @torch.library.custom_op("cce::linear_log_probs_backward", mutates_args=())
 def linear_log_probs_backward(
     grad_log_probs: Tensor, grad_entropy: Tensor | None, e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None,
-    lse: Tensor, mean_logit: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
+    lse: Tensor, row_entropy: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
     vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, logit_scale: float, need_grad_e: bool,
     need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
-    None) the entropies, with the forward's filter statistics, config and policy (`settings`).
+    None) the entropies, with the forward's row entropies (read with grad_entropy only), filter
+    statistics, config and policy (`settings`).
     A gradient not needed comes back empty, grad_bias empty without a bias."""
     kernel_config, launch_policy = decode_settings(settings)
     entropy = grad_entropy is not None
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
                        launch_policy)
-    row_entropy = lse - mean_logit if entropy else None
+    entropies = row_entropy if entropy else None
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-        grad_log_probs, grad_entropy, row_entropy, tokens, ignore_index)
+        grad_log_probs, grad_entropy, entropies, tokens, ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config,
-        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_entropy),
+        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, entropies),
         e, c, tokens, bias,
         None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
         need_grad_e, need_grad_c,
@@ -97,7 +100,7 @@ def linear_log_probs_backward(
 
 
 @linear_log_probs_backward.register_fake
-def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, kept_tiles, tile_lse,
+def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, row_entropy, kept_tiles, tile_lse,
                    tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c,
                    settings):
     return (
@@ -109,7 +112,7 @@ def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_l
 
 def _setup_context(ctx, inputs, output) -> None:
     e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, logit_scale, settings = inputs
-    _, _, *kept = output  # lse, mean_logit and the filter statistics
+    _, _, *kept = output  # lse, row_entropy and the filter statistics
     ctx.save_for_backward(e, c, tokens, bias, *kept)
     ctx.mark_non_differentiable(*kept)
     ctx.options = (ignore_index, softcap, filter_eps, logit_scale)
@@ -118,7 +121,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
-    e, c, tokens, bias, lse, mean_logit, *filter_stats = ctx.saved_tensors
+    e, c, tokens, bias, lse, row_entropy, *filter_stats = ctx.saved_tensors
     grad_log_probs = torch.zeros_like(lse) if grad_log_probs is None else grad_log_probs
     if not ctx.entropy:
         grad_entropy = None  # no entropy term in the d-logits at all
@@ -127,7 +130,7 @@ def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
     with without_autocast(e.device.type):  # the op's fp32 math is its own
         grad_e, grad_c, grad_bias = linear_log_probs_backward(
-            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, mean_logit, *filter_stats, *ctx.options,
+            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, row_entropy, *filter_stats, *ctx.options,
             need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,

@@ -117,16 +117,17 @@ def grad_coefficients(
 
 
 def log_prob_terms(
-    lse: Tensor, target_logit: Tensor, mean_logit: Tensor | None, tokens: Tensor, v: int, ignore_index: int,
+    lse: Tensor, target_logit: Tensor, row_entropy: Tensor | None, tokens: Tensor, v: int, ignore_index: int,
 ) -> tuple[Tensor, Tensor | None]:
     """linear_log_probs' outputs from the forward's row statistics, fp32 (N,): log p_y =
-    l_y - lse and, with `mean_logit` (sum_j p_j l_j), the entropy lse - sum_j p_j l_j. Both are
-    0 at ignored tokens; a token outside [0, V) that is not ignore_index has a NaN log-prob."""
+    l_y - lse and, with `row_entropy` (the forward's, summed about the row's max), the entropy.
+    Both are 0 at ignored tokens; a token outside [0, V) that is not ignore_index has a NaN
+    log-prob."""
     valid = tokens != ignore_index
     in_range = (tokens >= 0) & (tokens < v)
     log_probs = torch.where(valid, target_logit - lse, 0.0)
     log_probs = torch.where(valid & ~in_range, float("nan"), log_probs)
-    entropy = None if mean_logit is None else torch.where(valid, lse - mean_logit, 0.0)
+    entropy = None if row_entropy is None else torch.where(valid, row_entropy, 0.0)
     return log_probs, entropy
 
 
@@ -140,8 +141,9 @@ def log_prob_coefficients(
     so d l_j = -(g + h * H) * p_j + g * [j == y] - h * p_j * (l_j - lse): coef_softmax = -(g + h H),
     coef_target = -g, coef_entropy = h in the d-logits kernel's terms (kernels/backward.py). Written
     about lse, every term is bounded (p_j |l_j - lse| <= 1/e); about 0, a mean logit far above
-    the spread (1 / T, a constant in the bias) would round g away in h * mu - g. Ignored tokens
-    take no gradient."""
+    the spread (1 / T, a constant in the bias) would round g away in h * mu - g. `row_entropy` is
+    the forward's H (summed about the row's max: lse - mu would cancel to the logits' rounding).
+    Ignored tokens take no gradient."""
     valid = tokens != ignore_index
     g = torch.where(valid, grad_log_probs.to(torch.float32), 0.0)
     coef_target = (-g).contiguous()

@@ -36,7 +36,7 @@ class Policy:
     """The plain forward runs the Gluon kernel up to this many K steps (D <= 1024): it won at D = 896, lost from 1536 up."""
 
     forward_gluon_with_entropy: bool = False
-    """linear_log_probs' entropy on the Gluon forward (its mean-logit statistic): as accurate as the tensor-descriptor
+    """linear_log_probs' entropy on the Gluon forward (its entropy statistic): as accurate as the tensor-descriptor
     forward against float64, but the Qwen2.5 no-grad pass read 1.14-1.21 against 1.15-1.24 x GEMM, level within the
     runs' spread (docs/notes/log_probs.md)."""
 
