@@ -55,7 +55,7 @@ def main() -> None:
         for weight in args.entropy_weights:
             up_entropy = weight * torch.randn(ROWS, generator=generator)
             coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-                up_log_probs, up_entropy if weight else None, row_entropy, tokens, -100)
+                up_log_probs, up_entropy if weight else None, row_entropy, tokens, v, -100)
             filtered = backward_cpu(
                 e, c, tokens, None, None, lse, coef_softmax, coef_target, None, 0.0, args.filter_eps, chunk_v=8192,
                 filter_tile=filter_tile, vocab_order=order, forward_block_n=args.forward_block_n,

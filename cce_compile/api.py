@@ -200,7 +200,8 @@ def check_loss_options(
 def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = "targets") -> None:
     """Eager CPU calls get a clear error for an out-of-range target; on the GPU and under
     torch.compile that would cost a host sync, and targets that torch.func's vmap batches
-    cannot be branched on, so there the op gives that token a NaN loss."""
+    cannot be branched on, so there the op gives that token a NaN loss and NaN gradients
+    (ops/loss_terms.py), for a grad scaler to skip the step."""
     if (torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0
             or torch._C._functorch.is_functorch_wrapped_tensor(targets)):
         return
@@ -361,7 +362,9 @@ def linear_log_probs(
 
     Returns log_probs (fp32, the shape of `tokens`), or (log_probs, entropy) with `entropy`:
     each position's entropy -sum_j p_j log p_j of the same softmax. Ignored positions
-    (tokens == ignore_index) are 0 in both and take no gradient; with `shift`, position t
+    (tokens == ignore_index) are 0 in both and take no gradient; a token outside [0, V) past
+    the eager CPU check (on the GPU, under torch.compile) has a NaN log-prob and makes the
+    gradients NaN (README); with `shift`, position t
     scores token t+1 (the last of each sequence ignored). Both outputs are differentiable
     w.r.t. e, c and bias under any upstream gradients (the backward recomputes the logits:
     a frozen policy's call under torch.no_grad() is one forward pass, one GEMM's work).

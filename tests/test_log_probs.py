@@ -574,11 +574,15 @@ def test_a_kernel_module_loads_alone_and_again(tmp_path: Path, monkeypatch: pyte
             del sys.modules[name]
 
 
-def run_filtered(dtype: torch.dtype, kernels: bool, filter_eps: float | None, entropy: bool = True) -> list:
+def run_filtered(dtype: torch.dtype, kernels: bool, filter_eps: float | None, entropy: bool = True,
+                 changed: dict[int, int] | None = None) -> list:
     """[log_probs, entropies (0 without), dE, dC, dbias] of an LM-like head whose skipped tiles hold
-    real mass at a coarse filter_eps (2^-7), under random upstream gradients of both outputs."""
+    real mass at a coarse filter_eps (2^-7), under random upstream gradients of both outputs;
+    `changed`: tokens set to other ids (position: id)."""
     e, c, tokens = make_inputs("zipf", (160,), 4000, 32, dtype, seed=11)
     tokens[::9] = -100
+    for position, token in (changed or {}).items():
+        tokens[position] = token
     g = torch.Generator().manual_seed(12)
     bias = (torch.randn(4000, generator=g) * 0.1).to(dtype)
     up_lp, up_h = torch.randn(160, generator=g), torch.randn(160, generator=g)
@@ -632,6 +636,32 @@ def test_filtered_kernels_and_cpu_path_put_back_the_same_skipped_tiles(
     without = run(True)
     for corrected, dropped in zip(kernels[2:], without[2:]):
         assert relative_error(dropped, corrected) > 5e-3, "the entropy's put-back moved the gradients little"
+
+
+@pytest.mark.usefixtures("no_scratch_floor", "block_sparse_always")
+@pytest.mark.parametrize(("kernels", "entropy"), [
+    (False, False), (False, True), pytest.param(True, True, marks=pytest.mark.interpreter),  # the kernels: ~30 s
+], ids=["cpu", "cpu-entropy", "kernels-entropy"])
+def test_filtered_out_of_range_token_makes_its_gradients_nan(
+        kernels: bool, entropy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the eager CPU check (as on the GPU), a token outside [0, V) has a NaN log-prob, and
+    in filtered mode its skipped tiles' put-back and the tilt's ranking of tiles take its NaN
+    coefficient too: its dE row and all of dC and dbias are NaN (for a grad scaler to see),
+    while the other tokens' dE rows stay what they are with it ignored and ignored rows 0."""
+    from cce_compile import api
+
+    monkeypatch.setattr(api, "_check_target_range", lambda *args, **kwargs: None)
+    bad = {4: 4000 + 5, 7: -3}
+    poisoned = run_filtered(torch.float32, kernels, 2.0**-7, entropy, changed=bad)
+    ignored = run_filtered(torch.float32, kernels, 2.0**-7, entropy, changed=dict.fromkeys(bad, -100))
+    rows = list(bad)
+    assert torch.isnan(poisoned[0][rows]).all()
+    assert torch.isnan(poisoned[2][rows]).all() and torch.isnan(poisoned[3]).all() and torch.isnan(poisoned[4]).all()
+    others = torch.ones(160, dtype=torch.bool)
+    others[rows] = False
+    assert not poisoned[2][::9].any(), "an ignored token's dE row is not 0"
+    # the tilt's covariance comes from other tiles where the NaN ranks first: only rounding moves
+    torch.testing.assert_close(poisoned[2][others], ignored[2][others], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.interpreter

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 import cce_compile
+from cce_compile import api
+
+from .op_cases import on_kernels
 
 
 def good():
@@ -235,3 +238,90 @@ def test_vmap_over_targets_runs() -> None:
         out_of_range[0] = c.shape[0]
         with pytest.raises(ValueError, match="targets must be in"):  # targets vmap does not batch are checked
             torch.func.vmap(lambda x: cce_compile.linear_cross_entropy(x, c, out_of_range, reduction="sum"))(batch)
+
+
+OUT_OF_RANGE_CALLS = {
+    # name: (call, its path: "fused" (the fused forward, which fp16 does not take), "filtered", or
+    # None for the recompute)
+    "mean, workspace": (lambda e, c, t, b: cce_compile.linear_cross_entropy(e, c, t), "fused"),
+    "sum, smoothing, z-loss, bias, workspace": (lambda e, c, t, b: cce_compile.linear_cross_entropy(
+        e, c, t, bias=b, reduction="sum", label_smoothing=0.1, z_loss=1e-3), "fused"),
+    "mean, low": (lambda e, c, t, b: cce_compile.linear_cross_entropy(e, c, t, memory="low"), None),
+    "none, weights, bias": (lambda e, c, t, b: cce_compile.linear_cross_entropy(
+        e, c, t, bias=b, weight=torch.linspace(0.5, 1.5, c.shape[0]), reduction="none"), None),
+    "filtered": (lambda e, c, t, b: cce_compile.linear_cross_entropy(e, c, t, filter_eps=2**-10), "filtered"),
+    "log_probs, bias": (lambda e, c, t, b: cce_compile.linear_log_probs(e, c, t, bias=b), None),
+    "log_probs, entropy": (lambda e, c, t, b: cce_compile.linear_log_probs(e, c, t, entropy=True), None),
+    "log_probs, entropy, filtered": (
+        lambda e, c, t, b: cce_compile.linear_log_probs(e, c, t, entropy=True, filter_eps=2**-10), "filtered"),
+}
+
+
+def _out_of_range_step(call, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor):
+    """(outputs, dE, dC, dbias or None) of `call` under upstream gradients of every output:
+    0 for tokens past V (as a loss that masks them with torch.where gives them), not 0 elsewhere."""
+    leaves = [t.detach().clone().requires_grad_() for t in (e, c, bias)]
+    outputs = call(*leaves[:2], targets, leaves[2])
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    upstream = [torch.where(targets >= c.shape[0], 0.0, torch.linspace(0.5, 1.5, out.numel())).reshape(out.shape)
+                if out.dim() else torch.ones(()) for out in outputs]
+    torch.autograd.backward(outputs, upstream)
+    return outputs, *(leaf.grad for leaf in leaves)
+
+
+@pytest.mark.usefixtures("block_sparse_always")
+@pytest.mark.parametrize(("kernels", "dtype"), [
+    (False, torch.float32), (False, torch.bfloat16),
+    *(pytest.param(True, dtype, marks=pytest.mark.interpreter)
+      for dtype in (torch.float32, torch.bfloat16, torch.float16)),
+], ids=["cpu-fp32", "cpu-bf16", "kernels-fp32", "kernels-bf16", "kernels-fp16"])
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE_CALLS))
+def test_out_of_range_target_makes_the_gradients_nan(
+    name: str, kernels: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, launch_plans: list,
+) -> None:
+    """Past the eager CPU check (as on the GPU and under torch.compile) a target outside [0, V)
+    gives its token a NaN loss or log-prob; its gradients must be NaN too, on every path, for a
+    grad scaler (which reads the gradients, not the loss) to skip the step, not apply one
+    computed as if the token were not there. All of dC and dbias, and dE at that token; an
+    ignored token's dE row stays 0, and a batch of ignored tokens alone stays finite (zero)."""
+    monkeypatch.setattr(api, "_check_target_range", lambda *args, **kwargs: None)
+    call, path = OUT_OF_RANGE_CALLS[name]
+    g = torch.Generator().manual_seed(0)
+    n, v, d = 40, 64, 16
+    e, c = (torch.randn(rows, d, generator=g).div(2).to(dtype) for rows in (n, v))
+    bias = torch.randn(v, generator=g).div(4).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[3], targets[5], targets[6] = -100, v + 10**9, v  # ignored, far past V, just past V
+    targets[9] = -7
+    bad = torch.tensor([5, 6, 9])
+    with on_kernels(kernels):
+        outputs, grad_e, grad_c, grad_bias = _out_of_range_step(call, e, c, targets, bias)
+        assert all((p.backward is None) != kernels for p in launch_plans)
+        fused = path == "fused" and dtype != torch.float16  # fp16 takes no fused forward
+        assert len(launch_plans) == (1 if fused else 2), f"{name}: {len(launch_plans)} launch plans"
+        assert all(p.filtered == (path == "filtered") for p in launch_plans)
+        first = outputs[0]
+        assert torch.isnan(first).all() if first.dim() == 0 else torch.isnan(first[bad]).all()
+        assert torch.isnan(grad_c).all(), f"{name}: dC has finite entries"
+        assert torch.isnan(grad_e[bad]).all(), f"{name}: dE of an out-of-range token is finite"
+        assert grad_bias is None or torch.isnan(grad_bias).all(), f"{name}: dbias has finite entries"
+        assert (grad_e[3] == 0).all(), f"{name}: an ignored token's dE row is not 0"
+        _, grad_e, grad_c, grad_bias = _out_of_range_step(call, e, c, torch.full_like(targets, -100), bias)
+        for grad in (grad_e, grad_c, grad_bias):
+            assert grad is None or not grad.float().any(), f"{name}: an all-ignored batch's gradients are not 0"
+
+
+@pytest.mark.parametrize("name", ["mean, workspace", "none, weights, bias", "log_probs, entropy"])
+def test_out_of_range_target_under_compile_makes_the_gradients_nan(name: str) -> None:
+    """Under torch.compile the eager range check is skipped (no host sync in a graph): the
+    compiled call's gradients are NaN where its loss or log-prob is, as eager calls past it."""
+    call, _ = OUT_OF_RANGE_CALLS[name]
+    g = torch.Generator().manual_seed(0)
+    e, c = torch.randn(8, 16, generator=g), torch.randn(20, 16, generator=g)
+    bias = torch.randn(20, generator=g)
+    targets = torch.randint(0, 20, (8,), generator=g)
+    targets[1], targets[2] = -100, 25
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    outputs, grad_e, grad_c, _ = _out_of_range_step(compiled, e, c, targets, bias)
+    assert torch.isnan(outputs[0]).all() if outputs[0].dim() == 0 else torch.isnan(outputs[0][2])
+    assert torch.isnan(grad_c).all() and torch.isnan(grad_e[2]).all() and (grad_e[1] == 0).all()

@@ -11,6 +11,7 @@ import copy
 import random
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import cce_compile
-from cce_compile import VocabParallel
+from cce_compile import VocabParallel, api
 from cce_compile.parallel.vocab_parallel import targets_checksum
 from cce_compile.plan.policy import Policy, override_policy
 
@@ -261,6 +262,22 @@ def check_different_targets_give_nan(parallel: VocabParallel) -> None:
     assert torch.isnan(e.grad[mine != -100]).all() and torch.isnan(local_c.grad).all()
 
 
+def check_out_of_range_target_gives_nan_gradients(parallel: VocabParallel) -> None:
+    """A target outside [0, V) past the eager CPU check (as on the GPU, under torch.compile):
+    its loss is NaN, and so are the gradients (dE at that token, every rank's dC), as in the
+    unsharded op, for a grad scaler to skip the step; an ignored token's dE row stays 0."""
+    e, c, _, _, targets = problem(9)
+    targets = targets.reshape(-1)
+    targets[4], targets[5] = V + 3, -100
+    e = e.reshape(-1, D).requires_grad_()
+    local_c = c[parallel.start:parallel.stop].detach().requires_grad_()
+    with mock.patch.object(api, "_check_target_range", lambda *args, **kwargs: None):
+        loss = cce_compile.linear_cross_entropy(e, local_c, targets, vocab_parallel=parallel, reduction="sum")
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.isnan(e.grad[4]).all() and torch.isnan(local_c.grad).all() and (e.grad[5] == 0).all()
+
+
 def check_hf_model(world: int) -> None:
     """A patched tiny Llama whose lm_head.weight is a Shard(0) DTensor: HF's loss and
     gradients (lm_head's, and the layers' below it, which need the summed dE)."""
@@ -310,6 +327,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_module_deep_copies(parallel)
             check_refusals(parallel)
             check_different_targets_give_nan(parallel)
+            check_out_of_range_target_gives_nan_gradients(parallel)
             if world == 2:
                 check_hf_model(world)
                 check_kernels(parallel)

@@ -110,10 +110,17 @@ def _d_logits_bound(coefficients: Coefficients) -> Tensor:
     coefficient. With it (linear_log_probs), d_j = p_j (s - h (l_j - lse)) - t [j == y] with
     s = -(g + h H), t = -g and H = lse - mu the row's entropy (mu its softmax-weighted mean logit),
     that is -g p_j - h p_j (l_j - mu) + g [j == y], so |d_j| <= 2 |t| + |h| max(H, 1/e): p_j (l_j - mu)
-    is at most H above mu and 1/e below it."""
+    is at most H above mu and 1/e below it. NaN coefficients (an out-of-range target's,
+    loss_terms.upstream_gradient) count 0: a NaN bound would make every row's d-logits NaN,
+    where the other paths leave the other tokens' dE rows as they are."""
     if coefficients.entropy is None:
-        return torch.maximum(coefficients.softmax.abs().max(), coefficients.target.abs().max())
+        return torch.maximum(_magnitude(coefficients.softmax).max(), _magnitude(coefficients.target).max())
     assert coefficients.row_entropy is not None, "an entropy term comes with its rows' entropies"
     h, row_entropy = coefficients.entropy.abs(), coefficients.row_entropy
     spread = torch.where(h != 0, h * torch.clamp_min(row_entropy, 1.0 / math.e), 0.0)  # a row of no token: 0
-    return (2 * coefficients.target.abs() + spread).max()
+    return (2 * _magnitude(coefficients.target) + spread).max()
+
+
+def _magnitude(coefficient: Tensor) -> Tensor:
+    """|coefficient|, 0 where it is NaN."""
+    return torch.where(torch.isnan(coefficient), 0.0, coefficient.abs())

@@ -38,7 +38,7 @@ from . import graphs, streams
 from .cpu_path import backward_cpu, forward_cpu, scale_and_cap
 from .gluon import gluon_descriptor, launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import AheadCompiler, KernelLauncher, RecentKinds, integer_class
-from .loss_terms import grad_coefficients, mean_scale, target_weight, token_loss, z_loss_terms
+from .loss_terms import grad_coefficients, mean_scale, out_of_range, target_weight, token_loss, z_loss_terms
 from .problem import cdiv, device_limits, kernel_flags, stages_beside_output
 
 SAFE_GAP = 60.0
@@ -80,6 +80,16 @@ def reduction_scale(targets: Tensor, weight: Tensor | None, v: int, ignore_index
     return mean_scale(target_weight(targets, weight, targets != ignore_index, v).sum())
 
 
+def gradient_scale(scale: Tensor, logit_scale: float, targets: Tensor, v: int, ignore_index: int) -> Tensor:
+    """What the gradients scale by (0-d fp32): the reduction's `scale`, times the chain rule's
+    1/T with a temperature, and NaN where any target is out of range. Such a token's loss is
+    NaN (loss_terms); one scale serves every row here, so all its gradients are NaN (the
+    ignored tokens' dE rows stay 0), for a grad scaler to skip the step. A few ops over the
+    N targets once a call, no host sync."""
+    grad_scale = scale * logit_scale if logit_scale != 1.0 else scale
+    return torch.where(out_of_range(targets, v, ignore_index).any(), float("nan"), grad_scale)
+
+
 def run_fused(
     plan: LaunchPlan, config: KernelConfig, e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None,
     weight: Tensor | None, ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, reduction: str,
@@ -111,8 +121,7 @@ class FusedForward:
         n, d = e.shape
         v = c.shape[0]
         self.scale = reduction_scale(targets, weight, v, ignore_index, reduction)
-        # what the gradients scale by: with a temperature, the chain rule's 1/T as well
-        self.grad_scale = self.scale * plan.logit_scale if plan.logit_scale != 1.0 else self.scale
+        self.grad_scale = gradient_scale(self.scale, plan.logit_scale, targets, v, ignore_index)
         self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)

@@ -86,7 +86,7 @@ def linear_log_probs_backward(
                        launch_policy)
     entropies = row_entropy if entropy else None
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-        grad_log_probs, grad_entropy, entropies, tokens, ignore_index)
+        grad_log_probs, grad_entropy, entropies, tokens, c.shape[0], ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config,
         Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, entropies),

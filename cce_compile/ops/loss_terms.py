@@ -14,7 +14,12 @@ and its gradient with respect to l_j, given upstream g (loss) and h (lse), is
 i.e. `coef_softmax * p_j - coef_target * [j == y] - coef_smooth * w_j`.
 Ignored tokens have loss 0 and take no gradient through it; their lse stays defined and
 differentiable (h flows). A target outside [0, V) that is not ignore_index gives a NaN loss:
-there is no host sync to raise from, and nothing is read at that index.
+there is no host sync to raise from, and nothing is read at that index. Its upstream gradient
+g is taken as NaN too (`upstream_gradient`), whatever it was, so that token's d-logits are
+NaN, and with them its row of dE and all of dC and dbias (the fused forward, whose one scale
+serves every row, makes every non-ignored row of dE NaN: forward_fused.gradient_scale): a
+grad scaler reads the gradients, not the loss, and would otherwise apply a step computed as
+if the token were not there.
 """
 
 from __future__ import annotations
@@ -29,6 +34,18 @@ def target_weight(targets: Tensor, weight: Tensor | None, valid: Tensor, v: int)
         return valid.to(torch.float32)
     safe = targets.clamp(0, v - 1)
     return torch.where(valid, weight.to(torch.float32)[safe], 0.0)
+
+
+def out_of_range(targets: Tensor, v: int, ignore_index: int) -> Tensor:
+    """The tokens whose target is neither ignore_index nor in [0, V): their loss is NaN."""
+    return (targets != ignore_index) & ((targets < 0) | (targets >= v))
+
+
+def upstream_gradient(grad: Tensor, valid: Tensor, in_range: Tensor) -> Tensor:
+    """A token's upstream gradient in fp32: 0 where ignored, NaN where its (valid) target is
+    out of range, so its d-logits are NaN as its loss or log-prob is (the module doc); one
+    select over N more than the 0 alone, no host sync."""
+    return torch.where(valid, torch.where(in_range, grad.to(torch.float32), float("nan")), 0.0)
 
 
 def _total_weight(weight: Tensor | None, v: int) -> Tensor | float:
@@ -60,7 +77,9 @@ def loss_of_terms(
         smooth = (total_weight * lse - weighted_sum) * (label_smoothing / v)
         loss = loss + torch.where(valid, smooth, 0.0)
     loss = torch.where(valid, loss, 0.0)
-    return torch.where(valid & ~in_range, float("nan"), loss)
+    # NaN by a factor, not a select: autograd through it (the vocabulary-parallel loss) takes
+    # the NaN into that token's gradients too, where a select would give them 0
+    return loss * torch.where(valid & ~in_range, float("nan"), 1.0)
 
 
 def mean_scale(denominator: Tensor) -> Tensor:
@@ -108,7 +127,7 @@ def grad_coefficients(
     """(coef_softmax, coef_target, coef_smooth) per token, fp32, as in the module doc."""
     valid = targets != ignore_index
     in_range = (targets >= 0) & (targets < v)
-    g = torch.where(valid, grad_loss.to(torch.float32), 0.0)
+    g = upstream_gradient(grad_loss, valid, in_range)
     w_y = target_weight(targets, weight, valid & in_range, v)
     coef_target = g * (1.0 - label_smoothing) * w_y
     coef_smooth = g * (label_smoothing / v)
@@ -132,7 +151,8 @@ def log_prob_terms(
 
 
 def log_prob_coefficients(
-    grad_log_probs: Tensor, grad_entropy: Tensor | None, row_entropy: Tensor | None, tokens: Tensor, ignore_index: int,
+    grad_log_probs: Tensor, grad_entropy: Tensor | None, row_entropy: Tensor | None, tokens: Tensor, v: int,
+    ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(coef_softmax, coef_target, coef_entropy) of linear_log_probs' d-logits, fp32 (N,).
 
@@ -143,9 +163,11 @@ def log_prob_coefficients(
     about lse, every term is bounded (p_j |l_j - lse| <= 1/e); about 0, a mean logit far above
     the spread (1 / T, a constant in the bias) would round g away in h * mu - g. `row_entropy` is
     the forward's H (summed about the row's max: lse - mu would cancel to the logits' rounding).
-    Ignored tokens take no gradient."""
+    Ignored tokens take no gradient; a token outside [0, V) (NaN log-prob) takes g NaN
+    (upstream_gradient), so its d-logits are NaN whatever the upstream gradients, the entropies'
+    alone included."""
     valid = tokens != ignore_index
-    g = torch.where(valid, grad_log_probs.to(torch.float32), 0.0)
+    g = upstream_gradient(grad_log_probs, valid, (tokens >= 0) & (tokens < v))
     coef_target = (-g).contiguous()
     if grad_entropy is None:
         return coef_target, coef_target, None
