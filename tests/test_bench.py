@@ -385,6 +385,16 @@ def test_a_row_cut_short_is_named_by_its_line_and_never_appended_to(tmp_path: Pa
         results.read_rows(path)
 
 
+def test_rows_appended_after_a_last_row_without_its_newline_start_a_line(tmp_path: Path) -> None:
+    """A whole last row whose newline a hand edit dropped passes read_rows; the next run's first
+    row was glued onto it (one line of 35 cells), and the file no longer read back."""
+    path = tmp_path / "bench.csv"
+    results.append_rows(path, [_row()])
+    path.write_text(path.read_text().rstrip("\n"))
+    results.append_rows(path, [_row(impl="torch")])
+    assert [row["impl"] for row in results.read_rows(path)] == [_row()["impl"], "torch"]
+
+
 def test_latest_keeps_the_newest_row_of_each_measurement(tmp_path: Path) -> None:
     path = tmp_path / "bench.csv"
     results.append_rows(path, [_row(fwdbwd_x_gemm=4.5, date="2026-12-01T00:00:00+00:00"),

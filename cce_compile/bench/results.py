@@ -54,16 +54,21 @@ def _check_header(header: list[str] | None, path: Path) -> None:
 
 def append_rows(csv_path: Path, rows: Iterable[Mapping[str, object]]) -> None:
     """Appends `rows` (a value per column; None for not measured), writing the header to a new
-    file; an existing file must read back whole (`read_rows`)."""
+    file; an existing file must read back whole (`read_rows`). A last row whole but without its
+    newline (a hand edit, an editor that drops it) is ended first: the first appended row
+    would otherwise be glued onto it."""
     csv_path = Path(csv_path)
     exists = csv_path.exists() and csv_path.stat().st_size > 0
     if exists:
         read_rows(csv_path)  # a row cut off mid-line would take the first appended row's cells
+    unended = exists and not csv_path.read_bytes().endswith(b"\n")
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     with csv_path.open("a", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
         if not exists:
             writer.writerow(COLUMNS)
+        if unended:
+            handle.write("\n")
         for row in rows:
             unknown = set(row) - set(COLUMNS)
             if unknown:
