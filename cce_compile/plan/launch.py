@@ -62,7 +62,7 @@ class Options:
     has_softcap: bool = False
     has_smoothing: bool = False
     filtered: bool = False
-    has_entropy: bool = False  # linear_log_probs' entropy: a softmax-weighted logit sum, and its term in d-logits
+    has_entropy: bool = False  # linear_log_probs' entropy: its sums about the row max, and its term in d-logits
     logit_scale: float = 1.0  # 1 / temperature: multiplies the logits (before the soft-cap)
 
     @property
