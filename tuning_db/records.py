@@ -97,6 +97,10 @@ CLIPPED_CHARS = 200
 """How much of one piece of input an error message may quote."""
 
 
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+"""Names a measurement across its sends (a UUID, stored as its uid): the service stores it once
+however often it comes; a service older than the header ignores it."""
+
 MAX_RECORD_CHARS = 64 * 2**10
 """The longest measurement or export line read: one is under 3 KB even indented, and parsing a
 longer one, then listing its errors, holds the GIL (and every other request) for seconds."""

@@ -31,6 +31,7 @@ from cce_compile.redact import redact_urls
 from cce_compile.resolve import sources
 from cce_compile.resolve.platform import kernel_version, local_platform, triton_version
 from cce_compile.config.kernel_config import KernelConfig
+from tuning_db.records import IDEMPOTENCY_KEY_HEADER
 
 from .tuner import Timing, TuneResult
 
@@ -236,11 +237,6 @@ class ServicePublisher:
                     failed = response.status_code == 503
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False, _answer(response)))
         return outcomes
-
-
-IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
-"""Names a measurement across its sends: the service stores it once however often it comes
-(service/routes/measurements.py); a service older than the header ignores it."""
 
 
 def _post_waiting_out_busy(client: Any, item: dict[str, Any], key: str) -> Any:

@@ -11,16 +11,13 @@ from service.deps import WRITE, EngineDep
 from service.json_body import UniqueKeysRoute
 from service.schemas import NoQuery
 from tuning_db import store
-from tuning_db.records import MAX_RECORD_CHARS, MeasurementIn, RecordResult
+from tuning_db.records import IDEMPOTENCY_KEY_HEADER, MAX_RECORD_CHARS, MeasurementIn, RecordResult
 
 router = APIRouter(prefix="/v1", tags=["measurements"], route_class=UniqueKeysRoute)
 
 MAX_BODY_BYTES = MAX_RECORD_CHARS
 """FastAPI parses and validates a body on the event loop, before auth: 8 MB of 700,000 unknown
 keys held it, and every other request, for 8 s."""
-
-IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
-
 
 @router.post("/measurements", dependencies=WRITE, status_code=status.HTTP_201_CREATED, response_model=RecordResult)
 def record_measurement(
