@@ -12,9 +12,10 @@ import re
 HIDDEN = "***"
 """What a secret is shown as (SQLAlchemy's `hide_password` shows a password alike)."""
 
-_USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/\s:@]*):[^/\s]*@")
+_USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/?#\s:@]*):[^/?#\s]*@")
 """`scheme://user:password@`: the password is whatever lies between the first ':' and the
-last '@' before the path (an unescaped '@' in a password stays inside it)."""
+last '@' of the authority, which ends at the first '/', '?' or '#' (an unescaped '@' in a
+password stays inside it; one in the query, `?next=a@b`, is not a password's end)."""
 _SECRET_PARAMETER = re.compile(
     r"(?P<name>[?&#;](?:[^=&#;\s]*?)(?:token|secret|passw|pwd|key|auth|signature|sig|credential)[^=&#;\s]*=)"
     r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*",

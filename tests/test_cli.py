@@ -447,3 +447,15 @@ def test_docs_load_every_asset_from_the_service_itself(tmp_path: Path) -> None:
             assert url.startswith("/"), f"/docs loads {url} from elsewhere"
             assert httpx.get(base_url + url).status_code == 200, url
         assert "SwaggerUIBundle" in httpx.get(base_url + "/docs/assets/swagger-ui-bundle.js").text
+
+
+def test_redaction_hides_passwords_and_keeps_the_host() -> None:
+    """The authority ends at '/', '?' or '#': an '@' in a query once made the host vanish
+    (`http://user:***@b`) or a port look like a password."""
+    from cce_compile.redact import redact_urls
+
+    assert redact_urls("http://user:pw@host?next=a@b") == "http://user:***@host?next=a@b"
+    assert redact_urls("http://host:8080?a=b@c") == "http://host:8080?a=b@c"
+    assert redact_urls("GET http://u:p@w@h:1/x#y@z failed; also postgresql://a:b@db/t") == (
+        "GET http://u:***@h:1/x#y@z failed; also postgresql://a:***@db/t")
+    assert redact_urls("http://h/v1?token=abc&gpu=x") == "http://h/v1?token=***&gpu=x"
