@@ -175,11 +175,14 @@ def test_publishing_sends_again_a_measurement_the_service_answered_503(tmp_path:
 
 
 @contextlib.contextmanager
-def _gateway_losing_the_first_answer(upstream: str) -> Iterator[tuple[str, list[dict[str, str]]]]:
+def _gateway_losing_the_first_answer(
+    upstream: str, lost_as: str = "503"
+) -> Iterator[tuple[str, list[dict[str, str]]]]:
     """A real HTTP gateway on a loopback port in front of `upstream`: it forwards every POST,
-    and answers the first 503 with Retry-After whatever the service said, as a proxy does whose
-    upstream connection dropped after the service had committed. Yields its URL, then the
-    headers of each POST it forwarded."""
+    and loses the first answer after the service has committed: `lost_as` "503" answers 503 with
+    Retry-After whatever the service said, as a proxy does whose upstream connection dropped;
+    "dropped" closes the client's connection unanswered. Yields its URL, then the headers of
+    each POST it forwarded."""
     forwarded: list[dict[str, str]] = []
 
     class Gateway(http.server.BaseHTTPRequestHandler):
@@ -190,6 +193,9 @@ def _gateway_losing_the_first_answer(upstream: str) -> Iterator[tuple[str, list[
             answer = httpx.post(upstream + self.path, content=body, headers=headers, timeout=30)
             forwarded.append(headers)
             status, content, extra = answer.status_code, answer.content, {}
+            if len(forwarded) == 1 and lost_as == "dropped":
+                self.close_connection = True
+                return
             if len(forwarded) == 1:
                 status, content, extra = 503, b'{"detail": "upstream connection lost"}', {"Retry-After": "1"}
             self.send_response(status)
@@ -211,14 +217,17 @@ def _gateway_losing_the_first_answer(upstream: str) -> Iterator[tuple[str, list[
         server.server_close()
 
 
-def test_a_measurement_stored_before_its_answer_was_lost_is_stored_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lost_as", ["503", "dropped"])
+def test_a_measurement_stored_before_its_answer_was_lost_is_stored_once(tmp_path: Path, lost_as: str) -> None:
     """The service stored the measurement, and the gateway in front of it answered 503 with
     Retry-After: the publisher sent it again, and the database held the one timed run twice.
     Each measurement now travels under an Idempotency-Key of its own, the same on every send,
-    which the service stores as its uid: the retry finds the first send's row."""
+    which the service stores as its uid: the retry finds the first send's row. A connection
+    dropped unanswered refused the measurement though the service had stored it; it is now
+    sent once more too."""
     database = tmp_path / "tuning.db"
     with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as url:
-        with _gateway_losing_the_first_answer(url) as (gateway, forwarded):
+        with _gateway_losing_the_first_answer(url, lost_as) as (gateway, forwarded):
             outcomes = ServicePublisher(gateway, WRITE_TOKEN).publish([measurement_data(), measurement_data(V=5)])
     assert _stored(database) == 2  # one row per measurement, none for the retry
     assert [(outcome.accepted, outcome.is_best) for outcome in outcomes] == [(True, True)] * 2, outcomes
@@ -483,6 +492,18 @@ def test_a_bundle_broken_during_the_run_loses_no_published_measurement(service_u
     assert re.search(r"published (\d+) of \1 measurements", stderr), stderr
     assert stderr.strip().splitlines()[-1].startswith(f"cce: error: --bundle {bundle}: not a bundled-configs file")
     assert _best(service_url, problem)["match_level"] == "exact"
+
+
+def test_a_dead_service_refuses_the_first_measurement_after_one_more_try_and_is_sent_no_more() -> None:
+    """Each measurement was sent to a service that had gone, one connection error each; the
+    first is now tried twice and the rest are not sent."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    outcomes = ServicePublisher(dead, WRITE_TOKEN).publish([measurement_data(V=v) for v in (4, 5, 6)])
+    assert time.monotonic() - start < 10
+    assert [outcome.accepted for outcome in outcomes] == [False] * 3
+    assert outcomes[0].detail.startswith("ConnectError"), outcomes
+    assert all(outcome.detail.startswith("not sent: ") for outcome in outcomes[1:]), outcomes
 
 
 def test_a_service_lost_during_the_run_loses_neither_file(tmp_path: Path) -> None:

@@ -47,6 +47,9 @@ MAX_RETRY_AFTER_S = 5
 """The longest Retry-After waited out. A longer one (a schema that waits for an operator's
 `cce db upgrade`: 30 s) will not have passed after any wait a run can afford: that measurement
 is refused at once with the service's reason, and the rest are not sent."""
+LOST_CONNECTION_WAIT_S = 1.0
+"""The wait before a measurement whose send lost its connection (refused, reset, timed out) is
+sent once more, under the same idempotency key: the service may have stored it already."""
 NOT_SENT = "not sent: the {store} failed on an earlier measurement"
 """The refusal of a measurement not sent because the one before met a failure it would meet
 too ({store}: database or service)."""
@@ -210,10 +213,11 @@ class ServicePublisher:
                                f"measurement: {write.text[:200]}")
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
-        """One outcome a measurement; one the connection lost is refused with the error, so
-        that what the run found still reaches its files (cli/tune.py). A 503 still there once
-        waited out (a database without schema, read-only, or busy past the retries) refuses
-        that measurement with the service's reason and the rest unsent: each would meet it."""
+        """One outcome a measurement, so that what the run found still reaches its files
+        (cli/tune.py). A send that loses its connection is made once more (the key makes that
+        safe); a connection lost again, or a 503 still there once waited out (a database without
+        schema, read-only, or busy past the retries), refuses that measurement with the error
+        or the service's reason and leaves the rest unsent: each would meet it."""
         import httpx
 
         outcomes = []
@@ -229,6 +233,7 @@ class ServicePublisher:
                 except httpx.HTTPError as error:  # its text may quote the URL: credentials hidden
                     outcomes.append(Outcome(item["kernel"], item["median_ms"], False, False,
                                             redact_urls(f"{type(error).__name__}: {error}")[:300]))
+                    failed = True
                     continue
                 if response.status_code == 201:
                     answer = response.json()
@@ -246,13 +251,26 @@ def _post_waiting_out_busy(client: Any, item: dict[str, Any], key: str) -> Any:
     once: neither passes within a wait worth making. Every send carries the same key: a 503 may
     come from a gateway after the service stored the measurement, and the retry then stores
     nothing twice."""
-    headers = {IDEMPOTENCY_KEY_HEADER: key}
     for _ in range(BUSY_RETRIES):
-        response = client.post("/v1/measurements", json=item, headers=headers)
+        response = _post_twice_if_lost(client, item, key)
         retry_after = response.headers.get("Retry-After", "")
         if response.status_code != 503 or not retry_after.isdigit() or int(retry_after) > MAX_RETRY_AFTER_S:
             return response
         time.sleep(int(retry_after))
+    return _post_twice_if_lost(client, item, key)
+
+
+def _post_twice_if_lost(client: Any, item: dict[str, Any], key: str) -> Any:
+    """POST one measurement under `key`; where the connection is lost (the transport's error:
+    refused, reset, no answer in time), once more after LOST_CONNECTION_WAIT_S. A second loss
+    raises it."""
+    import httpx
+
+    headers = {IDEMPOTENCY_KEY_HEADER: key}
+    try:
+        return client.post("/v1/measurements", json=item, headers=headers)
+    except httpx.TransportError:
+        time.sleep(LOST_CONNECTION_WAIT_S)
     return client.post("/v1/measurements", json=item, headers=headers)
 
 
