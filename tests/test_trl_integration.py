@@ -170,6 +170,37 @@ def test_what_it_does_not_compute_is_refused(change: dict, match: str) -> None:
         add_fused_lm_head(model, outputs=change.get("outputs", ("log_probs",)))
 
 
+def tiny_text_model(family: str, config_name: str, model_name: str, **config: object) -> nn.Module:
+    """A two-layer random model of a transformers family, by class names (the module is imported here)."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    model_class = getattr(module, model_name)
+    config = getattr(importlib.import_module("transformers"), config_name)(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=211, **config)
+    return model_class(config)
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    pytest.param(lambda: tiny_text_model("recurrent_gemma", "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+                                         num_key_value_heads=2, head_dim=8, intermediate_size=64, lru_width=32),
+                 r"soft-caps the logits \(logits_soft_cap\)", id="recurrent-gemma"),
+    pytest.param(lambda: tiny_text_model("xlstm", "xLSTMConfig", "xLSTMForCausalLM", num_heads=4),
+                 r"soft-caps the logits \(output_logit_soft_cap\)", id="xlstm"),
+    pytest.param(lambda: tiny_text_model("inkling", "InklingTextConfig", "InklingForCausalLM", num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=64),
+                 r"scales the logits \(logits_mup_width_multiplier\)", id="inkling"),
+])
+def test_a_head_the_model_transforms_by_another_config_field_is_refused(build, match: str) -> None:
+    """RecurrentGemma and xLSTM soft-cap the logits by fields of their own (logits_soft_cap,
+    output_logit_soft_cap: 30 by default), Inkling divides the hidden states by
+    logits_mup_width_multiplier (24) before the head: the head was taken and scored the plain
+    logits, log-probs off by 3-25% of the model's own on a tiny random model."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=match):
+        add_fused_lm_head(build())
+
+
 @pytest.mark.parametrize(("temperature", "error"), [(0.0, ValueError), (float("nan"), ValueError), ("hot", TypeError)])
 def test_a_bad_temperature_is_refused_when_the_head_is_added(temperature: object, error: type) -> None:
     """Not at the first fused call, after a rollout; the model keeps its own forward."""

@@ -13,8 +13,9 @@ linear_log_probs. The trainers look the function up in their own modules, so
 makes a GRPOTrainer use it (`trl.trainer.rloo_trainer` likewise). Of TRL's optional outputs
 only the entropy is computed, where `outputs` names it (else the output's entropy is None);
 log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO and KTO trainers ask for, are
-refused. A model whose config scales its logits, an MoE router loss asked for (by the config or
-the call) and a DeepSpeed ZeRO-3 partitioned head are refused, each with a clear error: nothing
+refused. A model whose config scales its logits, or soft-caps them by a field other than
+final_logit_softcapping, an MoE router loss asked for (by the config or the call) and a
+DeepSpeed ZeRO-3 partitioned head are refused, each with a clear error: nothing
 is silently computed differently. The soft-cap is the config's final_logit_softcapping where
 its class declares that field (the Gemma family's, whose forwards apply it), as patch() does. An FSDP2-sharded head is gathered, as
 TRL's is; a head offloaded by accelerate is loaded by its hook, as a call would load it.
@@ -39,8 +40,13 @@ from ..api import check_loss_options, linear_log_probs
 from .transformers import declares_softcap, forward_slot, replaced_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
-LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
-"""Config fields by which some families scale their logits before the softmax: refused."""
+LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
+                      "logits_mup_width_multiplier")
+"""Config fields by which some families scale their logits (or the hidden states the head takes,
+Inkling's) before the softmax: refused."""
+OTHER_SOFTCAP_FIELDS = ("logits_soft_cap", "output_logit_soft_cap")
+"""Soft-caps some forwards apply by a field other than final_logit_softcapping (RecurrentGemma's,
+xLSTM's), which declares_softcap does not read: refused."""
 _REPLACED_FORWARD = "_cce_trl_replaced_forward"
 
 
@@ -69,6 +75,10 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
     scaled = [name for name in LOGIT_SCALE_FIELDS if getattr(config, name, None) not in (None, 1.0)]
     if scaled:
         raise ValueError(f"model: its config scales the logits ({', '.join(scaled)}), which linear_log_probs does not")
+    capped = [name for name in OTHER_SOFTCAP_FIELDS if getattr(config, name, None) is not None]
+    if capped:
+        raise ValueError(f"model: its config soft-caps the logits ({', '.join(capped)}), which cce_compile's fused LM "
+                         "head applies only from final_logit_softcapping")
     if getattr(config, "output_router_logits", False):  # as TRL's head: the router loss only where asked for
         raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
 
