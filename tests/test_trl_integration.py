@@ -201,6 +201,28 @@ def test_a_head_the_model_transforms_by_another_config_field_is_refused(build, m
         add_fused_lm_head(build())
 
 
+@pytest.mark.parametrize(("build", "match"), [
+    pytest.param(lambda: tiny_text_model("bert", "BertConfig", "BertLMHeadModel", intermediate_size=64, is_decoder=True),
+                 "cls", id="bert-mlm-head"),
+    pytest.param(lambda: tiny_text_model("modernbert_decoder", "ModernBertDecoderConfig", "ModernBertDecoderForCausalLM",
+                                         intermediate_size=64, pad_token_id=0),
+                 "lm_head", id="modernbert-decoder-prediction-head"),
+    pytest.param(lambda: tiny_text_model("llama4", "Llama4TextConfig", "Llama4ForCausalLM", num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=64, intermediate_size_mlp=64, num_local_experts=2),
+                 "base_model", id="llama4-base-model-is-itself"),
+])
+def test_a_head_that_is_more_than_the_output_layer_is_refused(build, match: str) -> None:
+    """The head multiplies base_model's last hidden state by get_output_embeddings(). BERT-style
+    causal LMs (BertLMHeadModel, RoBERTa, ...) and ModernBertDecoder pass that hidden state
+    through a dense layer and a norm first, in a module beside the output layer: their log-probs
+    were 25-36% off the model's own, silently. Where base_model is the causal LM itself (its
+    prefix names no submodule: Llama4ForCausalLM, Mllama's), the decoder call reached the
+    model's own forward and died on 'last_hidden_state'."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=match):
+        add_fused_lm_head(build())
+
+
 @pytest.mark.parametrize(("temperature", "error"), [(0.0, ValueError), (float("nan"), ValueError), ("hot", TypeError)])
 def test_a_bad_temperature_is_refused_when_the_head_is_added(temperature: object, error: type) -> None:
     """Not at the first fused call, after a rollout; the model keeps its own forward."""

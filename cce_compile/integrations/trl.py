@@ -15,7 +15,8 @@ only the entropy is computed, where `outputs` names it (else the output's entrop
 log_sum_sq_probs, mean_logits and is_top1, which TRL's SFT, DPO and KTO trainers ask for, are
 refused. A model whose config scales its logits, or soft-caps them by a field other than
 final_logit_softcapping, an MoE router loss asked for (by the config or the call) and a
-DeepSpeed ZeRO-3 partitioned head are refused, each with a clear error: nothing
+DeepSpeed ZeRO-3 partitioned head are refused, as is a head that is more than one output layer
+beside the base model (BERT-style heads), each with a clear error: nothing
 is silently computed differently. The soft-cap is the config's final_logit_softcapping where
 its class declares that field (the Gemma family's, whose forwards apply it), as patch() does. An FSDP2-sharded head is gathered, as
 TRL's is; a head offloaded by accelerate is loaded by its hook, as a call would load it.
@@ -83,6 +84,32 @@ def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
         raise ValueError("model: its config asks for an MoE router loss, which cce_compile's fused LM head does not add")
 
 
+def _check_plain_head(model: PreTrainedModel) -> None:
+    """The head computes get_output_embeddings()(base_model(...).last_hidden_state), which is the
+    model's logits only where the causal LM is its base model and that output layer, side by side.
+    Refused: a base_model that is the model itself (its prefix names no submodule, e.g.
+    Llama4ForCausalLM's), an output layer nested in a larger head, or another module with weights
+    beside the two (the dense layer and norm BERT-style and ModernBertDecoder heads apply first)."""
+    base, head = model.base_model, model.get_output_embeddings()
+    if base is model:
+        raise ValueError(f"model: {type(model).__name__}.base_model is the model itself, not its decoder, which "
+                         "cce_compile's fused LM head calls")
+    name = type(model).__name__
+    if head is None or not any(child is head for child in model.children()):
+        path = next((path for path, module in model.named_modules() if module is head), None)
+        raise ValueError(f"model: {name}'s output layer ({path}) is not a direct submodule but sits in a larger head, "
+                         "whose other layers cce_compile's fused LM head would skip")
+    others = [child_name for child_name, child in model.named_children()
+              if child is not base and child is not head and next(child.parameters(), None) is not None]
+    if others:
+        raise ValueError(f"model: {name} has modules beside its decoder and output layer ({', '.join(others)}), which "
+                         "its logits may pass through and cce_compile's fused LM head would skip")
+    unpadded = getattr(model.config.get_text_config(), "unpadded_vocab_size", None)
+    if unpadded is not None and unpadded < head.weight.shape[0]:  # Inkling's forward slices; Inkling2's head is that wide
+        raise ValueError(f"model: its forward drops the logits past unpadded_vocab_size ({unpadded}) of the output "
+                         f"layer's {head.weight.shape[0]}, which cce_compile's fused LM head would score")
+
+
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
     """The model whose forward gets the head: a PEFT model's wrapped causal LM (its adapter
     layers in place), which the PEFT model's forward calls with the same arguments. On the PEFT
@@ -107,6 +134,7 @@ def add_fused_lm_head(
     check_loss_options(temperature=temperature)
     model = _causal_lm(model)
     _check_supported(model, outputs)
+    _check_plain_head(model)
     if _REPLACED_FORWARD in vars(model):
         raise ValueError("model already has cce_compile's fused LM head")
     slot = forward_slot(model)  # beneath an accelerate hook, which then runs around the head too
