@@ -79,6 +79,21 @@ def assert_close(actual: Tensor, expected: Tensor, rtol: float = 1e-4) -> None:
 parametrize_families = pytest.mark.parametrize("family", sorted(FAMILIES))
 
 
+def test_patching_a_peft_wrapper_names_the_model_to_patch() -> None:
+    """patch(peft_model) said 'PeftModelForCausalLM is not a supported causal LM' of a wrapped
+    Llama; the error now says to patch the model it wraps, which then computes PEFT's loss."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch(seed=11)
+    reference = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    wrapped = copy.deepcopy(reference)
+    with pytest.raises(TypeError, match=r"is not a supported causal LM .*patch\(model\.get_base_model\(\)\)"):
+        patch(wrapped)
+    patch(wrapped.get_base_model())
+    output = wrapped(input_ids, labels=labels)
+    assert output.logits is None  # the loss went through the op
+    assert_close(output.loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+
 @parametrize_families
 def test_loss_and_gradients_match_hf(family: str) -> None:
     reference, patched = twins(family)

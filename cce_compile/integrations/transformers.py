@@ -351,7 +351,10 @@ def _check_patchable(model_class: type, target: object) -> None:
     families = tuple(available_families().values())
     if not issubclass(model_class, families):
         names = ", ".join(cls.__name__ for cls in families)
-        raise TypeError(f"{model_class.__name__} is not a supported causal LM (the installed transformers has: {names})")
+        wrapped = getattr(target, "get_base_model", None)  # a PEFT wrapper around the model
+        hint = "; patch the model it wraps: patch(model.get_base_model())" if callable(wrapped) else ""
+        raise TypeError(f"{model_class.__name__} is not a supported causal LM (the installed transformers "
+                        f"has: {names}){hint}")
     found = list(inspect.signature(model_class.forward).parameters)
     others = [name for name in found if name not in _PASSED_THROUGH]
     if found[: len(_POSITIONAL)] != _POSITIONAL or others != _FORWARD_PARAMETERS:
