@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, one_line, refuse_empty
-from cce_compile.redact import redact_urls
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
@@ -152,7 +151,7 @@ def _service_request(
     try:
         response = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=timeout, **kwargs)
     except (httpx.HTTPError, httpx.InvalidURL) as error:
-        fail(f"{method} {redact_urls(url.rstrip('/'))}{path}: {type(error).__name__}: {redact_urls(str(error))}")
+        fail(f"{method} {url.rstrip('/')}{path}: {type(error).__name__}: {error}")
     if response.is_error:
         fail(f"{response.status_code}: {response.text[:ERROR_DETAIL_CHARS]}")
     return response.text

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, refuse_empty
-from cce_compile.redact import redact_urls
 
 if TYPE_CHECKING:
     from cce_compile.config.keys import ProblemKey
@@ -63,7 +62,7 @@ def lookup(
                              skip=frozenset({"disk"}) if url is not None else frozenset(), write_cache=False,
                              service_required=url is not None)
     except client.ServiceUnusable as error:
-        fail(f"--url {redact_urls(str(url))}: cannot ask the service: {redact_urls(str(error))}")
+        fail(f"--url {url}: cannot ask the service: {error}")
     if as_json:
         typer.echo(json.dumps({
             "gpu": platform.gpu,

@@ -157,7 +157,6 @@ def _check_bundle(path: Path | None) -> None:
 def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
     """The configured publisher, checked before any GPU time is spent: a URL or token that
     cannot be right exits 2, a service or database that refuses exits 1 (as `cce export` does)."""
-    from cce_compile.redact import redact_urls
     from cce_compile.resolve import sources
     from cce_compile.tuning import publish as results
 
@@ -167,15 +166,14 @@ def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
         return results.DatabasePublisher(store_engine(db_url))
     if not url:
         return None
-    shown = redact_urls(url)
     try:
         publisher = results.ServicePublisher(url, os.environ.get(sources.TOKEN_ENV))
     except results.PublishError as error:
-        fail(f"--publish {shown}: {error}", status=2)
+        fail(f"--publish {url}: {error}", status=2)
     try:
         publisher.check()
     except results.PublishError as error:
-        fail(f"--publish {shown}: {error}")
+        fail(f"--publish {url}: {error}")
     return publisher
 
 
