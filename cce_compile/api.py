@@ -14,7 +14,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 
 from . import ops
-from .ops.loss_terms import reduce_with_z_loss, target_weight
+from .ops.loss_terms import out_of_range, reduce_with_z_loss, target_weight
 from .ops.precision import without_autocast
 from .ops.problem import SUPPORTED_DTYPES, dtype_name, needs_grad, options_of, traced_settings
 from .parallel.vocab_parallel import (
@@ -205,7 +205,7 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = 
     if (torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0
             or torch._C._functorch.is_functorch_wrapped_tensor(targets)):
         return
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    bad = out_of_range(targets, v, ignore_index)
     if bool(bad.any()):
         first = int(targets[bad][0])
         raise ValueError(f"{name} must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")

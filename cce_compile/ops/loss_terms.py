@@ -36,9 +36,14 @@ def target_weight(targets: Tensor, weight: Tensor | None, valid: Tensor, v: int)
     return torch.where(valid, weight.to(torch.float32)[safe], 0.0)
 
 
+def in_vocab(targets: Tensor, v: int) -> Tensor:
+    """The tokens whose target indexes a class: in [0, V)."""
+    return (targets >= 0) & (targets < v)
+
+
 def out_of_range(targets: Tensor, v: int, ignore_index: int) -> Tensor:
     """The tokens whose target is neither ignore_index nor in [0, V): their loss is NaN."""
-    return (targets != ignore_index) & ((targets < 0) | (targets >= v))
+    return (targets != ignore_index) & ~in_vocab(targets, v)
 
 
 def upstream_gradient(grad: Tensor, valid: Tensor, in_range: Tensor) -> Tensor:
@@ -58,7 +63,7 @@ def token_loss(
 ) -> Tensor:
     """Per-token loss (fp32) from the forward's row statistics."""
     valid = targets != ignore_index
-    in_range = (targets >= 0) & (targets < v)
+    in_range = in_vocab(targets, v)
     w_y = target_weight(targets, weight, valid & in_range, v)
     return loss_of_terms(lse, target_logit, weighted_sum, valid, in_range, w_y, _total_weight(weight, v), v,
                          label_smoothing)
@@ -126,7 +131,7 @@ def grad_coefficients(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(coef_softmax, coef_target, coef_smooth) per token, fp32, as in the module doc."""
     valid = targets != ignore_index
-    in_range = (targets >= 0) & (targets < v)
+    in_range = in_vocab(targets, v)
     g = upstream_gradient(grad_loss, valid, in_range)
     w_y = target_weight(targets, weight, valid & in_range, v)
     coef_target = g * (1.0 - label_smoothing) * w_y
@@ -143,7 +148,7 @@ def log_prob_terms(
     Both are 0 at ignored tokens; a token outside [0, V) that is not ignore_index has a NaN
     log-prob."""
     valid = tokens != ignore_index
-    in_range = (tokens >= 0) & (tokens < v)
+    in_range = in_vocab(tokens, v)
     log_probs = torch.where(valid, target_logit - lse, 0.0)
     log_probs = torch.where(valid & ~in_range, float("nan"), log_probs)
     entropy = None if row_entropy is None else torch.where(valid, row_entropy, 0.0)
@@ -167,7 +172,7 @@ def log_prob_coefficients(
     (upstream_gradient), so its d-logits are NaN whatever the upstream gradients, the entropies'
     alone included."""
     valid = tokens != ignore_index
-    g = upstream_gradient(grad_log_probs, valid, (tokens >= 0) & (tokens < v))
+    g = upstream_gradient(grad_log_probs, valid, in_vocab(tokens, v))
     coef_target = (-g).contiguous()
     if grad_entropy is None:
         return coef_target, coef_target, None
