@@ -33,6 +33,22 @@ def _logits(e32: Tensor, c: Tensor, bias: Tensor | None, ids: slice | Tensor, so
     return scale_and_cap(logits, logit_scale, softcap)
 
 
+def rebased_gap_sum(gap_sum: Tensor, sumexp: Tensor, old_max: Tensor, shift: Tensor, rescale: Tensor) -> Tensor:
+    """sum_j exp(l_j - old_max) (old_max - l_j) rebased to sum_j exp(l_j - shift) (shift - l_j),
+    `rescale` exp(old_max - shift); a sum of no columns (sumexp 0, old_max -inf) gives 0, not
+    inf * 0."""
+    return torch.where(sumexp > 0, rescale * (gap_sum + (shift - old_max) * sumexp), 0.0)
+
+
+def entropy_about_max(sumexp: Tensor, strict_sum: Tensor, gap_sum: Tensor) -> Tensor:
+    """-sum_j p_j log p_j from sums about the row's max m: sumexp = sum_j exp(l_j - m), its terms
+    of the logits below m (`strict_sum`) and the gap sum sum_j exp(l_j - m) (m - l_j), as
+    log(sumexp) + gap_sum / sumexp, two terms >= 0; the log is log1p(strict_sum) near 1, as
+    kernels/tiles.log_sumexp_about_max takes it."""
+    log_sumexp = torch.where(sumexp < 1.5, torch.log1p(strict_sum), torch.log(sumexp))
+    return log_sumexp + gap_sum / sumexp
+
+
 def forward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     softcap: float, need_weighted_sum: bool, chunk_v: int, need_entropy: bool = False, logit_scale: float = 1.0,
@@ -60,8 +76,7 @@ def forward_cpu(
         if need_entropy:  # p = 0 (a -inf logit, its gap clamped) counts 0; so does a gap before any column
             gaps = (shift[:, None] - logits).clamp_max(3.0e38)
             below = torch.where(gaps > 0, exps, 0.0)
-            rebased = torch.where(row_sumexp > 0, rescale * (gap_sum + (shift - row_max) * row_sumexp), 0.0)
-            gap_sum = rebased + (below * gaps).sum(dim=1)
+            gap_sum = rebased_gap_sum(gap_sum, row_sumexp, row_max, shift, rescale) + (below * gaps).sum(dim=1)
             strict_sum = torch.where(new_max > row_max, rescale * row_sumexp, strict_sum) + below.sum(dim=1)
         row_sumexp = row_sumexp * rescale + exps.sum(dim=1)
         row_max = new_max
@@ -73,10 +88,7 @@ def forward_cpu(
             w = weight[start:stop].to(torch.float32) if weight is not None else None
             weighted_sum = weighted_sum + (logits * w if w is not None else logits).sum(dim=1)
     lse = row_max + torch.log(row_sumexp)
-    entropy = None
-    if need_entropy:
-        log_sumexp = torch.where(row_sumexp < 1.5, torch.log1p(strict_sum), torch.log(row_sumexp))
-        entropy = log_sumexp + gap_sum / row_sumexp
+    entropy = entropy_about_max(row_sumexp, strict_sum, gap_sum) if need_entropy else None
     return lse, target_logit, weighted_sum, entropy
 
 

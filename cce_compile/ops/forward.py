@@ -13,7 +13,7 @@ from ..config.kernel_config import KernelConfig
 from ..kernels.forward import lse_forward_kernel, lse_forward_tma_kernel, merge_tile_stats_kernel
 from ..kernels.warp_specialized import lse_forward_ws_kernel
 from ..plan.launch import LaunchPlan
-from .cpu_path import forward_cpu
+from .cpu_path import entropy_about_max, forward_cpu, rebased_gap_sum
 from .filtering import FilterStats, backward_tile_stats, in_vocab_order, vocab_order
 from .gluon import launch_options, operand_descriptors, programs_for, tiles_of
 from .launch import KernelLauncher
@@ -196,14 +196,11 @@ def split_entropy(split_max: Tensor, split_sumexp: Tensor, split_gap_sum: Tensor
     exp(logit - max), gap sums and strict sums (kernels/forward.tile_entropy_sums:
     about each split's max), given the rows' largest logit `row_max` (`shift`: 0 where it is
     -inf), each split's `rescale` exp(max - shift) and the rows' `sumexp` about the shift: the
-    sums rebased to the shift as the kernel rebases them (rebased_gap_sum, rebased_strict_sum;
-    a split of no columns, max -inf and sum 0, adds 0, not inf * 0), then
-    tiles.log_sumexp_about_max + gap sum / sumexp, two terms >= 0."""
-    rebased_gap = rescale * (split_gap_sum + (shift - split_max) * split_sumexp)
-    gap_sum = torch.where(split_sumexp > 0.0, rebased_gap, 0.0).sum(dim=0)
+    sums rebased to the shift as the kernel rebases them (rebased_gap_sum; a split below the
+    row's max counts all its sum as strict), then entropy_about_max."""
+    gap_sum = rebased_gap_sum(split_gap_sum, split_sumexp, split_max, shift, rescale).sum(dim=0)
     strict_sum = torch.where(split_max < row_max, rescale * split_sumexp, split_strict_sum).sum(dim=0)
-    log_sumexp = torch.where(sumexp < 1.5, torch.log1p(strict_sum), torch.log(sumexp))
-    return log_sumexp + gap_sum / sumexp
+    return entropy_about_max(sumexp, strict_sum, gap_sum)
 
 
 def merge_tile_stats(tile_lse: Tensor, tile_entropy: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
