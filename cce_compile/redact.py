@@ -16,14 +16,19 @@ _USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<use
 """`scheme://user:password@`: the password is whatever lies between the first ':' and the
 last '@' of the authority, which ends at the first '/', '?' or '#' (an unescaped '@' in a
 password stays inside it; one in the query, `?next=a@b`, is not a password's end)."""
+_SECRET_WORD = (r"(?i:[a-z0-9]*(?:token|secret|passw(?:or)?d)|pwd|(?:api)?key|auth|authorization|signature|sig"
+                r"|credentials?)")
+"""A word of a parameter's name that says its value is a secret; token, secret and password
+also end one (accesstoken, authtoken), where no harmless word ends so."""
 _SECRET_PARAMETER = re.compile(
-    r"(?P<name>[?&#;](?:[^=&#;\s]*?)(?:token|secret|passw|pwd|key|auth|signature|sig|credential)[^=&#;\s]*=)"
-    r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*",
-    re.IGNORECASE,
+    rf"(?P<name>[?&#;](?:[^=&#;\s]*?(?:[\-_.]|(?<=[a-z0-9])(?=[A-Z])))?{_SECRET_WORD}"
+    r"(?:(?=[=\-_.])|(?<=[a-z])(?=[A-Z]))[^=&#;\s]*=)"
+    r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*"
 )
-"""A query or fragment parameter whose name says it holds a secret (token=, access_token=,
-api_key=, password=, X-Amz-Signature=, ...): its value up to the next separator, a space, a
-quote, a bracket, or a colon that ends the URL in a message ('URL: reason')."""
+"""A query or fragment parameter with a secret word in its name, words split at '_', '-', '.'
+or where camelCase starts one (token=, access_token=, api_key=, apiKey=, X-Amz-Signature=;
+not a substring: tokens=, monkey=, author=, design= are shown): its value up to the next
+separator, a space, a quote, a bracket, or a colon that ends the URL in a message ('URL: reason')."""
 
 
 def redact_urls(text: str) -> str:

@@ -459,3 +459,20 @@ def test_redaction_hides_passwords_and_keeps_the_host() -> None:
     assert redact_urls("GET http://u:p@w@h:1/x#y@z failed; also postgresql://a:b@db/t") == (
         "GET http://u:***@h:1/x#y@z failed; also postgresql://a:***@db/t")
     assert redact_urls("http://h/v1?token=abc&gpu=x") == "http://h/v1?token=***&gpu=x"
+
+
+def test_redaction_hides_parameters_named_as_secrets_not_those_that_merely_contain_one() -> None:
+    """A name is a secret's when one of its words (split at '_', '-', '.' or camelCase) is one:
+    a substring once hid monkey=, author=, design= and the service's own tokens= (a problem size)."""
+    from cce_compile.redact import redact_urls
+
+    secrets = ("token", "access_token", "id_token", "sessionToken", "authtoken", "api_key", "apikey", "apiKey",
+               "x-api-key", "key", "private_key", "AWSAccessKeyId", "sort_key", "password", "passwd", "pwd",
+               "user.password", "secret", "client_secret", "clientSecret", "signature", "X-Amz-Signature",
+               "X-Amz-Credential", "X-Amz-Security-Token", "sig", "auth", "authorization", "credential",
+               "credentials")
+    for name in secrets:
+        assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
+    for name in ("tokens", "monkey", "turkey", "keyword", "keys", "author", "authority", "design", "signal",
+                 "assignee", "passage"):
+        assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
