@@ -78,6 +78,20 @@ def test_health_checks_answer_head_without_a_body(tmp_path: Path) -> None:
             assert answer.endswith(b"\r\n\r\n"), answer
 
 
+def test_the_access_log_shows_no_token_a_client_put_in_a_query_string(tmp_path: Path) -> None:
+    """uvicorn logs each request line with its query string, a refused one too: a token sent as
+    ?token= (a client's URL given as http://host/?token=...) reached the log as it was sent."""
+    log = tmp_path / "serve.log"
+    with serving(log, "--db-url", f"sqlite:///{tmp_path / 'tuning.db'}", "--workers", "2", env=TOKENS_ENV) as base_url:
+        for name in ("token", "access_token", "api_key"):
+            params = {**lookup_params(), name: "tok-s3cret"}
+            assert httpx.get(f"{base_url}/v1/configs/best", params=params, headers=bearer(READ_TOKEN)).status_code == 422
+    logged = [line for line in log.read_text().splitlines() if "/v1/configs/best" in line]
+    assert len(logged) == 3 and "s3cret" not in log.read_text(), logged
+    for line, name in zip(logged, ("token", "access_token", "api_key")):
+        assert f"&{name}=*** HTTP/1.1\" 422" in line and f"&tokens={lookup_params()['tokens']}&" in line, line
+
+
 def _metric_lines(base_url: str, fragment: str) -> list[str]:
     return [line for line in httpx.get(f"{base_url}/metrics").text.splitlines()
             if line.startswith("cce_http_requests_total") and fragment in line]
