@@ -294,6 +294,40 @@ def test_patch_rejects_what_it_cannot_handle() -> None:
         unpatch(tiny_model(sorted(FAMILIES)[0]))
 
 
+class WithAuxLoss(FAMILIES["llama"]):  # type: ignore[misc, valid-type]
+    """A user's subclass whose forward adds to the loss (an auxiliary loss), its signature copied
+    from the class it extends."""
+
+    @functools.wraps(FAMILIES["llama"].forward)
+    def forward(self, *args: object, **kwargs: object) -> object:
+        output = super().forward(*args, **kwargs)
+        if output.loss is not None:
+            output.loss = output.loss + 10.0
+        return output
+
+
+def test_a_subclass_with_its_own_forward_is_refused_and_its_parent_patched_instead() -> None:
+    """patch() replaced such a forward whole: the training loss lost what it added, silently.
+    Refused, naming the class; patching the class it extends keeps it (its super().forward())."""
+    input_ids, labels = batch(seed=15)
+    expected = tiny_model("llama", WithAuxLoss)(input_ids, labels=labels).loss
+    unchanged = type("Unchanged", (WithAuxLoss,), {})  # a forward inherited from the user's class
+    for target in (tiny_model("llama", WithAuxLoss), WithAuxLoss, unchanged):
+        with pytest.raises(TypeError, match=r"^WithAuxLoss defines its own forward, which patch\(\) would replace; "
+                                            r"patch\(LlamaForCausalLM\)"):
+            patch(target)
+        with pytest.raises(ValueError, match="not patched"):
+            unpatch(target)
+    model = tiny_model("llama", WithAuxLoss)
+    patch(FAMILIES["llama"])
+    try:
+        actual = model(input_ids, labels=labels)
+    finally:
+        unpatch(FAMILIES["llama"])
+    assert actual.logits is None  # the loss came from the patched parent, the aux loss still in it
+    assert_close(actual.loss, expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("options", "error", "match"), [
     ({"temperature": 0}, ValueError, "temperature must be a finite number >= 1e-20"),
     ({"label_smoothing": 2.0}, ValueError, "label_smoothing"),
@@ -333,20 +367,19 @@ def test_cache_goes_in_and_out_of_the_training_forward_as_hf(family: str) -> Non
     assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
 
 
-def claiming_forward(model_class: type[PreTrainedModel], names: list[str]) -> type[PreTrainedModel]:
-    """A subclass whose forward, the family's own, claims these parameters (patch() reads the
-    signature; the calls below pass nothing those parameters would need)."""
-
-    def forward(self: PreTrainedModel, *args: object, **kwargs: object) -> object:
-        return model_class.forward(self, *args, **kwargs)
-
+def claiming_forward(
+    monkeypatch: pytest.MonkeyPatch, model_class: type[PreTrainedModel], names: list[str]
+) -> type[PreTrainedModel]:
+    """The family's class, its own forward claiming these parameters as another release's would
+    (patch() reads the signature; the calls below pass nothing those parameters would need); a
+    subclass with a forward of its own would be refused as one."""
     kind = {"self": inspect.Parameter.POSITIONAL_OR_KEYWORD, "kwargs": inspect.Parameter.VAR_KEYWORD}
-    forward.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    monkeypatch.setattr(model_class.forward, "__signature__", inspect.Signature([
         inspect.Parameter(name, kind.get(name, inspect.Parameter.POSITIONAL_OR_KEYWORD),
                           default=inspect.Parameter.empty if name in kind else None)
         for name in names
-    ])
-    return type(f"Claimed{model_class.__name__}", (model_class,), {"forward": forward})
+    ]), raising=False)
+    return model_class
 
 
 def installed_forward_with(extra: list[str], before: str = "logits_to_keep") -> list[str]:
@@ -356,12 +389,12 @@ def installed_forward_with(extra: list[str], before: str = "logits_to_keep") -> 
     return names[:at] + extra + names[at:]
 
 
-def test_patch_takes_the_4_5x_forward_layout() -> None:
+def test_patch_takes_the_4_5x_forward_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """4.5x forwards take output_attentions, output_hidden_states and cache_position between
     use_cache and logits_to_keep: accepted (passed on by keyword), the loss still HF's."""
     family = sorted(FAMILIES)[0]
     names = installed_forward_with(["output_attentions", "output_hidden_states", "cache_position"])
-    patched = patch(tiny_model(family, claiming_forward(FAMILIES[family], names)))
+    patched = patch(tiny_model(family, claiming_forward(monkeypatch, FAMILIES[family], names)))
     input_ids, labels = batch(seed=10)
     assert_close(patched(input_ids, labels=labels).loss, tiny_model(family)(input_ids, labels=labels).loss, rtol=1e-5)
 
@@ -375,8 +408,8 @@ OTHER_CACHE = "past_key_values" if CACHE == "cache" else "cache"
     pytest.param(installed_forward_with(["return_dict"]), id="return-dict-of-4.50"),
     pytest.param(installed_forward_with(["cache_position"], before="inputs_embeds"), id="passed-through-before-use-cache"),
 ])
-def test_patch_rejects_other_forward_signatures(names: list[str]) -> None:
-    model_class = claiming_forward(FAMILIES[sorted(FAMILIES)[0]], names)
+def test_patch_rejects_other_forward_signatures(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> None:
+    model_class = claiming_forward(monkeypatch, FAMILIES[sorted(FAMILIES)[0]], names)
     with pytest.raises(TypeError, match="the patch is written for"):
         patch(model_class)
 

@@ -355,6 +355,13 @@ def _check_patchable(model_class: type, target: object) -> None:
         hint = "; patch the model it wraps: patch(model.get_base_model())" if callable(wrapped) else ""
         raise TypeError(f"{model_class.__name__} is not a supported causal LM (the installed transformers "
                         f"has: {names}){hint}")
+    family = next(cls for cls in model_class.__mro__ if cls in families)
+    for cls in model_class.__mro__[: model_class.__mro__.index(family)]:
+        if vars(cls).get("forward") not in (None, vars(cls).get(_PATCHED_FORWARD)):  # not one patch() installed
+            raise TypeError(  # the patched forward would run in its place: whatever it adds (an auxiliary loss) lost
+                f"{cls.__name__} defines its own forward, which patch() would replace; patch({family.__name__}), "
+                "whose forward its super().forward() calls, or compute the loss in it with "
+                "cce_compile.integrations.transformers.causal_lm_loss(hidden_states, self.lm_head, labels)")
     found = list(inspect.signature(model_class.forward).parameters)
     others = [name for name in found if name not in _PASSED_THROUGH]
     if found[: len(_POSITIONAL)] != _POSITIONAL or others != _FORWARD_PARAMETERS:
