@@ -48,16 +48,17 @@ def main() -> None:
         batch_tokens = next((head.n for head in SHAPES.values() if (head.d, head.v) == (d, v)), 8192)  # the tilt's N
         e, c, tokens = lm_like_inputs(ROWS, d, v, torch.bfloat16, "cpu", seed=1)
         e, c = e.float(), c.float()  # bf16 values, fp32 math: what is measured is the filter alone
-        lse, _, _, row_entropy = forward_cpu(e, c, tokens, None, None, 0.0, False, chunk_v=8192, need_entropy=True)
+        stats = forward_cpu(e, c, tokens, None, None, 0.0, False, chunk_v=8192, need_entropy=True,
+                            need_lse_minus_mean=True)
         order = vocab_order(e, c, None)
         generator = torch.Generator().manual_seed(0)
         up_log_probs = torch.randn(ROWS, generator=generator)
         for weight in args.entropy_weights:
             up_entropy = weight * torch.randn(ROWS, generator=generator)
             coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-                up_log_probs, up_entropy if weight else None, row_entropy, tokens, v, -100)
+                up_log_probs, up_entropy if weight else None, stats.lse_minus_mean, tokens, v, -100)
             filtered = backward_cpu(
-                e, c, tokens, None, None, lse, coef_softmax, coef_target, None, 0.0, args.filter_eps, chunk_v=8192,
+                e, c, tokens, None, None, stats.lse, coef_softmax, coef_target, None, 0.0, args.filter_eps, chunk_v=8192,
                 filter_tile=filter_tile, vocab_order=order, forward_block_n=args.forward_block_n,
                 coef_entropy=coef_entropy, tilt_tokens=batch_tokens)[:2]
             errors = [((got - want).norm() / want.norm()).item()

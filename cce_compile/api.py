@@ -395,7 +395,8 @@ def linear_log_probs(
     flat_e = e.reshape(-1, c.shape[1])
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
-            flat_e, c, flat_tokens, bias, int(ignore_index), scaled_softcap, entropy, eps, logit_scale,
+            flat_e, c, flat_tokens, bias, int(ignore_index), scaled_softcap, entropy,
+            backward or bool(_active_transforms()), eps, logit_scale,  # vmap's operands hide requires_grad
             traced_settings(flat_e, c, eps > 0.0, config_in_backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)

@@ -124,9 +124,10 @@ def test_compiled_matches_eager() -> None:
 
 @pytest.mark.parametrize("d", [896, 1000])
 def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, launch_plans: list, use_policy) -> None:
-    """The Gluon forward's entropy statistic (where the policy lets it run) and the Gluon
-    recompute's entropy term against the tensor-descriptor forward and recompute, on ragged rows
-    and vocabulary, a K tail (D = 1000) and ignored tokens: both as close to float64 as fp32 math
+    """The Gluon forward's entropy statistic (where the policy lets it run: a no-grad pass, as
+    it has no lse less the mean logit for the entropy's backward) and the Gluon recompute's
+    entropy term against the tensor-descriptor forward and recompute, on ragged rows and
+    vocabulary, a K tail (D = 1000) and ignored tokens: both as close to float64 as fp32 math
     over other tiles gets (each path sums its logits and tiles in its own order, so the two are
     a few fp32 ulps of lse apart, not equal)."""
     from .reference import reference_log_probs
@@ -137,16 +138,20 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
     up_lp, up_h = torch.randn(3001, device="cuda", generator=g), torch.randn(3001, device="cuda", generator=g)
 
     def outputs() -> list[torch.Tensor]:
+        with torch.no_grad():
+            log_probs, entropy = cce_compile.linear_log_probs(e, c, tokens, entropy=True)
         leaves = [t.clone().requires_grad_() for t in (e, c)]
-        log_probs, entropy = cce_compile.linear_log_probs(*leaves, tokens, entropy=True)
-        ((log_probs * up_lp).sum() + (entropy * up_h).sum()).backward()
-        return [log_probs.detach(), entropy.detach()] + [leaf.grad for leaf in leaves]
+        with_grad = cce_compile.linear_log_probs(*leaves, tokens, entropy=True)
+        ((with_grad[0] * up_lp).sum() + (with_grad[1] * up_h).sum()).backward()
+        return [log_probs, entropy] + [leaf.grad for leaf in leaves]
 
     use_policy(forward_gluon_with_entropy=True)
     on_gluon = outputs()
     use_policy(forward_gluon_max_k_steps=0, recompute_gluon_max_k_steps=0, recompute_tma_min_k_steps=1)
     on_descriptors = outputs()
-    assert [(plan.forward, plan.recompute) for plan in launch_plans] == [("gluon", "gluon")] * 2 + [("tma", "tma")] * 2
+    # the no-grad pass's plan, the forward's under grad and the backward's
+    assert [(plan.forward, plan.recompute) for plan in launch_plans] == [
+        ("gluon", "gluon"), ("tma", "gluon"), ("gluon", "gluon")] + [("tma", "tma")] * 3
     expected = reference_log_probs(e.double(), c.double(), tokens, entropy=True)
     for name, got_gluon, got_descriptors, want in zip(("log_probs", "entropy"), on_gluon, on_descriptors, expected):
         errors = [(got.double() - want).abs().max().item() for got in (got_gluon, got_descriptors)]
@@ -154,6 +159,19 @@ def test_gluon_kernels_with_entropy_match_the_tensor_descriptor_ones(d: int, lau
     assert torch.all(on_gluon[0][::11] == 0)
     for name, got, want in zip(("dE", "dC"), on_gluon[2:], on_descriptors[2:]):
         assert relative_error(got, want) < 5e-3, name  # bf16 d-logits of other tiles, rounded apart
+
+
+def _large_shifted_rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e, c, tokens), 2048 x 50001 x 896 on the GPU: every logit shifted by +50 (a hidden unit
+    every head row reads: the Gluon forward takes no bias) and token 7's raised by a gap growing
+    over the rows from 0 to 30, so rows run from flat to one-hot (~2e-7 nats)."""
+    n, v, d = 2048, 50001, 896
+    g = torch.Generator().manual_seed(4)
+    e, c = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / d**0.5
+    c[:, -2:] = 0.0
+    c[:, -2], e[:, -2] = 1.0, 50.0
+    c[7, -1], e[:, -1] = 1.0, torch.linspace(0.0, 30.0, n)
+    return e.to(dtype).cuda(), c.to(dtype).cuda(), torch.randint(0, v, (n,), generator=g).cuda()
 
 
 @pytest.mark.parametrize("forward", ["gluon", "tma", "split"])
@@ -166,15 +184,7 @@ def test_entropy_of_large_logits_on_every_forward(forward: str, launch_plans: li
     row's entropy is within 5e-5 of float64 relatively, and never negative."""
     from .reference import reference_log_probs
 
-    n, v, d = 2048, 50001, 896
-    g = torch.Generator().manual_seed(4)
-    e, c = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / d**0.5
-    c[:, -2:] = 0.0
-    c[:, -2], e[:, -2] = 1.0, 50.0
-    c[7, -1], e[:, -1] = 1.0, torch.linspace(0.0, 30.0, n)
-    dtype = torch.float32 if forward == "split" else torch.bfloat16
-    e, c = e.to(dtype).cuda(), c.to(dtype).cuda()
-    tokens = torch.randint(0, v, (n,), generator=g).cuda()
+    e, c, tokens = _large_shifted_rows(torch.float32 if forward == "split" else torch.bfloat16)
     if forward == "gluon":
         use_policy(forward_gluon_with_entropy=True)
     else:
@@ -187,6 +197,32 @@ def test_entropy_of_large_logits_on_every_forward(forward: str, launch_plans: li
     relative = float(((entropy.double() - reference).abs() / reference).max())
     assert relative <= 5e-5, relative
     assert bool((entropy >= 0.0).all()), float(entropy.min())
+
+
+@pytest.mark.parametrize(("forward", "bound"), [("tma", 2e-2), ("split", 1e-4)])
+def test_entropy_gradient_of_peaked_rows_on_every_forward(forward: str, bound: float, launch_plans: list,
+                                                          use_policy) -> None:
+    """tests/test_log_probs.py's entropy gradient of near one-hot rows at a realistic size, on
+    the forwards that run under grad (the Gluon one's entropy has no lse less the mean logit)
+    and the recomputes they meet: the backward's d-logits take lse less the mean logit from the
+    forward, which holds only if the recompute's logits at each row's peak are the forward's
+    (each row's dE within `bound` of float64, per row: in bf16 its d-logits and dE round, 2-8e-3 on
+    every row in the interpreter, flat or peaked; 5.5e-2 on peaked rows before)."""
+    from .reference import reference_log_probs
+
+    e, c, tokens = _large_shifted_rows(torch.float32 if forward == "split" else torch.bfloat16)
+    use_policy(forward_gluon_max_k_steps=0)
+    upstream = torch.randn(e.shape[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64).cuda()
+    e64 = e.double().requires_grad_()
+    _, reference = reference_log_probs(e64, c.double(), tokens, entropy=True)
+    (expected,) = torch.autograd.grad(reference, e64, upstream)
+    peaked = reference.detach() < 1e-2
+    leaf = e.clone().requires_grad_()
+    _, entropy = cce_compile.linear_log_probs(leaf, c, tokens, entropy=True)
+    (got,) = torch.autograd.grad(entropy, leaf, upstream.float())
+    assert launch_plans[0].forward == forward and int(peaked.sum()) >= 200
+    row_error = (got.double() - expected).norm(dim=1) / expected.norm(dim=1)
+    assert float(row_error[peaked].max()) <= bound, float(row_error[peaked].max())
 
 
 def test_no_grad_pass_peaks_at_its_per_tile_buffers(launch_plans: list) -> None:

@@ -189,7 +189,7 @@ LSE_FORWARD_TMA = {
                                                 "IEEE")},
     "tile_lse_ptr": "*fp32", "target_logit_ptr": "*fp32", "tile_weighted_sum_ptr": "*fp32", "tile_max_ptr": "*fp32",
     "tile_entropy_ptr": "*fp32", "N": "i32", "row_start": "i32", "rows_in_launch": "i32", "V": "i32",
-    "NEED_WEIGHTED_SUM": FALSE, "NEED_ENTROPY": FALSE, "STORE_TILE_MAX": FALSE,
+    "NEED_WEIGHTED_SUM": FALSE, "NEED_ENTROPY": FALSE, "NEED_LSE_MINUS_MEAN": FALSE, "STORE_TILE_MAX": FALSE,
 }
 FUSED_FORWARD_TMA = {
     **{name: LSE_FORWARD_TMA[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_SOFTCAP",
@@ -208,6 +208,11 @@ PERSISTENT = {
     # filtered linear_log_probs with entropy: the tile entropies' plane stored too
     "lse_forward_tma_kernel, filtered, entropy": (
         lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_ENTROPY": TRUE}, 4),
+    # ... whose backward will run: each tile's lse less its mean logit stored too, filtered or not
+    "lse_forward_tma_kernel, entropy backward": (
+        lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "NEED_ENTROPY": TRUE, "NEED_LSE_MINUS_MEAN": TRUE}, 4),
+    "lse_forward_tma_kernel, filtered, entropy backward": (lse_forward_tma_kernel, {
+        **LSE_FORWARD_TMA, "STORE_TILE_MAX": TRUE, "NEED_ENTROPY": TRUE, "NEED_LSE_MINUS_MEAN": TRUE}, 4),
     # a temperature: the logits scaled in fp32 between the dot and the epilogue
     "lse_forward_tma_kernel, temperature": (lse_forward_tma_kernel, {**LSE_FORWARD_TMA, "LOGIT_SCALE": TEMPERATURE}, 4),
     "fused_forward_tma_kernel, temperature": (
@@ -228,6 +233,11 @@ SIZE_PRODUCTS = {
         [("N", "stride_tile_max"), ("stat_stride", "c3_i32")]),
     "offsets of lse_forward_tma_kernel, filtered, entropy": (
         lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered, entropy"][1], [("N", "num_n")]),
+    "offsets of lse_forward_tma_kernel, entropy backward": (
+        lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, entropy backward"][1], [("N", "num_n")]),
+    "offsets of lse_forward_tma_kernel, filtered, entropy backward": (
+        lse_forward_tma_kernel, PERSISTENT["lse_forward_tma_kernel, filtered, entropy backward"][1],
+        [("N", "num_n")]),
 }
 """Kernels whose offsets multiply sizes (N x vocab tiles, 2 and 3 x splits x N), and those
 products' operands as the TTIR names them: in 32 bits they wrap at sizes an H200 holds

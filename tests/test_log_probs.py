@@ -322,6 +322,54 @@ def test_entropy_of_large_logits_is_accurate_and_never_negative(
     assert bool((entropy >= 0.0).all()), float(entropy.min())
 
 
+@pytest.mark.parametrize(("kernels", "dtype", "filter_eps", "bound"), [
+    (False, torch.float32, None, 1e-4), (False, torch.float32, 2.0**-7, 1e-4),
+    pytest.param(True, torch.float32, None, 1e-4, marks=pytest.mark.interpreter),
+    pytest.param(True, torch.float32, 2.0**-7, 1e-4, marks=pytest.mark.interpreter),
+    pytest.param(True, torch.bfloat16, None, 1e-2, marks=pytest.mark.interpreter),
+    pytest.param(True, torch.bfloat16, 2.0**-7, 1e-2, marks=pytest.mark.interpreter),
+], ids=["cpu", "cpu-filtered", "split", "split-filtered", "tma", "tma-filtered"])
+def test_entropy_gradient_of_peaked_rows(kernels: bool, dtype: torch.dtype, filter_eps: float | None, bound: float,
+                                         launch_plans: list) -> None:
+    """The entropy's d-logits are -p_j (l_j - lse) - p_j (lse - mean logit) for the lse the
+    backward reads: with the entropy in lse - mean logit's place, off from it by lse's fp32
+    rounding (~|lse| * 6e-8, as large as a near one-hot row's entropy), dE of such rows under
+    an entropy-only upstream was 5e-2 off float64 (fp32) and 5.5e-2 (bf16). The forward gives
+    lse less the mean logit itself (kernels/forward.lse_minus_mean): every row within `bound`
+    of float64, per row (fp32: 4.5e-6 to 1.0e-5; bf16's d-logits and dE round by 2-8e-3 on
+    every row, flat or peaked)."""
+    e, c, tokens, bias = _shifted_rows(dtype)
+    upstream = torch.randn(e.shape[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    e64 = e.double().requires_grad_()
+    _, reference = reference_log_probs(e64, c.double(), tokens, bias=bias.double(), entropy=True)
+    (expected,) = torch.autograd.grad(reference, e64, upstream)
+    peaked = reference.detach() < 1e-2
+    assert int(peaked.sum()) >= 20, "too few near one-hot rows"
+    leaf = e.clone().requires_grad_()
+    with cce_compile.override_config(SMALL_TILES), on_kernels(kernels):
+        _, entropy = cce_compile.linear_log_probs(leaf, c, tokens, bias=bias, entropy=True, filter_eps=filter_eps)
+        (got,) = torch.autograd.grad(entropy, leaf, upstream.to(torch.float32))
+    if kernels:
+        assert launch_plans[0].forward == ("split" if dtype == torch.float32 else "tma")
+    row_error = (got.double() - expected).norm(dim=1) / expected.norm(dim=1)
+    assert float(row_error[peaked].max()) <= bound, float(row_error[peaked].max())
+
+
+def test_no_grad_pass_leaves_out_lse_minus_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lse less the mean logit is the entropy's backward's alone (a third per-tile plane on
+    the tensor-descriptor forward): a pass under no_grad, an old or reference policy's, asks
+    for none."""
+    asked = []
+    real = log_probs_ops.row_and_filter_stats
+    monkeypatch.setattr(log_probs_ops, "row_and_filter_stats",
+                        lambda *args: asked.append(args[-1]) or real(*args))
+    e, c, tokens, _, _ = _case(19, torch.float32, {})
+    with torch.no_grad():
+        cce_compile.linear_log_probs(e.requires_grad_(), c, tokens, entropy=True)
+    cce_compile.linear_log_probs(e, c, tokens, entropy=True)[1].sum().backward()
+    assert asked == [False, True]
+
+
 def test_loss_module_takes_a_temperature() -> None:
     e, c, targets, _, _ = _case(17, torch.float32, {})
     module = cce_compile.LinearCrossEntropyLoss(temperature=0.5, reduction="sum")
@@ -372,11 +420,15 @@ def test_opcheck_forward_and_backward() -> None:
     bias = (torch.randn(97) * 0.1).requires_grad_()
     e.requires_grad_()
     c.requires_grad_()
-    for entropy, filter_eps in itertools.product((False, True), (0.0, 2.0**-6)):
-        torch.library.opcheck(ops.linear_log_probs_forward, (e, c, tokens, bias, -100, 3.0, entropy, filter_eps, 1.25))
+    for entropy, entropy_backward, filter_eps in itertools.product((False, True), (False, True), (0.0, 2.0**-6)):
+        # an entropy's backward without lse less the mean logit refuses to run: a no-grad pass's leaves
+        operands = (e, c, bias) if entropy_backward or not entropy else (e.detach(), c.detach(), bias.detach())
+        torch.library.opcheck(ops.linear_log_probs_forward,
+                              (*operands[:2], tokens, operands[2], -100, 3.0, entropy, entropy_backward, filter_eps,
+                               1.25))
     policy = active_policy()
     for filter_eps in (0.0, 2.0**-6):
-        _, _, *kept = ops.linear_log_probs_forward(e, c, tokens, bias, -100, 3.0, True, filter_eps, 1.25)
+        _, _, *kept = ops.linear_log_probs_forward(e, c, tokens, bias, -100, 3.0, True, True, filter_eps, 1.25)
         settings = encode_settings(config_for(e, c, filter_eps > 0.0, policy), policy)
         for grad_entropy, need_c in ((torch.randn(33), True), (None, False)):
             args = (torch.randn(33), grad_entropy, e.detach(), c.detach(), tokens, bias.detach(),
@@ -727,7 +779,7 @@ def test_filtered_forward_statistics_through_descriptors_and_pointers(launch_pla
     tokens[::7] = -100
     bias = (torch.randn(1031, generator=torch.Generator().manual_seed(8)) * 0.5).bfloat16()
 
-    options = (tokens, bias, -100, 0.0, True, 2.0**-10)
+    options = (tokens, bias, -100, 0.0, True, True, 2.0**-10)
     through_descriptors = ops.linear_log_probs_forward(e, c, *options)
     through_pointers = ops.linear_log_probs_forward(with_row_stride(e, 105), with_row_stride(c, 105), *options)
     assert [plan.forward for plan in launch_plans] == ["tma", "split"]

@@ -158,7 +158,7 @@ def test_tile_stats_merge_streams_like_torch() -> None:
     expected_entropy = torch.where(shares > 0, shares * (tile_entropy.double() - torch.log(shares)), 0.0).sum(dim=0)
     kept = (tile_lse.clone(), tile_entropy.clone())
     for lse_layout in (tile_lse, tile_lse.T.contiguous().T):
-        lse, entropy = merge_tile_stats(lse_layout, tile_entropy)
+        lse, entropy, _ = merge_tile_stats(lse_layout, tile_entropy)
         torch.testing.assert_close(lse, expected_lse.float(), equal_nan=True)
         finite = torch.isfinite(expected_lse)
         torch.testing.assert_close(entropy[finite], expected_entropy[finite].float())
@@ -167,8 +167,8 @@ def test_tile_stats_merge_streams_like_torch() -> None:
         assert torch.isnan(entropy[13])  # a NaN log-sum-exp's row
     for buffer, before in zip((tile_lse, tile_entropy), kept):
         torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
-    lse, no_entropy = merge_tile_stats(tile_lse)
-    assert no_entropy is None and lse[11] == float("-inf") and lse[12] == float("inf")
+    lse, no_entropy, no_lse_minus_mean = merge_tile_stats(tile_lse)
+    assert no_entropy is None and no_lse_minus_mean is None and lse[11] == float("-inf") and lse[12] == float("inf")
 
 
 @pytest.mark.parametrize("seed", [201, 202, 209, 213])

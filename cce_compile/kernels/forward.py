@@ -61,9 +61,19 @@ def rebased_strict_sum(strict_sum, sumexp, old_max, new_max, rescale):
 def tile_softmax_entropy(logits, exps, shift, sumexp):
     """Each row's entropy of its softmax over the tile's columns, `shift` its largest logit
     there, `exps` and `sumexp` the exponentials about it and their sum: log_sumexp_about_max
-    plus the mean gap (tile_entropy_sums), two terms >= 0. NaN for a row of no column."""
+    plus the mean gap (tile_entropy_sums), two terms >= 0; and that mean gap, shift less the
+    mean logit (whence lse_minus_mean). NaN for a row of no column."""
     gap_sum, strict_sum = tile_entropy_sums(logits, exps, shift)
-    return log_sumexp_about_max(sumexp, strict_sum) + gap_sum / sumexp
+    return log_sumexp_about_max(sumexp, strict_sum) + gap_sum / sumexp, gap_sum / sumexp
+
+
+@triton.jit
+def lse_minus_mean(lse, shift, mean_gap):
+    """A row's stored lse less its softmax-weighted mean logit, from its mean gap below
+    `shift` (its largest logit or tile lse): what the entropy's backward reads as lse - mean
+    logit (ops/loss_terms.log_prob_coefficients). The entropy is that plus lse's rounding,
+    which on a near one-hot row is as large as the entropy; there lse - shift is exact."""
+    return (lse - shift) + mean_gap
 
 
 @triton.jit
@@ -166,7 +176,7 @@ def lse_forward_tma_kernel(
     tile_max_ptr, tile_entropy_ptr, N, row_start, rows_in_launch, V, D, num_programs, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGIT_SCALE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     NEED_WEIGHTED_SUM: tl.constexpr,
-    NEED_ENTROPY: tl.constexpr, STORE_TILE_MAX: tl.constexpr,
+    NEED_ENTROPY: tl.constexpr, NEED_LSE_MINUS_MEAN: tl.constexpr, STORE_TILE_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -185,13 +195,17 @@ def lse_forward_tma_kernel(
     falls in the tile (one tile per row, so no two programs write a row; out-of-range targets
     match none), with NEED_WEIGHTED_SUM label smoothing's sum to tile_weighted_sum, with
     NEED_ENTROPY the entropy of the rows' softmax over the tile to tile_entropy
-    (tile_softmax_entropy; merge_tile_stats_kernel merges the tiles'). With
+    (tile_softmax_entropy; merge_tile_stats_kernel merges the tiles'), with
+    NEED_LSE_MINUS_MEAN (the entropy's backward will run) also the tile's stored lse less its
+    mean logit, which the entropy and lse stored in fp32 have lost, to a second plane of
+    tile_entropy, tile_entropy[1, tile column, row]. With
     STORE_TILE_MAX (filtered mode, whose op hands it the vocabulary already in vocab order)
     the rows' largest logit goes to tile_max[0, row, tile column] and their tile log-sum-exp
     to tile_max[1, row, tile column] instead of tile_lse (one (N, tiles) fp32 buffer less in
     the forward: 78 MB at Qwen2.5's shape), and with NEED_ENTROPY their tile entropy to
     tile_max[2, row, tile column] instead of tile_entropy (whence filtered mode's backward
-    takes the tile mean logits it puts back for the entropy's skipped tiles).
+    takes the tile mean logits it puts back for the entropy's skipped tiles), and with
+    NEED_LSE_MINUS_MEAN the tile's lse less its mean logit to tile_max[3, row, tile column].
     """
     num_m = tl.cdiv(rows_in_launch, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -233,26 +247,37 @@ def lse_forward_tma_kernel(
             tl.store(at, tile_max, mask=row_mask)
             tl.store(at + plane, tile_lse, mask=row_mask)
             if NEED_ENTROPY:
-                tl.store(at + 2 * plane, tile_softmax_entropy(logits, exps, shift, tile_sumexp), mask=row_mask)
+                entropy_at = at + 2 * plane
+                tile_entropy, mean_gap = tile_softmax_entropy(logits, exps, shift, tile_sumexp)
+                tl.store(entropy_at, tile_entropy, mask=row_mask)
+                if NEED_LSE_MINUS_MEAN:
+                    tl.store(at + 3 * plane, lse_minus_mean(tile_lse, shift, mean_gap), mask=row_mask)
         else:
             if NEED_ENTROPY:
-                tl.store(tile_entropy_ptr + out, tile_softmax_entropy(logits, exps, shift, tile_sumexp),
-                         mask=row_mask)
+                entropy_at = tile_entropy_ptr + out
+                tile_entropy, mean_gap = tile_softmax_entropy(logits, exps, shift, tile_sumexp)
+                tl.store(entropy_at, tile_entropy, mask=row_mask)
+                if NEED_LSE_MINUS_MEAN:  # the second plane
+                    tl.store(tile_entropy_ptr + tl.cast(N, tl.int64) * num_n + out,
+                             lse_minus_mean(tile_lse, shift, mean_gap), mask=row_mask)
             tl.store(tile_lse_ptr + out, tile_lse, mask=row_mask)
 
 
 @triton.jit
 def merge_tile_stats_kernel(
     tile_lse_ptr, tile_entropy_ptr, lse_ptr, entropy_ptr, N, num_tiles, stride_tile, stride_row,
-    stride_entropy_tile, stride_entropy_row, NEED_ENTROPY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    BLOCK_TILES: tl.constexpr,
+    stride_entropy_tile, stride_entropy_row, NEED_ENTROPY: tl.constexpr, NEED_LSE_MINUS_MEAN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_TILES: tl.constexpr,
 ):
     """lse[row] = log-sum-exp over tiles of tile_lse[tile, row] and (NEED_ENTROPY) entropy[row]
     from the tiles' entropies tile_entropy[tile, row]: sum_T w_T (H_T + lse - L_T) with w_T =
     exp(L_T - lse) the tile's share of the softmax, L_T its lse and H_T its entropy (the
     entropy of the shares plus the tiles' mean), every term >= 0: summed as lse_forward_kernel
     sums its columns' (tile_entropy_sums, log_sumexp_about_max), each tile a column of logit
-    L_T holding H_T. One streaming pass over both (tile, row) buffers, which stay as they are.
+    L_T holding H_T. With NEED_LSE_MINUS_MEAN, N * num_tiles past each tile's entropy its lse
+    less its mean logit K_T, and N past each row's entropy its lse less its mean logit: lse
+    - L_T + K_T averaged by w_T, summed as the entropy is. One streaming pass over the (tile,
+    row) buffers, which stay as they are.
 
     torch.logsumexp made temporaries the size of its input, so the forward's peak was ~3x its
     per-tile buffer (on Qwen2.5's shape 285 MB against 78 MB); the entropy's merge in torch
@@ -262,6 +287,7 @@ def merge_tile_stats_kernel(
     row_max = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
     row_sumexp = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
     gap_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)  # sum of exp(L_T - row_max) * (H_T + row_max - L_T)
+    mean_gap_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)  # sum of exp(L_T - row_max) * (K_T + row_max - L_T)
     strict_sum = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)  # sum of exp(L_T - row_max) where L_T < row_max
     for start in range(0, num_tiles, BLOCK_TILES):
         tiles = start + tl.arange(0, BLOCK_TILES)
@@ -279,6 +305,13 @@ def merge_tile_stats_kernel(
             # A tile of weight 0 adds nothing, whatever its entropy (a masked or empty tile's may be NaN).
             gaps = tl.where(weights > 0.0, weights * (entropies + (shift[None, :] - x)), 0.0)
             gap_sum = rebased_gap_sum(gap_sum, row_sumexp, row_max, shift, rescale) + tl.sum(gaps, axis=0)
+            if NEED_LSE_MINUS_MEAN:
+                plane = tl.cast(N, tl.int64) * num_tiles
+                tile_k = tl.load(tile_entropy_ptr + plane + tiles64 * stride_entropy_tile + rows64 * stride_entropy_row,
+                                 mask=mask, other=0.0)
+                mean_gaps = tl.where(weights > 0.0, weights * (tile_k + (shift[None, :] - x)), 0.0)
+                mean_gap_sum = (rebased_gap_sum(mean_gap_sum, row_sumexp, row_max, shift, rescale)
+                                + tl.sum(mean_gaps, axis=0))
             strict_sum = (rebased_strict_sum(strict_sum, row_sumexp, row_max, new_max, rescale)
                           + tl.sum(tl.where(x < shift[None, :], weights, 0.0), axis=0))
         row_sumexp = row_sumexp * rescale + tl.sum(weights, axis=0)
@@ -288,3 +321,6 @@ def merge_tile_stats_kernel(
     if NEED_ENTROPY:
         entropy = log_sumexp_about_max(row_sumexp, strict_sum) + gap_sum / row_sumexp
         tl.store(entropy_ptr + rows, entropy, mask=row_mask)
+        if NEED_LSE_MINUS_MEAN:
+            lse = shift + tl.log(row_sumexp)  # the one stored above
+            tl.store(entropy_ptr + N + rows, lse_minus_mean(lse, shift, mean_gap_sum / row_sumexp), mask=row_mask)

@@ -23,13 +23,14 @@ from .problem import kernel_flags
 class Coefficients(NamedTuple):
     """The d-logits' per-token coefficients (ops/loss_terms.py), fp32 (N,): `smooth` is read
     only with label smoothing, `entropy` is None but for linear_log_probs' entropy, whose
-    `row_entropy` (each row's entropy, lse - mean logit) bounds fp16's d-logits."""
+    `lse_minus_mean` (each row's lse less its mean logit, its entropy within lse's rounding)
+    bounds fp16's d-logits."""
 
     softmax: Tensor
     target: Tensor
     smooth: Tensor
     entropy: Tensor | None = None
-    row_entropy: Tensor | None = None
+    lse_minus_mean: Tensor | None = None
 
 
 def run_backward(
@@ -115,9 +116,9 @@ def _d_logits_bound(coefficients: Coefficients) -> Tensor:
     where the other paths leave the other tokens' dE rows as they are."""
     if coefficients.entropy is None:
         return torch.maximum(_magnitude(coefficients.softmax).max(), _magnitude(coefficients.target).max())
-    assert coefficients.row_entropy is not None, "an entropy term comes with its rows' entropies"
-    h, row_entropy = coefficients.entropy.abs(), coefficients.row_entropy
-    spread = torch.where(h != 0, h * torch.clamp_min(row_entropy, 1.0 / math.e), 0.0)  # a row of no token: 0
+    assert coefficients.lse_minus_mean is not None, "an entropy term comes with its rows' lse less mean logit"
+    h, lse_minus_mean = coefficients.entropy.abs(), coefficients.lse_minus_mean
+    spread = torch.where(h != 0, h * torch.clamp_min(lse_minus_mean, 1.0 / math.e), 0.0)  # a row of no token: 0
     return (2 * _magnitude(coefficients.target) + spread).max()
 
 

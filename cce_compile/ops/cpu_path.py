@@ -4,6 +4,7 @@ chunked over the vocabulary in fp32 so the (N, V) logits never exist at once."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -12,6 +13,16 @@ from ..config.keys import n_bucket
 from .filtering import (
     Tilt, dense_is_faster, flat_rows, kept_tile_mask, mass_sample_rows, tile_widths, tilt_sample_size,
 )
+
+
+class RowStats(NamedTuple):
+    """Every row's statistics from a forward, fp32 (N,); those not asked for are None."""
+
+    lse: Tensor
+    target_logit: Tensor
+    weighted_sum: Tensor | None = None  # sum_j w_j l_j (label smoothing's)
+    entropy: Tensor | None = None  # -sum_j p_j log p_j, summed about the row's max
+    lse_minus_mean: Tensor | None = None  # lse, as stored, less sum_j p_j l_j: the entropy's backward's (lse_minus_mean)
 
 
 def scale_and_cap(logits: Tensor, logit_scale: float, softcap: float) -> Tensor:
@@ -49,15 +60,23 @@ def entropy_about_max(sumexp: Tensor, strict_sum: Tensor, gap_sum: Tensor) -> Te
     return log_sumexp + gap_sum / sumexp
 
 
+def lse_minus_mean(lse: Tensor, shift: Tensor, gap_sum: Tensor, sumexp: Tensor) -> Tensor:
+    """Each row's stored lse less its mean logit sum_j p_j l_j, from sums about `shift` (its
+    largest logit, or 0): sumexp = sum_j exp(l_j - shift) and the gap sum sum_j exp(l_j -
+    shift) (shift - l_j), as kernels/forward.lse_minus_mean takes it."""
+    return (lse - shift) + gap_sum / sumexp
+
+
 def forward_cpu(
     e: Tensor, c: Tensor, targets: Tensor, bias: Tensor | None, weight: Tensor | None,
     softcap: float, need_weighted_sum: bool, chunk_v: int, need_entropy: bool = False, logit_scale: float = 1.0,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """(lse, target_logit, sum_j w_j l_j or None, the entropy -sum_j p_j log p_j or None), each
-    fp32 (N,). The entropy is summed about the running max m as the kernels sum it
-    (kernels/forward.tile_entropy_sums, tiles.log_sumexp_about_max):
+    need_lse_minus_mean: bool = False,
+) -> RowStats:
+    """The rows' statistics, those asked for. The entropy is summed about the running max m as
+    the kernels sum it (kernels/forward.tile_entropy_sums, tiles.log_sumexp_about_max):
     log(sum_j exp(l_j - m)) + sum_j p_j (m - l_j), terms >= 0 that never cancel, where
-    lse - sum_j p_j l_j is off by the logits' rounding."""
+    lse - sum_j p_j l_j is off by the logits' rounding; `need_lse_minus_mean` (with
+    need_entropy) adds lse less the mean logit from the same sums."""
     n, v = e.shape[0], c.shape[0]
     e32 = e.to(torch.float32)
     row_max = e32.new_full((n,), float("-inf"))
@@ -88,8 +107,11 @@ def forward_cpu(
             w = weight[start:stop].to(torch.float32) if weight is not None else None
             weighted_sum = weighted_sum + (logits * w if w is not None else logits).sum(dim=1)
     lse = row_max + torch.log(row_sumexp)
-    entropy = entropy_about_max(row_sumexp, strict_sum, gap_sum) if need_entropy else None
-    return lse, target_logit, weighted_sum, entropy
+    if not need_entropy:
+        return RowStats(lse, target_logit, weighted_sum)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    return RowStats(lse, target_logit, weighted_sum, entropy_about_max(row_sumexp, strict_sum, gap_sum),
+                    lse_minus_mean(lse, shift, gap_sum, row_sumexp) if need_lse_minus_mean else None)
 
 
 def _tile_keep(distance: Tensor, block_m: int, block_n: int, row0: int, col0: int, eps: float) -> Tensor:

@@ -129,12 +129,13 @@ def backward_tile_stats(
     39 MB instead of 156 (docs/notes/filtered-tile-statistics.md). tile_mean_logit, each tile's
     mean logit (its log-sum-exp less its entropy) less lse, is stored the same way, a tile of no
     mass (whose mean is NaN) and fp16's overflow made finite. The entropies' plane is
-    overwritten with the mean logits: nothing reads it after."""
+    overwritten with the mean logits: nothing reads it after, nor a fourth plane (the tiles'
+    lse less their mean logit, merged into each row's by the forward already)."""
     kept = kept_tile_mask(tile_stats[0], lse, targets, order, filter_eps, forward_block_n, block_m, block_n)
     if tile_stats.shape[0] > 2:
         torch.sub(tile_stats[1], tile_stats[2], out=tile_stats[2])
-    relative = [torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device) for _ in tile_stats[1:]]
-    for plane, out in zip(tile_stats[1:], relative):
+    relative = [torch.empty(tile_stats.shape[1:], dtype=torch.float16, device=lse.device) for _ in tile_stats[1:3]]
+    for plane, out in zip(tile_stats[1:3], relative):
         torch.sub(plane, lse[:, None], out=out)  # in fp32, stored in fp16: one pass
     tile_lse, *tile_mean_logit = relative
     if tile_mean_logit:

@@ -225,7 +225,7 @@ class FusedForward:
         """The plain-PyTorch path's chunk: its forward and backward on the chunk's rows."""
         row_end = row_start + rows
         e_rows, targets = self.e[row_start:row_end], self.targets[row_start:row_end]
-        lse, target_logit, weighted_sum, _ = forward_cpu(
+        lse, target_logit, weighted_sum, *_ = forward_cpu(
             e_rows, self.c, targets, self.bias, self.weight, self.softcap, self.smoothing, chunk_v=self.config.slab_v,
             logit_scale=self.plan.logit_scale)
         v = self.c.shape[0]

@@ -31,65 +31,72 @@ from .problem import backward_settings, decode_settings, launch_settings, option
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float, logit_scale: float) -> Options:
-    return replace(options_of(bias, None, softcap, 0.0, filter_eps, logit_scale), has_entropy=entropy)
+def _options(bias: Tensor | None, softcap: float, entropy: bool, filter_eps: float, logit_scale: float,
+             entropy_backward: bool = False) -> Options:
+    return replace(options_of(bias, None, softcap, 0.0, filter_eps, logit_scale), has_entropy=entropy,
+                   entropy_backward=entropy_backward)
 
 
 @torch.library.custom_op("cce::linear_log_probs_forward", mutates_args=())
 def linear_log_probs_forward(
     e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None, ignore_index: int, softcap: float, entropy: bool,
-    filter_eps: float, logit_scale: float = 1.0, settings: str = "",
+    entropy_backward: bool, filter_eps: float, logit_scale: float = 1.0, settings: str = "",
 ) -> LogProbOutputs:
-    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, row_entropy, kept_tiles,
-    tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy and row_entropy
-    (the entropy at ignored tokens too, what the entropy's backward needs) empty without
-    `entropy`; the last four
-    what filtered mode's backward filters with (filtering.FilterStats; empty with
+    """e (N, D), c (V, D), tokens (N,) -> (log_probs, entropy, lse, lse_minus_mean, kept_tiles,
+    tile_lse, tile_mean_logit, vocab_order): the first four fp32 (N,), entropy empty without
+    `entropy`, lse_minus_mean (each row's lse less its mean logit, ignored tokens' too: what
+    the entropy's backward reads, kernels/forward.lse_minus_mean) empty without
+    `entropy_backward` (the entropy's backward will run; a no-grad pass skips its work); the
+    last four what filtered mode's backward filters with (filtering.FilterStats; empty with
     `filter_eps` 0, exact mode). `softcap` 0 means none; `logit_scale` (1 / temperature)
     multiplies the logits before it (ops/library.py).
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
     config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), config, policy)
-    (lse, target_logit, _, row_entropy), filter_stats = row_and_filter_stats(
-        plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps)
-    log_probs, entropies = log_prob_terms(lse, target_logit, row_entropy, tokens, c.shape[0], ignore_index)
-    if entropies is None or row_entropy is None:  # two empties: a custom op's outputs may not alias
-        entropies, row_entropy = lse.new_empty((0,)), lse.new_empty((0,))
-    return log_probs, entropies, lse, row_entropy, *filter_stats
+    entropy_backward = entropy and entropy_backward
+    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale, entropy_backward),
+                       config, policy)
+    stats, filter_stats = row_and_filter_stats(
+        plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps, entropy_backward)
+    log_probs, entropies = log_prob_terms(stats.lse, stats.target_logit, stats.entropy, tokens, c.shape[0],
+                                          ignore_index)
+    lse_minus_mean = stats.lse_minus_mean
+    # empties where absent, two of them: a custom op's outputs may not alias
+    return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
+            stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
 
 
 @linear_log_probs_forward.register_fake
-def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, logit_scale=1.0,
+def _forward_fake(e, c, tokens, bias, ignore_index, softcap, entropy, entropy_backward, filter_eps, logit_scale=1.0,
                   settings="") -> LogProbOutputs:
     n = e.shape[0]
-    per_row = e.new_empty((n,), dtype=torch.float32)
-    maybe = e.new_empty((n,) if entropy else (0,), dtype=torch.float32)
-    return (per_row, maybe, e.new_empty((n,), dtype=torch.float32), e.new_empty(maybe.shape, dtype=torch.float32),
+    return (e.new_empty((n,), dtype=torch.float32), e.new_empty((n,) if entropy else (0,), dtype=torch.float32),
+            e.new_empty((n,), dtype=torch.float32),
+            e.new_empty((n,) if entropy and entropy_backward else (0,), dtype=torch.float32),
             *fake_filter_stats(e, c, tokens, filter_eps, entropy, settings))
 
 
 @torch.library.custom_op("cce::linear_log_probs_backward", mutates_args=())
 def linear_log_probs_backward(
     grad_log_probs: Tensor, grad_entropy: Tensor | None, e: Tensor, c: Tensor, tokens: Tensor, bias: Tensor | None,
-    lse: Tensor, row_entropy: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
+    lse: Tensor, lse_minus_mean: Tensor, kept_tiles: Tensor, tile_lse: Tensor, tile_mean_logit: Tensor,
     vocab_order: Tensor, ignore_index: int, softcap: float, filter_eps: float, logit_scale: float, need_grad_e: bool,
     need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
-    None) the entropies, with the forward's row entropies (read with grad_entropy only), filter
-    statistics, config and policy (`settings`).
+    None) the entropies, with the forward's lse less the mean logit (read with grad_entropy
+    only), filter statistics, config and policy (`settings`).
     A gradient not needed comes back empty, grad_bias empty without a bias."""
     kernel_config, launch_policy = decode_settings(settings)
     entropy = grad_entropy is not None
     plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
                        launch_policy)
-    entropies = row_entropy if entropy else None
+    row_lse_minus_mean = lse_minus_mean if entropy else None
     coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-        grad_log_probs, grad_entropy, entropies, tokens, c.shape[0], ignore_index)
+        grad_log_probs, grad_entropy, row_lse_minus_mean, tokens, c.shape[0], ignore_index)
     grad_e, grad_c, grad_bias = backward_from_coefficients(
         plan, kernel_config,
-        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, entropies),
+        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
         e, c, tokens, bias,
         None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
         need_grad_e, need_grad_c,
@@ -100,7 +107,7 @@ def linear_log_probs_backward(
 
 
 @linear_log_probs_backward.register_fake
-def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, row_entropy, kept_tiles, tile_lse,
+def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, lse_minus_mean, kept_tiles, tile_lse,
                    tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c,
                    settings):
     return (
@@ -111,8 +118,8 @@ def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, row_en
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    e, c, tokens, bias, ignore_index, softcap, entropy, filter_eps, logit_scale, settings = inputs
-    _, _, *kept = output  # lse, row_entropy and the filter statistics
+    e, c, tokens, bias, ignore_index, softcap, entropy, _, filter_eps, logit_scale, settings = inputs
+    _, _, *kept = output  # lse, lse_minus_mean and the filter statistics
     ctx.save_for_backward(e, c, tokens, bias, *kept)
     ctx.mark_non_differentiable(*kept)
     ctx.options = (ignore_index, softcap, filter_eps, logit_scale)
@@ -121,20 +128,23 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_log_probs, grad_entropy, *_grad_kept):
-    e, c, tokens, bias, lse, row_entropy, *filter_stats = ctx.saved_tensors
+    e, c, tokens, bias, lse, lse_minus_mean, *filter_stats = ctx.saved_tensors
     grad_log_probs = torch.zeros_like(lse) if grad_log_probs is None else grad_log_probs
     if not ctx.entropy:
         grad_entropy = None  # no entropy term in the d-logits at all
+    elif lse_minus_mean.numel() != lse.numel():
+        raise RuntimeError("cce::linear_log_probs_forward ran with entropy_backward=False, so its backward lacks "
+                           "each row's lse less its mean logit; pass True where autograd will run it")
     elif grad_entropy is None:
         grad_entropy = torch.zeros_like(lse)
     need_grad_e, need_grad_c = ctx.needs_input_grad[:2]
     with without_autocast(e.device.type):  # the op's fp32 math is its own
         grad_e, grad_c, grad_bias = linear_log_probs_backward(
-            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, row_entropy, *filter_stats, *ctx.options,
+            grad_log_probs, grad_entropy, e, c, tokens, bias, lse, lse_minus_mean, *filter_stats, *ctx.options,
             need_grad_e, need_grad_c, ctx.settings,
         )
     return (grad_e if need_grad_e else None, grad_c if need_grad_c else None, None,
-            grad_bias if bias is not None else None, None, None, None, None, None, None)
+            grad_bias if bias is not None else None, None, None, None, None, None, None, None)
 
 
 linear_log_probs_forward.register_autograd(_backward, setup_context=_setup_context)

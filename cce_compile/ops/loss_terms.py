@@ -156,18 +156,19 @@ def log_prob_terms(
 
 
 def log_prob_coefficients(
-    grad_log_probs: Tensor, grad_entropy: Tensor | None, row_entropy: Tensor | None, tokens: Tensor, v: int,
+    grad_log_probs: Tensor, grad_entropy: Tensor | None, lse_minus_mean: Tensor | None, tokens: Tensor, v: int,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(coef_softmax, coef_target, coef_entropy) of linear_log_probs' d-logits, fp32 (N,).
 
-    With upstream g (log-prob) and h (entropy), mu = sum_j p_j l_j and H = lse - mu:
-        d log p_y / d l_j = [j == y] - p_j,   d H / d l_j = -p_j * (l_j - mu) = -p_j * (l_j - lse) - p_j * H,
-    so d l_j = -(g + h * H) * p_j + g * [j == y] - h * p_j * (l_j - lse): coef_softmax = -(g + h H),
+    With upstream g (log-prob) and h (entropy), mu = sum_j p_j l_j and K = lse - mu:
+        d log p_y / d l_j = [j == y] - p_j,   d H / d l_j = -p_j * (l_j - mu) = -p_j * (l_j - lse) - p_j * K,
+    so d l_j = -(g + h * K) * p_j + g * [j == y] - h * p_j * (l_j - lse): coef_softmax = -(g + h K),
     coef_target = -g, coef_entropy = h in the d-logits kernel's terms (kernels/backward.py). Written
     about lse, every term is bounded (p_j |l_j - lse| <= 1/e); about 0, a mean logit far above
-    the spread (1 / T, a constant in the bias) would round g away in h * mu - g. `row_entropy` is
-    the forward's H (summed about the row's max: lse - mu would cancel to the logits' rounding).
+    the spread (1 / T, a constant in the bias) would round g away in h * mu - g.
+    `lse_minus_mean` is the forward's K for the lse it stored (kernels/forward.lse_minus_mean):
+    the entropy H in its place is off by lse's rounding, as large as a near one-hot row's H.
     Ignored tokens take no gradient; a token outside [0, V) (NaN log-prob) takes g NaN
     (upstream_gradient), so its d-logits are NaN whatever the upstream gradients, the entropies'
     alone included."""
@@ -177,4 +178,4 @@ def log_prob_coefficients(
     if grad_entropy is None:
         return coef_target, coef_target, None
     h = torch.where(valid, grad_entropy.to(torch.float32), 0.0)
-    return (-(g + h * row_entropy)).contiguous(), coef_target, h.contiguous()
+    return (-(g + h * lse_minus_mean)).contiguous(), coef_target, h.contiguous()

@@ -50,7 +50,7 @@ def shard_row_stats(
     options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
     plan = plan_launch(problem_of(e, c), options, config, policy)
     none = targets.new_empty((0,))
-    lse, target_logit, weighted_sum, _ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
+    lse, target_logit, weighted_sum, *_ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
                                                    need_weighted_sum, False, none,
                                                    none.new_empty((0, 0), dtype=torch.float32))
     return lse, target_logit, weighted_sum if weighted_sum is not None else lse.new_empty((0,))

@@ -63,6 +63,7 @@ class Options:
     has_smoothing: bool = False
     filtered: bool = False
     has_entropy: bool = False  # linear_log_probs' entropy: its sums about the row max, and its term in d-logits
+    entropy_backward: bool = False  # and the entropy's backward will run: the forward gives lse less the mean logit
     logit_scale: float = 1.0  # 1 / temperature: multiplies the logits (before the soft-cap)
 
     @property
@@ -121,7 +122,9 @@ def runs_triton(problem: Problem, policy: Policy) -> bool:
 def forward_kernel(problem: Problem, options: Options, policy: Policy) -> ForwardKernel:
     if not runs_triton(problem, policy):
         return "cpu"
-    supported = options.plain or (options.plain_logits and policy.forward_gluon_with_entropy)
+    # The Gluon forward's entropy has no lse less the mean logit, which the entropy's backward reads.
+    supported = options.plain or (options.plain_logits and policy.forward_gluon_with_entropy
+                                  and not options.entropy_backward)
     if not options.filtered and gluon_fits(problem, supported, policy, policy.forward_gluon_max_k_steps):
         return "gluon"
     return "tma" if problem.descriptors_fit else "split"
