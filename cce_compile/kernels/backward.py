@@ -19,8 +19,8 @@ def grad_from_logits(
         d_logit[i, j] = a[i] * p[i, j] - b[i] * [j == y_i] - s[i] * w[j] - h[i] * p[i, j] * (logit[i, j] - lse[i])
     (the last with HAS_ENTROPY: linear_log_probs' entropy, about lse so that it stays bounded), then the soft-cap's chain rule
     (`logits` are the capped ones; the coefficients carry a temperature's 1 / T already). With
-    SCALED (fp16), the tile is divided by scale_ptr[0] (a bound on the call's d-logits,
-    ops/backward._d_logits_bound) so small gradients stay in fp16's normal range; the GEMMs
+    SCALED (fp16), the tile is divided by scale_ptr[0] (a bound on the call's d-logits over
+    ops/backward.FP16_HEADROOM) so small gradients stay in fp16's normal range; the GEMMs
     multiply it back. Every vocab id of the tile lies in
     [vocab_first, vocab_last]: tiles that no row's target can fall in skip the search for it.
     """
