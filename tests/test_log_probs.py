@@ -472,6 +472,34 @@ def test_fullgraph_compile_with_dynamic_n_matches_eager(mode: str) -> None:
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
 
 
+@pytest.mark.parametrize(("marked", "frames"), [(True, [1, 1, 2, 3, 3, 3]), (False, [1, 2, 3, 4, 4, 4])])
+def test_packed_lengths_compile_one_graph_per_n_bucket(marked: bool, frames: list[int]) -> None:
+    """Packed batches of 37, 64, 100, 129, 250 and 256 tokens, fullgraph: the traced config's
+    only guard is N's power-of-two bucket, so (32, 64] and (128, 256] compile once each. With
+    mark_dynamic, one graph per bucket; with automatic dynamic shapes, the static first call's
+    graph, then one per bucket. Every call gives eager's gradients."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_policy_step, backend=counter, fullgraph=True)
+    head = torch.randn(83, 16, requires_grad=True)
+    got_frames = []
+    for n in (37, 64, 100, 129, 250, 256):
+        hidden, tokens = torch.randn(1, n, 16), torch.randint(0, 83, (1, n))
+        grads = []
+        for step in (compiled, _policy_step):
+            leaf = hidden.clone().requires_grad_()
+            if step is compiled and marked:
+                torch._dynamo.mark_dynamic(leaf, 1)
+                torch._dynamo.mark_dynamic(tokens, 1)
+            step(leaf, head, tokens).backward()
+            grads.append((leaf.grad, head.grad))
+            head.grad = None
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        got_frames.append(counter.frame_count)
+    assert got_frames == frames, f"frames after each call: {got_frames}"
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("mode", POLICY_STEPS)
 def test_compiled_graph_runs_the_interpreted_kernels(mode: str) -> None:

@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import Tensor, nn
 
 pytest.importorskip("transformers")
@@ -198,6 +199,48 @@ def test_patched_model_compiles_fullgraph_where_it_falls_back_to_hf(family: str)
         with torch.set_grad_enabled(grad):
             compiled = torch.compile(lambda ids: patched(ids, **kwargs).logits, fullgraph=True, backend="eager")
             assert_close(compiled(input_ids), reference(input_ids, **kwargs).logits.detach(), rtol=1e-5)
+
+
+@pytest.mark.parametrize(("options", "new_buckets"), [({}, 0), ({"memory": "low"}, 1)])
+def test_a_compiled_training_step_over_varying_lengths_compiles_as_the_unpatched_model(
+        options: dict, new_buckets: int) -> None:
+    """Forward and backward() in one fullgraph compile (Dynamo traces the backward), SGD
+    after it, over batches of 2 x 20, 24, 30, then 40 tokens (N = 40 to 60 in the bucket
+    (32, 64], then 80), with automatic dynamic shapes (a static first graph, then a dynamic
+    one). The patched twin compiles what the unpatched one does, step by step: on the default
+    path (no traced config) nothing more; with memory="low" (a config per N bucket) one graph
+    more, at the step that leaves the bucket. Losses and parameters stay the unpatched's.
+    Dynamo's eager backend: the guards counted are Dynamo's (AOT is test_op_compile's)."""
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        pytest.skip("this torch's Dynamo cannot trace Tensor.backward()")
+    reference = tiny_model("llama")
+    patched = patch(copy.deepcopy(reference), **options)
+    runs = []
+    for model in (reference, patched):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def forward_backward(input_ids: Tensor, labels: Tensor, model: PreTrainedModel = model) -> Tensor:
+            loss = model(input_ids, labels=labels).loss
+            loss.backward()
+            return loss.detach()
+
+        losses, frames = [], []
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            compiled = torch.compile(forward_backward, backend=counter, fullgraph=True)
+            for seed, length in enumerate((20, 24, 30, 40)):
+                losses.append(compiled(*batch(seed, (2, length))))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                frames.append(counter.frame_count)
+        runs.append((torch.stack(losses), frames, [p.detach() for p in model.parameters()]))
+    (want, want_frames, want_params), (got, got_frames, got_params) = runs
+    assert want_frames == [1, 2, 2, 2], f"the unpatched model's frames after each step: {want_frames}"
+    assert got_frames == [1, 2, 2, 2 + new_buckets], f"frames after each step: {got_frames}, unpatched {want_frames}"
+    assert_close(got, want, rtol=1e-5)
+    for p, q in zip(got_params, want_params):
+        assert_close(p, q, rtol=1e-4)
 
 
 def test_loss_helper_compiles_fullgraph_with_every_option() -> None:
