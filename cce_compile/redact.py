@@ -12,23 +12,63 @@ import re
 HIDDEN = "***"
 """What a secret is shown as (SQLAlchemy's `hide_password` shows a password alike)."""
 
-_USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/?#\s:@]*):[^/?#\s]*@")
+_USERINFO_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]{0,31}://)(?P<user>[^/?#\s:@]*):[^/?#\s]*@")
 """`scheme://user:password@`: the password is whatever lies between the first ':' and the
 last '@' of the authority, which ends at the first '/', '?' or '#' (an unescaped '@' in a
-password stays inside it; one in the query, `?next=a@b`, is not a password's end)."""
+password stays inside it; one in the query, `?next=a@b`, is not a password's end). The
+scheme's length is bounded (a longer run matches as its last 32 characters), or each
+character of a long word would start a scan to its end: quadratic in a client's request line."""
 _SECRET_WORD = (r"(?i:[a-z0-9]*(?:token|secret|passw(?:or)?d)|pwd|(?:api)?key|auth|authorization|signature|sig"
                 r"|credentials?)")
 """A word of a parameter's name that says its value is a secret; token, secret and password
 also end one (accesstoken, authtoken), where no harmless word ends so."""
-_SECRET_PARAMETER = re.compile(
-    rf"(?P<name>[?&#;](?:[^=&#;\s]*?(?:[\-_.]|(?<=[a-z0-9])(?=[A-Z])))?{_SECRET_WORD}"
-    r"(?:(?=[=\-_.])|(?<=[a-z])(?=[A-Z]))[^=&#;\s]*=)"
-    r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*"
+_SECRET_NAME = re.compile(
+    rf"(?:^|(?<=[?\-_.])|(?<=[a-z0-9])(?=[A-Z])){_SECRET_WORD}(?:(?=[\-_.]|$)|(?<=[a-z])(?=[A-Z]))"
 )
-"""A query or fragment parameter with a secret word in its name, words split at '_', '-', '.'
-or where camelCase starts one (token=, access_token=, api_key=, apiKey=, X-Amz-Signature=;
-not a substring: tokens=, monkey=, author=, design= are shown): its value up to the next
-separator, a space, a quote, a bracket, or a colon that ends the URL in a message ('URL: reason')."""
+"""A secret word in a parameter's name, words split at '_', '-', '.' or where camelCase starts
+one (token, access_token, api_key, apiKey, X-Amz-Signature; not a substring: tokens, monkey,
+author, design are shown), or at a '?' in it (each '?' starts a name: ?a?token=)."""
+_NAME_RUN = re.compile(r"(?<![^=&#;\s])(?P<run>[^=&#;\s]+)=")
+"""What stands before a '=' back to the last '&', '#', ';', '=' or space: a parameter's name
+after the '&', '#' or ';' before it or after the first '?' in it. A run starts only where
+the one before it ends, so no character is scanned twice: linear in the text, which may be a
+client's request line (the service's access log)."""
+_RUN_FROM = re.compile(r"(?P<run>[^=&#;\s]+)=")
+"""The rest of a run from where a secret's value ended inside it, up to its '='."""
+_LONGEST_NAME = 128
+"""Names longer than this are hidden unread: _SECRET_NAME tries a secret word from each of a
+name's word boundaries, which is quadratic in the name (16 KiB of 'aA' took ~4 s)."""
+_VALUE = re.compile(r"(?:[^&#;\s'\"()<>,:]|:(?!\s|$))*")
+"""A parameter's value: up to the next separator, a space, a quote, a bracket, or a colon that
+ends the URL in a message ('URL: reason')."""
+
+
+def _names_a_secret(text: str, run_start: int, run: str) -> bool:
+    """Whether the name in `run` (text[run_start:] up to a '=') says its value is a secret."""
+    if run_start > 0 and text[run_start - 1] in "&#;":
+        name = run
+    elif "?" in run:
+        name = run[run.index("?") + 1:]
+    else:
+        return False  # no '?', '&', '#' or ';' starts a name in it
+    return len(name) > _LONGEST_NAME or _SECRET_NAME.search(name) is not None
+
+
+def _hide_secret_values(text: str) -> str:
+    """`text` with the value of each parameter whose name says it is a secret's (or is too long
+    to read) shown as ***. Another parameter's value is searched on: a URL in it may have its own."""
+    pieces, shown = [], 0
+    parameter = _NAME_RUN.search(text)
+    while parameter is not None:
+        at = parameter.end()
+        if _names_a_secret(text, parameter.start(), parameter["run"]):
+            pieces += [text[shown:at], HIDDEN]
+            shown = at = _VALUE.match(text, at).end()
+            # A value may end inside a run (at a quote, a bracket, a comma), whose '?' starts a name.
+            parameter = _RUN_FROM.match(text, at) or _NAME_RUN.search(text, at)
+        else:
+            parameter = _NAME_RUN.search(text, at)
+    return "".join(pieces) + text[shown:]
 
 
 def redact_urls(text: str) -> str:
@@ -36,4 +76,4 @@ def redact_urls(text: str) -> str:
     that names a secret, shown as ***; the rest (scheme, user, host, path) kept, which says
     which URL it was. For any message: a URL, or an error that may quote one."""
     text = _USERINFO_PASSWORD.sub(lambda match: f"{match['scheme']}{match['user']}:{HIDDEN}@", text)
-    return _SECRET_PARAMETER.sub(lambda match: f"{match['name']}{HIDDEN}", text)
+    return _hide_secret_values(text)

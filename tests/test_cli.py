@@ -476,3 +476,28 @@ def test_redaction_hides_parameters_named_as_secrets_not_those_that_merely_conta
     for name in ("tokens", "monkey", "turkey", "keyword", "keys", "author", "authority", "design", "signal",
                  "assignee", "passage"):
         assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
+
+
+def test_redaction_takes_linear_time_on_long_parameter_names() -> None:
+    """The service's access log redacts every request line a client sends (h11 takes 16 KiB of
+    it, httptools more): a name was tried for a secret word from every camelCase or '_'
+    boundary, each try scanning the rest of the name, so 16 KiB of 'aA' took ~4 s of the worker's
+    event loop (quadratic: 64 KiB over a minute); so did a URL's scheme, tried from every letter
+    of a long word."""
+    import time
+
+    from cce_compile.redact import redact_urls
+
+    for query in ("aA" * 32768, "aToken" * 10923, "token_" * 10923, "a?" * 32768, "a" * 65536,
+                  ("aA" * 64 + "=x&") * 500, "token=a(?" * 7282 + "x" * 512):
+        text = f"http://h/v1?{query}"
+        started = time.perf_counter()
+        redacted = redact_urls(text)
+        assert time.perf_counter() - started < 2.0, query[:12]
+        assert redacted == (text.replace("=a(", "=***(") if "token=a(" in query else text)
+    for text in ("http://h/v1?next=/x?token=abc", "http://h/v1?x?token=abc", "http://h/v1?a_token-b?=abc",
+                 "GET http://h/v1?token=abc: refused", "http://h/v1?token=***(?key=abc"):
+        assert "abc" not in redact_urls(text), text  # a '?' starts a name anywhere, as before
+    long_name = "x" * 4096
+    assert redact_urls(f"http://h/v1?{long_name}=abc&V=8") == f"http://h/v1?{long_name}=***&V=8"  # over the cap: hidden
+
