@@ -18,10 +18,12 @@ last '@' of the authority, which ends at the first '/', '?' or '#' (an unescaped
 password stays inside it; one in the query, `?next=a@b`, is not a password's end). The
 scheme's length is bounded (a longer run matches as its last 32 characters), or each
 character of a long word would start a scan to its end: quadratic in a client's request line."""
-_SECRET_WORD = (r"(?i:[a-z0-9]*(?:token|secret|passw(?:or)?d)|pwd|(?:api)?key|auth|authorization|signature|sig"
-                r"|credentials?)")
+_SECRET_WORD = (r"(?i:[a-z0-9]*(?:token|secret|passw(?:or)?d)|pwd"
+                r"|(?:api|access|account|auth|client|encryption|master|private|secret|session|shared|signing)?key"
+                r"|auth|authorization|signature|sig|credentials?)")
 """A word of a parameter's name that says its value is a secret; token, secret and password
-also end one (accesstoken, authtoken), where no harmless word ends so."""
+also end one (accesstoken, authtoken), where no harmless word ends so; key ends harmless
+words (monkey, turkey), so only a secret's own compounds (apikey, secretkey, privatekey)."""
 _SECRET_NAME = re.compile(
     rf"(?:^|(?<=[?\-_.])|(?<=[a-z0-9])(?=[A-Z])){_SECRET_WORD}(?:(?=[\-_.]|$)|(?<=[a-z])(?=[A-Z]))"
 )

@@ -501,3 +501,15 @@ def test_redaction_takes_linear_time_on_long_parameter_names() -> None:
     long_name = "x" * 4096
     assert redact_urls(f"http://h/v1?{long_name}=abc&V=8") == f"http://h/v1?{long_name}=***&V=8"  # over the cap: hidden
 
+
+
+def test_redaction_hides_compound_key_names() -> None:
+    """'key' ends harmless words (monkey=, turkey=), so only a secret's own word ends one:
+    secretkey=, privatekey=, accesskey= were hidden before names were split into words, and then shown."""
+    from cce_compile.redact import redact_urls
+
+    for name in ("secretkey", "privatekey", "accesskey", "masterkey", "signingkey", "sessionkey", "accountkey",
+                 "clientkey", "encryptionkey", "authkey", "sharedkey", "x-secretkey"):
+        assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
+    for name in ("monkey", "turkey", "hockey", "keys"):
+        assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
