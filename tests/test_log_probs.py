@@ -436,6 +436,21 @@ def test_opcheck_forward_and_backward() -> None:
             torch.library.opcheck(ops.linear_log_probs_backward, args)
 
 
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("filter_eps", [0.0, 2.0**-7], ids=["exact", "filtered"])
+def test_fake_forward_matches_the_tensor_descriptor_forward(filter_eps: float, launch_plans: list) -> None:
+    """The tensor-descriptor forward merges the rows' entropy and lse less the mean logit into
+    one (2, N) buffer: the second, handed out as a view N floats into it, had a storage offset
+    the fake's fresh tensor has not (opcheck: "mismatched storage offset" for output[3])."""
+    e, c, tokens, bias = _shifted_rows(torch.bfloat16)
+    e.requires_grad_()
+    with cce_compile.override_config(SMALL_TILES):
+        torch.library.opcheck(ops.linear_log_probs_forward, (e, c, tokens, bias, -100, 0.0, True, True, filter_eps, 1.0),
+                              test_utils=("test_faketensor",))
+    assert launch_plans[0].forward == "tma"
+
+
 def _policy_step(hidden: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     log_probs, entropy = cce_compile.linear_log_probs(hidden, head, tokens, temperature=0.9, entropy=True, shift=True)
     return (log_probs * 0.3).sum() + (entropy * 0.01).sum()

@@ -217,7 +217,8 @@ def merge_tile_stats(tile_lse: Tensor, tile_entropy: Tensor | None = None, need_
     given the tiles' entropies (tiles, N), the row's, and with `need_lse_minus_mean` its lse
     less its mean logit from the tiles' (tiles, N) that lie N * tiles past their entropies in
     memory (merge_tile_stats_kernel): one pass over them, no temporary of their size, no
-    buffer changed (filtered mode's backward still reads its tile log-sum-exps)."""
+    buffer changed (filtered mode's backward still reads its tile log-sum-exps). Each tensor
+    returned is its own (N,) but the entropy, a view of the kernel's output."""
     num_tiles, n = tile_lse.shape
     lse = torch.empty(n, dtype=torch.float32, device=tile_lse.device)
     entropies, entropy = tile_lse, lse  # unread stand-ins without the entropy
@@ -233,4 +234,6 @@ def merge_tile_stats(tile_lse: Tensor, tile_entropy: Tensor | None = None, need_
     )
     if tile_entropy is None:
         return lse, None, None
-    return lse, entropy[0], entropy[1] if need_lse_minus_mean else None
+    # lse less the mean logit leaves as a tensor of its own: linear_log_probs_forward returns it,
+    # and a view N floats into this buffer has a storage offset its fake's tensor has not
+    return lse, entropy[0], entropy[1].clone() if need_lse_minus_mean else None
