@@ -95,7 +95,8 @@ def lse_forward_kernel(
     (NEED_ENTROPY, at the next two stats) the entropy's sums about the running max, rebased as
     it grows: sum_j exp(logit_j - max) * (max - logit_j) and the sum of exp(logit_j - max)
     over the logits below the max (tile_entropy_sums, rebased_gap_sum, rebased_strict_sum);
-    the op merges the splits' into the entropy (ops/forward.split_entropy).
+    the op merges the splits' (ops/forward.split_entropy_sums) into the entropy and, for the
+    entropy's backward, lse less the mean logit.
     Out-of-range targets match no column, so nothing is ever read at a target index. With
     FILTER (filtered mode), columns are positions in `vocab_order`, and each row's largest
     logit per vocab tile goes to tile_max[0, row, tile], its log-sum-exp over the tile to
