@@ -88,8 +88,8 @@ class Policy:
 
     entropy_row_buffers: int = 4
     """linear_log_probs with entropy holds this many more fp32 vectors per token than the loss beside the backward's
-    scratch (the entropies, the row entropies the backward reads, upstream gradient and coefficient): 0.3% of the
-    gradients at 20000 x 896 x 151936, past other_buffers_fraction."""
+    scratch (the entropies, the rows' lse less mean logit the backward reads, upstream gradient and coefficient):
+    0.3% of the gradients at 20000 x 896 x 151936, past other_buffers_fraction."""
 
     filtered_scratch_fraction: float = 0.25
     """Filtered mode's scratch: more slots make fewer, fuller steps (Qwen2.5 2.84 -> 2.45 x GEMM from 256 to 1024)."""
