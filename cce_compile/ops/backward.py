@@ -107,7 +107,7 @@ def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
 
 
 FP16_HEADROOM = 2.0**15
-"""The largest |d logit| fp16's stored d-logits take: half fp16's largest (65504), so a bound
+"""The largest |d logit| fp16's stored d-logits take: about half fp16's largest (65504), so a bound
 off by fp32's rounding cannot overflow. Dividing by the bound alone (d-logits <= 1) left the 15
 binades above 1 unused: with per-token upstream gradients spanning 8 decades (reduction="none"
 weights, a loss scale, linear_log_probs' advantages) most stored d-logits sank to fp16's
