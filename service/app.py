@@ -16,7 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
-from service.access_log import hide_secrets_in_access_log
+from service.log_secrets import hide_secrets_in_uvicorn_logs
 from service.body_limit import BodySizeLimitMiddleware
 from service.database_errors import LOCK_RETRY_AFTER_S, database_error
 from service.deps import single_valued_query
@@ -65,7 +65,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         redoc_url=None,
     )
     _serve_docs_locally(app)
-    hide_secrets_in_access_log()
+    hide_secrets_in_uvicorn_logs()
     app.state.settings = settings
     app.state.token_scopes = settings.token_scopes()
     app.state.engine = make_engine(db_url)
