@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cce_compile  # noqa: E402
 from cce_compile.bench.harness import _peak_fwd_bwd_bytes, parse_shape  # noqa: E402
 from cce_compile.bench.inputs import FILTER_EPS, lm_like_inputs  # noqa: E402
+from cce_compile.bench.peers import materialized_loss  # noqa: E402
 from cce_compile.ops.problem import config_for  # noqa: E402
 from cce_compile.plan.backward import BackwardPlan  # noqa: E402
 from cce_compile.plan.policy import Policy, active_policy, override_policy  # noqa: E402
@@ -84,13 +85,16 @@ def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, floa
 
 def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, compile_mode: str = "eager"):
     """One pass of `mode` as the benchmark times it: forward+backward from cleared gradients
-    (exact, filtered, triton-gemms: exact mode's path, the backend is set by the caller), or
+    (exact, filtered, triton-gemms: exact mode's path, the backend is set by the caller;
+    materialized: the benchmark's torch impl), or
     with "forward" the forward alone, without autograd. `compile_mode` other than "eager":
     the loss inside torch.compile(fullgraph=True) in that mode, each pass a new CUDA-graph
     step under "reduce-overhead", as the benchmark's compiled rows run it."""
     filter_eps = FILTER_EPS if mode == "filtered" else None
 
     def loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if mode == "materialized":
+            return materialized_loss(e, c, targets)
         return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps)
 
     if compile_mode != "eager":
@@ -231,8 +235,9 @@ def main() -> None:
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
             # as the benchmark measures it (gradients cleared first, counted in the peak); the forward has none
-            peak = (_peak_fwd_bwd_bytes(lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, filter_eps=filter_eps),
-                                        e, c, targets) / 2**20 if cuda and mode != "forward" else None)
+            peak_fn = (materialized_loss if mode == "materialized"
+                       else lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, filter_eps=filter_eps))
+            peak = _peak_fwd_bwd_bytes(peak_fn, e, c, targets) / 2**20 if cuda and mode != "forward" else None
             if args.host_profile:
                 print_host_profile(step, args.host_profile)
             if args.trace is not None and cuda:
