@@ -510,6 +510,32 @@ def test_lm_head_adapters_are_refused_or_trained_as_hf_does() -> None:
         patched(input_ids, labels=labels)
 
 
+def test_an_lm_head_adapter_of_an_inactive_adapter_trains_as_hf_does() -> None:
+    """With two adapters, one on lm_head and the active one not, PEFT's head layer skips the
+    adapter it holds and computes the base layer: the patched forward once refused it (the
+    active adapter counted as one on the head). Loss and gradients are HF's; with the head's
+    adapter active too, it is refused still."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch(seed=16)
+    reference = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
+                                                                          init_lora_weights=False))
+    reference.add_adapter("second", peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    reference.set_adapter("second")
+    patched = copy.deepcopy(reference)
+    patch(patched.get_base_model())
+    expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+    assert actual.logits is None  # the op's loss, not HF's
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    for name, parameter in reference.named_parameters():
+        if parameter.requires_grad:
+            assert_close(patched.get_parameter(name).grad, parameter.grad)
+    patched.base_model.set_adapter(["default", "second"])
+    with pytest.raises(TypeError, match="adapter layer"):
+        patched(input_ids, labels=labels)
+
+
 def partition_as_zero3(parameter: nn.Parameter) -> None:
     """What DeepSpeed ZeRO-3 (not installed here) leaves of a parameter it partitions, outside
     its module's forward: an empty placeholder, marked with ds_id."""

@@ -166,10 +166,14 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
     target_modules: `.weight` is the base layer's), or an nn.Linear with its own forward (a
-    quantized layer). Disabled adapters, or active ones all merged into the weight, pass. A
-    DeepSpeed ZeRO-3 partitioned weight is refused too: ZeRO-3 gathers it only when the head runs."""
+    quantized layer). Disabled adapters, or active ones all merged into the weight or absent from
+    the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
+    weight is refused too: ZeRO-3 gathers it only when the head runs."""
     merged = getattr(head, "merged_adapters", ())
-    unmerged = [name for name in getattr(head, "active_adapters", ()) if name not in merged]
+    # a PEFT layer's own adapters, by name, in the dicts its adapter_layer_names lists (LoRA's lora_A, ...)
+    held = [getattr(head, layer, {}) for layer in getattr(head, "adapter_layer_names", ())]
+    unmerged = [name for name in getattr(head, "active_adapters", ())
+                if name not in merged and (not held or any(name in adapters for adapters in held))]
     if getattr(head, "base_layer", None) is not None and unmerged and not getattr(head, "disable_adapters", False):
         raise TypeError(
             f"lm_head: a {type(head).__module__}.{type(head).__qualname__} adapter layer, whose output the fused loss cannot compute from "
