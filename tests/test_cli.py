@@ -166,6 +166,20 @@ def test_serve_refuses_an_in_memory_database(tmp_path: Path) -> None:
         assert done.returncode == 2
 
 
+def test_db_commands_refuse_an_in_memory_database(tmp_path: Path) -> None:
+    """`cce db upgrade --db-url sqlite://` said 'tuning database at revision 0001' and kept
+    nothing; export and import then said 'no schema; run `cce db upgrade --db-url sqlite://`',
+    which sent the user round the same loop."""
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:shared?mode=memory&cache=shared&uri=true"):
+        for args in (["db", "upgrade"], ["export"], ["import", str(export_file)]):
+            done = cce(*args, "--db-url", url)
+            assert_one_line_failure(done, "Invalid value for --db-url", "in-memory")
+            assert done.returncode == 2
+            assert "revision" not in done.stdout + done.stderr
+
+
 def test_export_and_import_name_a_database_without_schema_and_create_none(tmp_path: Path) -> None:
     """A mistyped SQLite path is not created, and neither it nor a database never upgraded
     fails with the driver's text and the SQL statement: the line says to run `cce db upgrade`."""

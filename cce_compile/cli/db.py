@@ -106,17 +106,36 @@ def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
 
 def new_engine(url: str) -> Engine:
     """make_engine, failing in one line naming --db-url: a URL SQLAlchemy cannot parse or has no
-    dialect for (exit 2, a bad option), or a dialect whose driver is not installed."""
+    dialect for, or an in-memory SQLite database (exit 2, a bad option), or a dialect whose
+    driver is not installed."""
     from sqlalchemy.exc import ArgumentError
 
     from tuning_db.engine import make_engine, shown_url
 
     try:
-        return make_engine(url)
+        engine = make_engine(url)
     except ArgumentError as error:
         raise typer.BadParameter(str(error), param_hint="--db-url") from None
     except ImportError as error:
         fail(f"--db-url {shown_url(url)}: its database driver is not installed ({one_line(error)})")
+    if in_memory(url):  # `cce db upgrade` "succeeded" on it, and export/import then sent the user back to it
+        engine.dispose()
+        raise typer.BadParameter(
+            "an in-memory SQLite database is a new, empty one for each connection: nothing written to it "
+            "outlives the connection; name a file (sqlite:///path/tuning.db)", param_hint="--db-url")
+    return engine
+
+
+def in_memory(db_url: str) -> bool:
+    """Whether `db_url` names an in-memory SQLite database (sqlite://, :memory:, a memory URI)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(db_url)
+    if url.get_backend_name() != "sqlite":
+        return False
+    database = url.database or ""
+    memory_uri = "uri" in url.query and (":memory:" in database or url.query.get("mode") == "memory")
+    return database in ("", ":memory:") or memory_uri
 
 
 def store_engine(db_url: str | None) -> Engine:

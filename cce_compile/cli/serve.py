@@ -119,26 +119,10 @@ def _checked_settings() -> ServiceSettings:
         source = "CCE_SERVICE_TOKENS" + ("/CCE_SERVICE_TOKENS_FILE" if settings.tokens_file else "")
         fail(f"{source}: {error} (`cce token` makes one)")
     db_url = resolve_db_url(settings.db_url)
-    new_engine(db_url).dispose()  # loads the database driver: a missing one fails here
-    if _in_memory(db_url):
-        raise typer.BadParameter(
-            "an in-memory SQLite database is a new, empty one for each connection: the service could never "
-            "use it; name a file (sqlite:///path/tuning.db)", param_hint="--db-url")
+    new_engine(db_url).dispose()  # loads the database driver (a missing one fails here), refuses an in-memory one
     if db_url.startswith("sqlite"):
         upgraded(db_url)
     return settings
-
-
-def _in_memory(db_url: str) -> bool:
-    """Whether `db_url` names an in-memory SQLite database (sqlite://, :memory:, a memory URI)."""
-    from sqlalchemy.engine import make_url
-
-    url = make_url(db_url)
-    if url.get_backend_name() != "sqlite":
-        return False
-    database = url.database or ""
-    memory_uri = "uri" in url.query and (":memory:" in database or url.query.get("mode") == "memory")
-    return database in ("", ":memory:") or memory_uri
 
 
 def startup_report(settings: ServiceSettings, db_url: str) -> list[str]:
