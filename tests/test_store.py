@@ -29,7 +29,7 @@ from tests.db_fixtures import (
 )
 from tuning_db import engine as engine_module
 from tuning_db import store
-from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url
+from tuning_db.engine import DB_URL_ENV, make_engine, resolve_db_url, sqlite_file
 from tuning_db.migrate import current_revision, head_revision, upgrade
 from tuning_db.models import Base, Measurement
 from tuning_db.records import ConfigFilters, LookupQuery, normalize_gpu_name
@@ -92,6 +92,20 @@ def test_default_database_is_an_sqlite_file_in_the_user_cache(
     monkeypatch.setenv(DB_URL_ENV, "sqlite:///elsewhere.db")
     assert resolve_db_url() == "sqlite:///elsewhere.db"
     assert resolve_db_url("sqlite:///given.db") == "sqlite:///given.db"
+
+
+@pytest.mark.parametrize("folder", ["cache?x", "cache%41"])
+def test_the_default_database_is_in_the_user_cache_whatever_its_path_holds(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    """The cache dir was pasted into the URL as it is: a '?' began its query, so `cache?x`
+    put the database in a file named `cache` beside it; `%41` named `cacheA`."""
+    monkeypatch.delenv(DB_URL_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / folder))
+    expected = tmp_path / folder / "cce_compile" / "tuning.db"
+    assert sqlite_file(resolve_db_url()) == expected
+    upgrade()
+    assert expected.is_file() and sorted(path.name for path in tmp_path.iterdir()) == [folder]
 
 
 def test_gpu_names_are_normalized() -> None:

@@ -32,9 +32,11 @@ WRITE_OPTION = "cce_write"
 
 
 def default_db_url() -> str:
-    """The per-user SQLite file, so a single machine works with no setup."""
+    """The per-user SQLite file, so a single machine works with no setup. Its path is escaped
+    in the URL: pasted as it is, a '?' in it began the URL's query (a cache dir `/home/a?b`
+    gave the database file `/home/a`) and a '%41' was read as 'A'."""
     cache_dir = Path(platformdirs.user_cache_dir("cce_compile", ensure_exists=True))
-    return f"sqlite:///{cache_dir / 'tuning.db'}"
+    return URL.create("sqlite", database=str(cache_dir / "tuning.db")).render_as_string(hide_password=False)
 
 
 def resolve_db_url(url: str | None = None) -> str:
