@@ -329,6 +329,35 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
     assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
 
 
+def test_lookup_of_a_named_service_answering_a_config_it_refuses_is_one_line_not_the_heuristic(
+    tmp_path: Path,
+) -> None:
+    """A stored config today's rules refuse (num_warps 3, stored before a rule existed): `--url`
+    printed the heuristic's config with exit 0, `"source": "heuristic"`, as if the service held
+    nothing; a log line the only hint. Without --url the op's ladder still passes it by."""
+    from cce_compile.resolve.platform import kernel_version, triton_version
+
+    database = tmp_path / "tuning.db"
+    problem = ["lookup", "--gpu", "NVIDIA H100 80GB HBM3", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192",
+               "--json"]
+    scratch = {"CCE_CONFIG_CACHE_DIR": str(tmp_path / "configs"), "CCE_TUNING_TOKEN": "write-token-001"}
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{database}",
+                 env={"CCE_SERVICE_TOKENS": "write-token-001:read,write"}) as base_url:
+        body = measurement_data(kernel_version=kernel_version(), triton_version=triton_version())
+        assert httpx.post(f"{base_url}/v1/measurements", json=body, headers=bearer("write-token-001")).status_code == 201
+        answered = cce(*problem, "--url", base_url, env=scratch)
+        assert answered.returncode == 0 and json.loads(answered.stdout)["source"] == "service", answered.stderr
+        with sqlite3.connect(database) as connection:
+            config = json.loads(connection.execute("SELECT config FROM measurements").fetchone()[0])
+            config["forward"]["num_warps"] = 3
+            connection.execute("UPDATE measurements SET config = ?", (json.dumps(config),))
+        done = cce(*problem, "--url", base_url, env=scratch)
+        assert_one_line_failure(done, f"--url {base_url}", "forward.num_warps")
+        assert done.returncode == 1 and done.stdout == ""
+        ladder = cce(*problem, env={**scratch, "CCE_TUNING_URL": base_url})
+        assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
+
+
 PASSWORD, TOKEN = "pw-s3cret-1", "tok-s3cret-2"
 
 

@@ -171,7 +171,7 @@ def look_up(
             return cached
     if "service" not in skip:
         ask = client.ask_service if service_required else client.fetch_from_service
-        served = _accept("service", ask(settings, platform, key), platform, key)
+        served = _accept("service", ask(settings, platform, key), platform, key, required=service_required)
         if served is not None:
             if write_cache and "disk" not in skip:
                 sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
@@ -183,8 +183,12 @@ def look_up(
     return Resolution(heuristic_config(key), "heuristic", "none")
 
 
-def _accept(source: str, found: sources.Found | None, platform: Platform, key: ProblemKey) -> Resolution | None:
-    """`found` as a Resolution if it is a valid config that fits the GPU; None otherwise."""
+def _accept(
+    source: str, found: sources.Found | None, platform: Platform, key: ProblemKey, required: bool = False
+) -> Resolution | None:
+    """`found` as a Resolution if it is a valid config that fits the GPU; None otherwise, or
+    with `required` (the service `cce lookup --url` names) client.UnreadableAnswer: the
+    heuristic's config is no answer of that service's."""
     if found is None:
         return None
     try:
@@ -192,6 +196,8 @@ def _accept(source: str, found: sources.Found | None, platform: Platform, key: P
         if platform.shared_memory_bytes is not None:
             config.check_limits(platform.shared_memory_bytes, ELEMENT_BYTES[key.dtype])
     except ConfigError as error:
+        if required:
+            raise client.UnreadableAnswer(f"answered a {found.match_level} config this client refuses: {error}") from None
         log.warning("rejected the %s config for %s: %s", source, key, error)
         return None
     return Resolution(config, source, found.match_level)
