@@ -37,5 +37,7 @@ class ServiceSettings(BaseSettings):
         """Every configured token and its scopes; raises ValueError on a malformed entry."""
         spec = self.tokens
         if self.tokens_file is not None:
-            spec += "\n" + self.tokens_file.read_text()
+            # UTF-8 whatever the locale; a byte order mark (Windows editors write one) is no part
+            # of the first token, which it made 'not URL-safe characters'
+            spec += "\n" + self.tokens_file.read_text(encoding="utf-8-sig")
         return parse_token_spec(spec)

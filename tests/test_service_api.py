@@ -275,6 +275,15 @@ def test_tokens_file(tmp_path: Any, sqlite_url: str) -> None:
     assert response.status_code == 201
 
 
+def test_a_tokens_file_may_start_with_a_byte_order_mark(tmp_path: Any, sqlite_url: str) -> None:
+    """As an import file may: Notepad writes one, and the first token was refused as malformed."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text("file-token-0001:write\n", encoding="utf-8-sig")
+    with make_client(sqlite_url, tokens_file=tokens_file) as file_client:
+        response = file_client.post("/v1/measurements", json=measurement_data(), headers=bearer("file-token-0001"))
+    assert response.status_code == 201
+
+
 def _tile(**changes: Any) -> dict[str, Any]:
     return {"config": {"forward": {"block_m": 64, **changes}}}
 
