@@ -108,6 +108,22 @@ def test_loss_and_gradients_match_hf(family: str) -> None:
         assert_close(patched.get_parameter(name).grad, reference.get_parameter(name).grad)
 
 
+def test_one_samples_labels_may_come_one_dimensional_as_hfs_loss_flattens_them() -> None:
+    """model(ids[None], labels=ids) trains in HF; the patched forward indexed the 1-D labels as
+    (batch, sequence) and raised IndexError. Other shapes are refused naming the argument."""
+    reference, patched = twins("llama")
+    input_ids, labels = batch(shape=(1, 24))
+    expected = reference(input_ids, labels=labels[0])
+    actual = patched(input_ids, labels=labels[0])
+    assert actual.logits is None
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_close(patched.lm_head.weight.grad, reference.lm_head.weight.grad)
+    with pytest.raises(ValueError, match=r"labels: expected \(batch, sequence\) = \(1, 24\) .* got shape \(1, 1, 24\)"):
+        patched(input_ids, labels=labels[None])
+
+
 @parametrize_families
 def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fused_outputs: list) -> None:
     """A LoRA-style step (lm_head frozen): the patched model's loss and the trained layers'

@@ -229,7 +229,9 @@ def causal_lm_loss(
     HF does for gradient accumulation; otherwise it is the mean over non-ignored tokens.
     """
     if shift_labels is None:
-        shift_labels = shift_targets(labels, options.ignore_index)
+        shift_labels = shift_targets(batched("labels", labels, hidden_states), options.ignore_index)
+    else:
+        shift_labels = batched("shift_labels", shift_labels, hidden_states)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
 
@@ -258,6 +260,17 @@ def causal_lm_loss(
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def batched(name: str, labels: Tensor, hidden_states: Tensor) -> Tensor:
+    """Labels as (batch, sequence): HF's loss flattens its labels, so one sample's may come 1-D;
+    other shapes are refused by name rather than failing in an index deep below."""
+    if labels.ndim == 1 and hidden_states.shape[0] == 1:
+        return labels.unsqueeze(0)
+    if labels.ndim != hidden_states.ndim - 1:
+        raise ValueError(f"{name}: expected (batch, sequence) = {tuple(hidden_states.shape[:-1])} as the hidden "
+                         f"states', got shape {tuple(labels.shape)}")
+    return labels
 
 
 def _patched_forward(
