@@ -8,6 +8,7 @@ loaded), the `cce` command's errors and the database layer too.
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 HIDDEN = "***"
 """What a secret is shown as (SQLAlchemy's `hide_password` shows a password alike)."""
@@ -53,7 +54,8 @@ def _names_a_secret(text: str, run_start: int, run: str) -> bool:
         name = run[run.index("?") + 1:]
     else:
         return False  # no '?', '&', '#' or ';' starts a name in it
-    return len(name) > _LONGEST_NAME or _SECRET_NAME.search(name) is not None
+    # a server decodes a name before reading it, so ?%74oken= is a token's
+    return len(name) > _LONGEST_NAME or _SECRET_NAME.search(unquote(name) if "%" in name else name) is not None
 
 
 def _hide_secret_values(text: str) -> str:

@@ -556,3 +556,12 @@ def test_redaction_hides_compound_key_names() -> None:
         assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
     for name in ("monkey", "turkey", "hockey", "keys"):
         assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
+
+
+def test_redaction_reads_percent_encoded_names_as_the_server_does() -> None:
+    """A server decodes ?%74oken= to token=, so its value is a secret; it was shown as sent."""
+    from cce_compile.redact import redact_urls
+
+    for name in ("%74oken", "api%5Fkey", "%70assword", "access%2Dtoken"):
+        assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
+    assert redact_urls("http://h/v1?%74okens=8") == "http://h/v1?%74okens=8"  # tokens: a problem size
