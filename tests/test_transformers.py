@@ -552,6 +552,34 @@ def test_an_lm_head_adapter_of_an_inactive_adapter_trains_as_hf_does() -> None:
         patched(input_ids, labels=labels)
 
 
+def test_an_lm_head_adapter_nested_in_a_mixed_models_head_is_refused_as_the_outer_ones() -> None:
+    """A PeftMixedModel with a LoRA and a LoHa adapter on lm_head nests the LoHa layer around
+    the LoRA layer, each holding its own type's adapters. With the LoRA adapter alone active,
+    the outer LoHa layer holds none of the active ones: the check read that layer alone, passed
+    the head, and the loss was the base weight's, without the LoRA adapter's delta HF adds
+    (6.77 against 7.07), silently. Refused as a LoRA layer on the head is; with the inner
+    adapter inactive too (neither layer computes one), it trains as HF does."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch(seed=17)
+    reference = peft.PeftMixedModel(
+        tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False), "a")
+    reference.add_adapter("b", peft.LoHaConfig(r=4, target_modules=["q_proj", "lm_head"], init_weights=False))
+    reference.add_adapter("c", peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    head = reference.base_model.model.lm_head
+    assert isinstance(head.base_layer, peft.tuners.lora.LoraLayer), "PEFT no longer nests a mixed model's layers"
+    patched = copy.deepcopy(reference)
+    patch(patched.base_model.model)
+    for active in (["a"], ["b"], ["a", "b"]):
+        patched.set_adapter(active)
+        with pytest.raises(TypeError, match="adapter layer"):
+            patched(input_ids, labels=labels)
+    reference.set_adapter(["c"])
+    patched.set_adapter(["c"])
+    expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+    assert actual.logits is None  # the op's loss, not HF's
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+
+
 def partition_as_zero3(parameter: nn.Parameter) -> None:
     """What DeepSpeed ZeRO-3 (not installed here) leaves of a parameter it partitions, outside
     its module's forward: an empty placeholder, marked with ds_id."""

@@ -169,12 +169,7 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     quantized layer). Disabled adapters, or active ones all merged into the weight or absent from
     the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
     weight is refused too: ZeRO-3 gathers it only when the head runs."""
-    merged = getattr(head, "merged_adapters", ())
-    # a PEFT layer's own adapters, by name, in the dicts its adapter_layer_names lists (LoRA's lora_A, ...)
-    held = [getattr(head, layer, {}) for layer in getattr(head, "adapter_layer_names", ())]
-    unmerged = [name for name in getattr(head, "active_adapters", ())
-                if name not in merged and (not held or any(name in adapters for adapters in held))]
-    if getattr(head, "base_layer", None) is not None and unmerged and not getattr(head, "disable_adapters", False):
+    if _adapter_layers_in_use(head):
         raise TypeError(
             f"lm_head: a {type(head).__module__}.{type(head).__qualname__} adapter layer, whose output the fused loss cannot compute from "
             "lm_head.weight; leave lm_head out of the adapter's target_modules (PEFT's modules_to_save=['lm_head'] "
@@ -191,6 +186,25 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)
     return head.weight, bias
+
+
+def _adapter_layers_in_use(head: nn.Module) -> bool:
+    """Whether a PEFT adapter layer in `head`'s chain of base layers computes an adapter of its
+    own: one active, enabled, unmerged and held by that layer (another adapter's, which PEFT's
+    layer skips, is not). Every layer of the chain, not the outermost alone: a PeftMixedModel
+    with adapters of two types on the head nests one type's layer around the other's (a LoHa
+    layer around a LoRA layer), each holding only its own type's adapters."""
+    layer = head
+    while getattr(layer, "base_layer", None) is not None:
+        if not getattr(layer, "disable_adapters", False):
+            merged = getattr(layer, "merged_adapters", ())
+            # the layer's own adapters, by name, in the dicts its adapter_layer_names lists (LoRA's lora_A, ...)
+            held = [getattr(layer, name, {}) for name in getattr(layer, "adapter_layer_names", ())]
+            if any(name not in merged and (not held or any(name in adapters for adapters in held))
+                   for name in getattr(layer, "active_adapters", ())):
+                return True
+        layer = layer.base_layer
+    return False
 
 
 Computed = TypeVar("Computed")
