@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument("--modes", default="exact,filtered",
                         help="comma-separated: exact, filtered, triton-gemms (exact mode with the Triton gradient "
                              "GEMMs that torch.compile runs instead of cuBLAS), forward (exact mode's forward without "
-                             "autograd, as the benchmark times it)")
+                             "autograd, as the benchmark times it), materialized (the benchmark's torch impl; with "
+                             "--compile default, the torch.compile rows exact mode is set against)")
     parser.add_argument("--slab-v", type=int, default=None, help="override the resolved config's widest slab")
     parser.add_argument("--workspace-rows", type=int, default=None,
                         help="override the fused forward's token chunk (KernelConfig.workspace_rows): fewer, "

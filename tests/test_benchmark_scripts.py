@@ -69,13 +69,17 @@ def test_first_call_times_both_settings_in_fresh_processes(tmp_path: Path) -> No
 def test_kernel_profile_runs_the_loss_compiled(tmp_path: Path) -> None:
     """benchmarks/profile_kernels.py's dry run on CPU with `--compile default`: the pass it
     profiles went through torch.compile (its compiled regions are among the profiled ops), so
-    a compiled profile on the GPU measures what the benchmark's compiled rows time."""
+    a compiled profile on the GPU measures what the benchmark's compiled rows time; the
+    materialized mode (the torch.compile rows exact mode is set against) runs no op of ours."""
     out = tmp_path / "profile.json"
-    run_script("benchmarks/profile_kernels.py", "--shape", "64x32x257", "--modes", "filtered", "--compile", "default",
-               "--iters", "1", "--out", str(out))
+    run_script("benchmarks/profile_kernels.py", "--shape", "64x32x257", "--modes", "filtered,materialized",
+               "--compile", "default", "--iters", "1", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["compile"] == "default"
-    assert any("CompiledFunctionBackward" in name for name in report["modes"]["filtered"]["kernels"])
+    for mode, ours in (("filtered", True), ("materialized", False)):
+        kernels = report["modes"][mode]["kernels"]
+        assert any("CompiledFunctionBackward" in name for name in kernels), mode
+        assert any(name.startswith("cce::") for name in kernels) == ours, (mode, list(kernels))
 
 
 def test_filtered_log_probs_probe_prints_its_table() -> None:

@@ -323,7 +323,8 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
                                        (dead, "", "ConnectError"), ("ftp://x", "", "UnsupportedProtocol"),
                                        (other_server, "", "answered no JSON object")):
                 done = cce(*problem, "--url", url, env={**scratch, "CCE_TUNING_TOKEN": token})
-                assert_one_line_failure(done, f"--url {url}: cannot ask the service", reason)
+                said = "the service" if reason.startswith("answered") else "cannot ask the service"
+                assert_one_line_failure(done, f"--url {url}: {said}", reason)
                 assert done.stdout == ""
     ladder = cce(*problem, env={**scratch, "CCE_TUNING_URL": dead})
     assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr
@@ -352,7 +353,8 @@ def test_lookup_of_a_named_service_answering_a_config_it_refuses_is_one_line_not
             config["forward"]["num_warps"] = 3
             connection.execute("UPDATE measurements SET config = ?", (json.dumps(config),))
         done = cce(*problem, "--url", base_url, env=scratch)
-        assert_one_line_failure(done, f"--url {base_url}", "forward.num_warps")
+        assert_one_line_failure(done, f"--url {base_url}: the service answered a config (exact match) this client refuses",
+                                "forward.num_warps")
         assert done.returncode == 1 and done.stdout == ""
         ladder = cce(*problem, env={**scratch, "CCE_TUNING_URL": base_url})
         assert ladder.returncode == 0 and json.loads(ladder.stdout)["source"] == "heuristic", ladder.stderr

@@ -61,6 +61,8 @@ def lookup(
         resolution = look_up(key, platform, sources.Settings.from_env().with_url(url),
                              skip=frozenset({"disk"}) if url is not None else frozenset(), write_cache=False,
                              service_required=url is not None)
+    except client.UnreadableAnswer as error:
+        fail(f"--url {url}: the service {error}")
     except client.ServiceUnusable as error:
         fail(f"--url {url}: cannot ask the service: {error}")
     if as_json:

@@ -197,7 +197,7 @@ def _accept(
             config.check_limits(platform.shared_memory_bytes, ELEMENT_BYTES[key.dtype])
     except ConfigError as error:
         if required:
-            raise client.UnreadableAnswer(f"answered a {found.match_level} config this client refuses: {error}") from None
+            raise client.UnreadableAnswer(f"answered a config ({found.match_level} match) this client refuses: {error}") from None
         log.warning("rejected the %s config for %s: %s", source, key, error)
         return None
     return Resolution(config, source, found.match_level)
