@@ -124,6 +124,18 @@ def test_one_samples_labels_may_come_one_dimensional_as_hfs_loss_flattens_them()
         patched(input_ids, labels=labels[None])
 
 
+def test_shift_labels_may_come_flat_at_any_batch_as_hfs_loss_flattens_them() -> None:
+    reference, patched = twins("llama")
+    input_ids, labels = batch(seed=3)
+    shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+    expected = reference(input_ids, labels=labels, shift_labels=shifted).loss
+    assert_close(patched(input_ids, labels=labels, shift_labels=shifted).loss, expected, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"shift_labels: expected \(batch, sequence\) = \(2, 24\) .* got shape \(47,\)"):
+        patched(input_ids, labels=labels, shift_labels=shifted[1:])
+    with pytest.raises(ValueError, match=r"labels: expected .* got shape \(48,\)"):
+        patched(input_ids, labels=labels.flatten())  # flat labels would shift across the samples' ends
+
+
 @parametrize_families
 def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fused_outputs: list) -> None:
     """A LoRA-style step (lm_head frozen): the patched model's loss and the trained layers'

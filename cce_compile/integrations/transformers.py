@@ -277,13 +277,15 @@ def causal_lm_loss(
 
 
 def batched(name: str, labels: Tensor, hidden_states: Tensor) -> Tensor:
-    """Labels as (batch, sequence): HF's loss flattens its labels, so one sample's may come 1-D;
+    """Labels as (batch, sequence). HF's loss flattens them, so it takes one sample's labels 1-D
+    and shift_labels (already shifted, so nothing crosses a sample's end) flat at any batch;
     other shapes are refused by name rather than failing in an index deep below."""
-    if labels.ndim == 1 and hidden_states.shape[0] == 1:
-        return labels.unsqueeze(0)
-    if labels.ndim != hidden_states.ndim - 1:
-        raise ValueError(f"{name}: expected (batch, sequence) = {tuple(hidden_states.shape[:-1])} as the hidden "
-                         f"states', got shape {tuple(labels.shape)}")
+    batch, sequence = hidden_states.shape[:-1]
+    if labels.ndim == 1 and (batch == 1 or name == "shift_labels") and labels.shape[0] == batch * sequence:
+        return labels.reshape(batch, sequence)
+    if labels.ndim != 2 or labels.shape[0] != batch:
+        raise ValueError(f"{name}: expected (batch, sequence) = {(batch, sequence)} as the hidden states', "
+                         f"got shape {tuple(labels.shape)}")
     return labels
 
 
