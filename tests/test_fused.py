@@ -126,6 +126,29 @@ def test_rows_far_above_their_shift_are_done_again() -> None:
         assert relative_error(got.grad, want.grad) < 1e-5
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sampled_scale", [30.0, -30.0])
+def test_a_shift_from_an_unrepresentative_sample_of_the_vocabulary_stays_exact(sampled_scale: float) -> None:
+    """The shift averages every Policy.fused_shift_stride-th row of c and bias. Rows of c (and
+    bias entries) in that sample made unlike the rest, their logits 30 x the others' (the shift
+    near the largest logit) or -30 x (far below, so the rows are done again): still exact."""
+    stride = Policy().fused_shift_stride
+    e, c, targets = make_inputs("signed", (150,), 300, 32, torch.float32, seed=7)
+    bias = torch.randn(300) * 0.5
+    c[::stride] *= sampled_scale
+    bias[::stride] *= sampled_scale
+    ours, ref = leaves(e, c, bias), leaves(e.double(), c.double(), bias.double())
+    with cce_compile.override_config(SMALL_CHUNKS):
+        loss = cce_compile.linear_cross_entropy(*ours[:2], targets, bias=ours[2])
+    expected = reference_loss(*ref[:2], targets, bias=ref[2])
+    assert loss.grad_fn.name().startswith("GeneratedBackwardFor_cce_linear_cross_entropy_fused")
+    loss.backward()
+    expected.backward()
+    assert torch.isfinite(loss) and relative_error(loss, expected) < 1e-6
+    for got, want in zip(ours, ref):
+        assert relative_error(got.grad, want.grad) < 1e-5
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_retain_graph_accumulation_and_checkpointing(path: bool) -> None:
     """A second backward through a retained graph, gradient accumulation over two calls, and

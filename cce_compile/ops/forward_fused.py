@@ -2,7 +2,8 @@
 of work for forward and backward, where the recompute takes four.
 
 Per token chunk (plan.workspace_rows rows):
-1. shift = each row's mean logit, e @ mean(c) (+ mean bias): one GEMV, before the chunk.
+1. shift = each row's mean logit over a sample of the vocabulary (every plan.shift_stride-th row
+   of c and bias): one GEMV, before the chunk.
 2. The fused kernel (kernels/fused_forward.py) tiles the chunk's logits once: the workspace
    gets q = exp(z - shift) (times soft-capping's derivative), the statistics each row's sum
    of exp(z - shift) and largest logit, so lse = shift + log(sum). A row whose lse runs more
@@ -321,9 +322,12 @@ class FusedKernels:
         self.grad_e_sum = torch.empty((rows, d) if need_grad_e else (0, d), dtype=torch.float32, device=e.device)
         self.total_weight = (weight.to(torch.float32).sum() if weight is not None
                              else torch.full((), float(v), dtype=torch.float32, device=e.device))
-        # Any shift near the rows' logits serves: the mean of c in its own dtype, with no fp32 copy of c.
-        self.mean_c = torch.mv(c.T, torch.full((v,), 1.0 / v, dtype=c.dtype, device=c.device))[:, None]
-        self.mean_bias = bias.float().mean() if bias is not None else None
+        # Any shift at most the rows' largest logits serves: their mean over a sample of the vocabulary
+        # (plan.shift_stride), in c's own dtype, with no fp32 copy of c.
+        sample = c[::plan.shift_stride]
+        self.mean_c = torch.mv(sample.T, torch.full((sample.shape[0],), 1.0 / sample.shape[0], dtype=c.dtype,
+                                                   device=c.device))[:, None]
+        self.mean_bias = bias[::plan.shift_stride].float().mean() if bias is not None else None
         self.flags = kernel_flags(e)
         if plan.fused == "gluon":
             self.descriptors = (*operand_descriptors(e, c, self.tile),

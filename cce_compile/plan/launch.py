@@ -103,6 +103,7 @@ class LaunchPlan:
     forward_chunk_rows: int
     workspace_rows: int  # the fused forward's token chunk
     grad_e_side_stream: bool  # the fused forward's dE GEMMs on a second stream beside dC's (not in a caller's capture)
+    shift_stride: int  # the fused forward's shift averages every shift_stride-th row of c
     gluon_tile: TileConfig
     gluon_programs_per_sm: int
     strided_programs_per_sm: int  # filtered steps only the device knows: programs striding over them
@@ -215,6 +216,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         forward_chunk_rows=policy.forward_chunk_rows,
         workspace_rows=workspace_rows(problem.n, problem.v, problem.d, problem.element_bytes, config, policy),
         grad_e_side_stream=policy.fused_side_stream_grad_e and problem.on_cuda and not problem.capturing,
+        shift_stride=policy.fused_shift_stride,
         gluon_tile=policy.gluon_tile,
         gluon_programs_per_sm=policy.gluon_programs_per_sm,
         strided_programs_per_sm=policy.filtered_strided_programs_per_sm,

@@ -121,6 +121,12 @@ class Policy:
     A/B on the H200, fwd+bwd x GEMM off / on: Qwen2.5 3.56 / 3.47, Gemma-2 3.32 / 3.28, Llama-3.2 1B 3.27 / 3.20,
     Llama-3 3.14 / 3.15. Costs a second cuBLAS workspace (32 MiB per thread that runs the fused forward)."""
 
+    fused_shift_stride: int = 16
+    """The fused forward shifts each row by its mean logit over every n-th vocabulary row: a sample's mean logit is
+    still at most the row's largest, which is all the shift needs (rows whose lse runs too far above it are redone).
+    Averaging all of c read it whole once a call, on an H100 0.66 ms (0.06 x GEMM) at D = 8192, 0.43 ms at
+    Mistral-Nemo's head (profile_kernels.py, docs/notes/fused-forward.md)."""
+
     fused_gluon_max_k_steps: int = 16
     """The fused forward runs the Gluon kernel for the plain loss up to this many K steps (D <= 1024), the persistent
     128 x 256 TMA kernel beyond. Alternating A/Bs, TMA against Gluon: on an H100, 9-10% faster at D = 2304, 2560 and
@@ -162,7 +168,7 @@ _FLAGS = ("triton_on_cpu", "forward_gluon_with_entropy", "cuda_graphs", "filtere
           "fused_side_stream_grad_e", "compile_ahead")
 _COUNTS = {
     "forward_gluon_max_k_steps": 0, "recompute_gluon_max_k_steps": 0, "recompute_tma_min_k_steps": 0,
-    "fused_gluon_max_k_steps": 0, "loss_row_buffers": 0, "entropy_row_buffers": 0, "scratch_floor_bytes": 0,
+    "fused_gluon_max_k_steps": 0, "fused_shift_stride": 1, "loss_row_buffers": 0, "entropy_row_buffers": 0, "scratch_floor_bytes": 0,
     "forward_chunk_rows": 1, "gluon_programs_per_sm": 1, "filtered_strided_programs_per_sm": 1, "max_slots": 1,
     "min_chunk_rows": 1, "max_dc_roundings": 1,
 }
