@@ -294,13 +294,15 @@ def test_reduce_overhead_rows_take_c_as_one_model_parameter(cpu_harness: None, f
     assert seen["default"] and not any(isinstance(c, torch.nn.Parameter) for c in seen["default"])
 
 
-def test_each_compiled_impl_gets_its_own_recompile_budget(cpu_harness: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_compiled_impl_gets_its_own_recompile_budget(cpu_harness: None) -> None:
     """cce_exact and cce_filtered are loaded from one lambda, so their graphs sit on one code
     object, whose recompile limit fullgraph=True turns into a failure: each compiled impl starts
-    with the budget empty (here a limit of 2: each takes two graphs, with and without grad)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with the budget empty (here a limit of 2: each takes two graphs, with and without grad).
+    The limit is set through config.patch: pytest 9's monkeypatch undoes a setattr on torch's
+    config module by deleting the name, which hides the option from every later test."""
     variants = [v for v in with_compile_modes(resolve_impls(["cce_exact", "cce_filtered"]), ["default"])]
-    (run,) = harness.run_benchmark([TINY], ["lm_like"], variants, Settings(input_sets=1))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        (run,) = harness.run_benchmark([TINY], ["lm_like"], variants, Settings(input_sets=1))
     assert [(result.impl, result.status) for result in run.impls] == [("cce_exact", "ok"), ("cce_filtered", "ok")], [
         result.reason for result in run.impls]
 
