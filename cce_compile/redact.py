@@ -26,11 +26,12 @@ _SECRET_WORD = (r"(?i:[a-z0-9]*(?:token|secret|passw(?:or)?d)|pwd"
 also end one (accesstoken, authtoken), where no harmless word ends so; key ends harmless
 words (monkey, turkey), so only a secret's own compounds (apikey, secretkey, privatekey)."""
 _SECRET_NAME = re.compile(
-    rf"(?:^|(?<=[?\-_.])|(?<=[a-z0-9])(?=[A-Z])){_SECRET_WORD}(?:(?=[\-_.]|$)|(?<=[a-z])(?=[A-Z]))"
+    rf"(?:^|(?<=[?\-_.\[])|(?<=[a-z0-9])(?=[A-Z])){_SECRET_WORD}(?:(?=[\-_.\[\]]|$)|(?<=[a-z])(?=[A-Z]))"
 )
-"""A secret word in a parameter's name, words split at '_', '-', '.' or where camelCase starts
-one (token, access_token, api_key, apiKey, X-Amz-Signature; not a substring: tokens, monkey,
-author, design are shown), or at a '?' in it (each '?' starts a name: ?a?token=)."""
+"""A secret word in a parameter's name, words split at '_', '-', '.', brackets (token[]=,
+user[password]=, as web frameworks nest them) or where camelCase starts one (token,
+access_token, api_key, apiKey, X-Amz-Signature; not a substring: tokens, monkey, author,
+design are shown), or at a '?' in it (each '?' starts a name: ?a?token=)."""
 _NAME_RUN = re.compile(r"(?<![^=&#;\s])(?P<run>[^=&#;\s]+)=")
 """What stands before a '=' back to the last '&', '#', ';', '=' or space: a parameter's name
 after the '&', '#' or ';' before it or after the first '?' in it. A run starts only where

@@ -567,3 +567,13 @@ def test_redaction_reads_percent_encoded_names_as_the_server_does() -> None:
     for name in ("%74oken", "api%5Fkey", "%70assword", "access%2Dtoken"):
         assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
     assert redact_urls("http://h/v1?%74okens=8") == "http://h/v1?%74okens=8"  # tokens: a problem size
+
+
+def test_redaction_splits_names_at_brackets_as_web_frameworks_nest_them() -> None:
+    """token[]= and user[password]= (array and nested parameters) were shown as sent."""
+    from cce_compile.redact import redact_urls
+
+    for name in ("token[]", "user[password]", "auth[api_key]", "token%5B%5D", "a[token][0]"):
+        assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
+    for name in ("tokens[]", "user[name]", "monkey[0]"):
+        assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
