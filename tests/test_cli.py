@@ -180,6 +180,20 @@ def test_db_commands_refuse_an_in_memory_database(tmp_path: Path) -> None:
             assert "revision" not in done.stdout + done.stderr
 
 
+def test_in_memory_reads_sqlite_urls_as_the_driver_does() -> None:
+    """A URI with an empty path is a temporary database that keeps nothing; ':memory:' inside a
+    file's name, or mode=memory where uri is false (the query then goes unread), is a file."""
+    from cce_compile.cli.db import in_memory
+
+    keeps_nothing = ("sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true", "sqlite:///file:?uri=true",
+                     "sqlite:///file:x.db?mode=memory&uri=1", "sqlite:///?uri=true")
+    files = ("sqlite:///x.db", "sqlite:///file:a:memory:b.db?uri=true", "sqlite:///x.db?uri=false&mode=memory",
+             "sqlite:///file:x.db?mode=ro&uri=true", "sqlite:////tmp/x.db", "sqlite:///file:///tmp/x.db?uri=true",
+             "postgresql://u@h/db")
+    assert [url for url in keeps_nothing if not in_memory(url)] == []
+    assert [url for url in files if in_memory(url)] == []
+
+
 def test_export_and_import_name_a_database_without_schema_and_create_none(tmp_path: Path) -> None:
     """A mistyped SQLite path is not created, and neither it nor a database never upgraded
     fails with the driver's text and the SQL statement: the line says to run `cce db upgrade`."""

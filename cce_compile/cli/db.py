@@ -127,15 +127,22 @@ def new_engine(url: str) -> Engine:
 
 
 def in_memory(db_url: str) -> bool:
-    """Whether `db_url` names an in-memory SQLite database (sqlite://, :memory:, a memory URI)."""
+    """Whether `db_url` names a SQLite database that keeps nothing past its connection: in memory
+    (sqlite://, :memory:) or, read as a URI (uri=true, SQLAlchemy's truth words), the path
+    :memory:, mode=memory or an empty path (a temporary file)."""
     from sqlalchemy.engine import make_url
+    from sqlalchemy.util import asbool
 
     url = make_url(db_url)
     if url.get_backend_name() != "sqlite":
         return False
     database = url.database or ""
-    memory_uri = "uri" in url.query and (":memory:" in database or url.query.get("mode") == "memory")
-    return database in ("", ":memory:") or memory_uri
+    if not asbool(url.query.get("uri", False)):
+        return database in ("", ":memory:")
+    path = database.removeprefix("file:")
+    if path.startswith("//"):  # file://authority/path
+        path = "/" + path[2:].partition("/")[2]
+    return path in ("", ":memory:") or url.query.get("mode") == "memory"
 
 
 def store_engine(db_url: str | None) -> Engine:
