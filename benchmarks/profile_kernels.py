@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,6 +84,15 @@ def kernel_times(step, iters: int, cuda: bool) -> tuple[dict[str, dict[str, floa
     return dict(sorted(totals.items(), key=lambda item: -item[1]["ms"])), idle_gaps(prof, iters) if cuda else None
 
 
+def loss_of(mode: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss `mode` times: the benchmark's torch impl (materialized), or the op (filtered
+    mode's at the benchmark's filter_eps)."""
+    if mode == "materialized":
+        return materialized_loss
+    filter_eps = FILTER_EPS if mode == "filtered" else None
+    return lambda e, c, targets: cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps)
+
+
 def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, compile_mode: str = "eager"):
     """One pass of `mode` as the benchmark times it: forward+backward from cleared gradients
     (exact, filtered, triton-gemms: exact mode's path, the backend is set by the caller;
@@ -90,13 +100,7 @@ def pass_step(mode: str, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     with "forward" the forward alone, without autograd. `compile_mode` other than "eager":
     the loss inside torch.compile(fullgraph=True) in that mode, each pass a new CUDA-graph
     step under "reduce-overhead", as the benchmark's compiled rows run it."""
-    filter_eps = FILTER_EPS if mode == "filtered" else None
-
-    def loss(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if mode == "materialized":
-            return materialized_loss(e, c, targets)
-        return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=filter_eps)
-
+    loss = loss_of(mode)
     if compile_mode != "eager":
         loss = torch.compile(loss, fullgraph=True, dynamic=False,
                              mode=None if compile_mode == "default" else compile_mode)
@@ -236,9 +240,7 @@ def main() -> None:
             times, idle = kernel_times(step, args.iters, cuda)
             host_ms, wall_ms = host_and_wall_ms(step, max(args.iters, 5)) if cuda else (None, None)
             # as the benchmark measures it (gradients cleared first, counted in the peak); the forward has none
-            peak_fn = (materialized_loss if mode == "materialized"
-                       else lambda e, c, t: cce_compile.linear_cross_entropy(e, c, t, filter_eps=filter_eps))
-            peak = _peak_fwd_bwd_bytes(peak_fn, e, c, targets) / 2**20 if cuda and mode != "forward" else None
+            peak = _peak_fwd_bwd_bytes(loss_of(mode), e, c, targets) / 2**20 if cuda and mode != "forward" else None
             if args.host_profile:
                 print_host_profile(step, args.host_profile)
             if args.trace is not None and cuda:

@@ -56,7 +56,7 @@ def _names_a_secret(text: str, run_start: int, run: str) -> bool:
     else:
         return False  # no '?', '&', '#' or ';' starts a name in it
     # a server decodes a name before reading it, so ?%74oken= is a token's
-    return len(name) > _LONGEST_NAME or _SECRET_NAME.search(unquote(name) if "%" in name else name) is not None
+    return len(name) > _LONGEST_NAME or _SECRET_NAME.search(unquote(name)) is not None
 
 
 def _hide_secret_values(text: str) -> str:

@@ -183,7 +183,7 @@ def test_db_commands_refuse_an_in_memory_database(tmp_path: Path) -> None:
 def test_in_memory_reads_sqlite_urls_as_the_driver_does() -> None:
     """A URI with an empty path is a temporary database that keeps nothing; ':memory:' inside a
     file's name, or mode=memory where uri is false (the query then goes unread), is a file."""
-    from cce_compile.cli.db import in_memory
+    from tuning_db.engine import in_memory
 
     keeps_nothing = ("sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true", "sqlite:///file:?uri=true",
                      "sqlite:///file:x.db?mode=memory&uri=1", "sqlite:///?uri=true")

@@ -19,6 +19,7 @@ import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.util import asbool
 from sqlalchemy.orm import Session
 
 from cce_compile.redact import redact_urls
@@ -65,6 +66,22 @@ def sqlite_file(url: str) -> Path | None:
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "uri" in parsed.query:
         return None
     return Path(parsed.database)
+
+
+def in_memory(url: str) -> bool:
+    """Whether an SQLite URL names a database that keeps nothing past its connection: in memory
+    (sqlite://, :memory:) or, read as a URI (uri=true, SQLAlchemy's truth words), the path
+    :memory:, mode=memory or an empty path (a temporary file)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    database = parsed.database or ""
+    if not asbool(parsed.query.get("uri", False)):
+        return database in ("", ":memory:")
+    path = database.removeprefix("file:")
+    if path.startswith("//"):  # file://authority/path
+        path = "/" + path[2:].partition("/")[2]
+    return path in ("", ":memory:") or parsed.query.get("mode") == "memory"
 
 
 def make_engine(url: str | None = None) -> Engine:

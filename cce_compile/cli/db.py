@@ -110,7 +110,7 @@ def new_engine(url: str) -> Engine:
     driver is not installed."""
     from sqlalchemy.exc import ArgumentError
 
-    from tuning_db.engine import make_engine, shown_url
+    from tuning_db.engine import in_memory, make_engine, shown_url
 
     try:
         engine = make_engine(url)
@@ -124,25 +124,6 @@ def new_engine(url: str) -> Engine:
             "an in-memory SQLite database is a new, empty one for each connection: nothing written to it "
             "outlives the connection; name a file (sqlite:///path/tuning.db)", param_hint="--db-url")
     return engine
-
-
-def in_memory(db_url: str) -> bool:
-    """Whether `db_url` names a SQLite database that keeps nothing past its connection: in memory
-    (sqlite://, :memory:) or, read as a URI (uri=true, SQLAlchemy's truth words), the path
-    :memory:, mode=memory or an empty path (a temporary file)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.util import asbool
-
-    url = make_url(db_url)
-    if url.get_backend_name() != "sqlite":
-        return False
-    database = url.database or ""
-    if not asbool(url.query.get("uri", False)):
-        return database in ("", ":memory:")
-    path = database.removeprefix("file:")
-    if path.startswith("//"):  # file://authority/path
-        path = "/" + path[2:].partition("/")[2]
-    return path in ("", ":memory:") or url.query.get("mode") == "memory"
 
 
 def store_engine(db_url: str | None) -> Engine:

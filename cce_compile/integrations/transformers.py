@@ -243,9 +243,9 @@ def causal_lm_loss(
     HF does for gradient accumulation; otherwise it is the mean over non-ignored tokens.
     """
     if shift_labels is None:
-        shift_labels = shift_targets(batched("labels", labels, hidden_states), options.ignore_index)
+        shift_labels = shift_targets(batched("labels", labels, hidden_states, shifted=False), options.ignore_index)
     else:
-        shift_labels = batched("shift_labels", shift_labels, hidden_states)
+        shift_labels = batched("shift_labels", shift_labels, hidden_states, shifted=True)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
 
@@ -276,12 +276,12 @@ def causal_lm_loss(
     return loss / num_items_in_batch
 
 
-def batched(name: str, labels: Tensor, hidden_states: Tensor) -> Tensor:
+def batched(name: str, labels: Tensor, hidden_states: Tensor, shifted: bool) -> Tensor:
     """Labels as (batch, sequence). HF's loss flattens them, so it takes one sample's labels 1-D
-    and shift_labels (already shifted, so nothing crosses a sample's end) flat at any batch;
-    other shapes are refused by name rather than failing in an index deep below."""
+    and `shifted` ones (shift_labels: nothing crosses a sample's end) flat at any batch; other
+    shapes are refused by `name` rather than failing in an index deep below."""
     batch, sequence = hidden_states.shape[:-1]
-    if labels.ndim == 1 and (batch == 1 or name == "shift_labels") and labels.shape[0] == batch * sequence:
+    if labels.ndim == 1 and (batch == 1 or shifted) and labels.shape[0] == batch * sequence:
         return labels.reshape(batch, sequence)
     if labels.ndim != 2 or labels.shape[0] != batch:
         raise ValueError(f"{name}: expected (batch, sequence) = {(batch, sequence)} as the hidden states', "
