@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable
 from typing import Literal
 
@@ -25,6 +26,7 @@ from .plan.launch import Memory, gradients_in_forward
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 _MEMORY = ("workspace", "low")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -167,7 +169,10 @@ def _check_number(name: str, value: object, expected: str, holds: Callable[[floa
     """value is a finite real number (not a bool) for which `holds` is true."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number {expected}, got {_type_name(value)}")
-    if not (-math.inf < value < math.inf and holds(value)):  # NaN fails both; a traced float too
+    # NaN fails both; a traced float too. An int past float's range compares finite but would
+    # raise OverflowError where the call converts it with float()
+    too_large = isinstance(value, numbers.Integral) and abs(value) > sys.float_info.max
+    if not (-math.inf < value < math.inf and not too_large and holds(value)):
         raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
 
 
@@ -188,6 +193,11 @@ def check_loss_options(
     # The kernels scale float32 logits by 1 / temperature: below 1e-20 logits of everyday size would
     # leave float32's range (1e-300 gave NaN). Literals: Dynamo made a module-level float a graph input.
     _check_number("temperature", temperature, ">= 1e-20", lambda x: x >= 1e-20)
+    # The kernels soft-cap the scaled logits at softcap / temperature, a float32 constant: past
+    # float32's range it is inf, and inf * tanh(l / inf) made every output NaN.
+    if softcap is not None and softcap / temperature > _FLOAT32_MAX:
+        raise ValueError(f"softcap / temperature must be at most float32's largest ({_FLOAT32_MAX:.4g}), the cap "
+                         f"the kernels apply to the scaled logits; got {softcap!r} / {temperature!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {_type_name(ignore_index)}")
     if not -(2**63) <= ignore_index < 2**63:

@@ -386,6 +386,11 @@ def test_loss_module_takes_a_temperature() -> None:
     ({"temperature": True}, TypeError, "temperature must be a number >= 1e-20, got bool"),
     ({"entropy": 1}, TypeError, "entropy must be a bool"),
     ({"softcap": 0.0}, ValueError, "softcap"),
+    # past float's range an int compared finite, then float() raised OverflowError
+    ({"temperature": 10**400}, ValueError, "temperature must be a finite number"),
+    ({"softcap": 10**400}, ValueError, "softcap must be a finite number"),
+    # softcap / temperature past float32's range: the kernels' cap was inf, every output NaN
+    ({"temperature": 1e-20, "softcap": 1e30}, ValueError, r"softcap / temperature must be at most float32's"),
     ({"filter_eps": 1.5}, ValueError, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
     ({"filter_eps": "fast"}, ValueError, "filter_eps"),
 ])
