@@ -620,3 +620,33 @@ def test_calls_without_traced_settings_compile_no_graph_per_power_of_two() -> No
             if grad:
                 out.backward()
         assert counter.frame_count <= 2, (name, counter.frame_count)
+
+
+@pytest.mark.parametrize("call", ["loss", "log_probs"])
+def test_a_filter_eps_that_changes_between_calls_compiles(call: str) -> None:
+    """filter_eps as Dynamo sees it after a second value (automatic dynamic: a SymFloat), or
+    from the first call under dynamic=True: whether the call is filtered picks its config's
+    key, a constant of the trace. `eps > 0` reached the traced settings as a SymBool, which
+    their assume_constant_result function cannot take, and fullgraph failed ("assume_constant_result
+    argument conversion failed"): two LinearCrossEntropyLoss(filter_eps=...) modules of one process did."""
+    torch.manual_seed(0)
+    e, c, targets = torch.randn(12, 8) * 2, torch.randn(50, 8), torch.randint(0, 50, (12,))
+
+    def step(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, eps: float) -> torch.Tensor:
+        if call == "log_probs":
+            log_probs, entropy = cce_compile.linear_log_probs(e, c, targets, entropy=True, filter_eps=eps)
+            return log_probs.sum() + entropy.sum()
+        return cce_compile.linear_cross_entropy(e, c, targets, filter_eps=eps)
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+        for eps in (1e-3, 2e-3):
+            results = []
+            for fn in (compiled, step):
+                leaf = e.clone().requires_grad_()
+                value = fn(leaf, c, targets, eps)
+                value.backward()
+                results.append((value, leaf.grad))
+            for got, want in zip(*results):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -159,6 +159,9 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
     if not torch.compiler.is_compiling():
         return ""
     version = _traced_source_version() + "."
+    # A branch, not bool(): a filter_eps Dynamo made a SymFloat (a second value, dynamic=True)
+    # gives `eps > 0` as a SymBool, which the branch guards on and _settings_for_key takes.
+    filtered = True if filtered else False  # noqa: SIM210
     if not (filtered or config_in_backward):
         return version
     v = operator.index(c.shape[0] if key_v is None else key_v)
