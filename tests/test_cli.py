@@ -307,6 +307,10 @@ def _answering_html() -> Iterator[str]:
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self) -> None:  # a login page answers a form's POST with itself
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.do_GET()
+
         def log_message(self, *args: object) -> None:
             pass
 
@@ -449,6 +453,20 @@ def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")
+
+
+def test_export_and_import_through_a_url_answering_no_export_fail_in_one_line(tmp_path: Path) -> None:
+    """A login page or another app behind --url answers 200: `cce export --url` wrote its HTML
+    as the backup and `cce import --url` printed it as the counts, both with exit 0."""
+    export = tmp_path / "export.jsonl"
+    export.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    with _answering_html() as other_server:
+        exported = cce("export", "--url", other_server)
+        assert_one_line_failure(exported, f"--url {other_server}: the service answered no export file", "Sign in")
+        assert exported.stdout == ""
+        imported = cce("import", str(export), "--url", other_server)
+        assert_one_line_failure(imported, f"--url {other_server}: the service answered no import report", "Sign in")
+        assert imported.stdout == ""
 
 
 def test_export_and_import_refuse_a_service_and_a_database_named_together(tmp_path: Path) -> None:

@@ -164,6 +164,35 @@ def _service_request(
     return response.text
 
 
+def _checked_export(url: str, answer: str) -> str:
+    """A service's export as it came, once its header reads as one and its line count matches:
+    a 200 from something else at the URL (a login page, another app) is no backup."""
+    from tuning_db.records import ExportHeader, clip, validate_json
+
+    lines = [line for line in answer.split("\n") if line.strip()]  # as the service writes them
+    try:
+        header = validate_json(ExportHeader, lines[0] if lines else "")
+    except ValueError:  # pydantic's ValidationError and a repeated key alike
+        fail(f"--url {url}: the service answered no export file (its first line is no export header): "
+             f"{clip(answer[:ERROR_DETAIL_CHARS])!r}")
+    if header.entries != len(lines) - 1:
+        fail(f"--url {url}: the service's export announces {header.entries} entries but holds {len(lines) - 1}")
+    return answer
+
+
+def _checked_import_report(url: str, answer: str) -> str:
+    """A service's import answer, once it reads as the counts an import reports."""
+    from pydantic import ValidationError
+
+    from tuning_db.records import ImportReport, clip
+
+    try:
+        ImportReport.model_validate_json(answer)
+    except ValidationError:
+        fail(f"--url {url}: the service answered no import report: {clip(answer[:ERROR_DETAIL_CHARS])!r}")
+    return answer
+
+
 def _refuse_two_targets(ctx: typer.Context, url: str | None) -> None:
     """--url and a --db-url given on the command line name two stores; the command would use one
     and silently ignore the other. CCE_TUNING_DB_URL in the environment is a default, which an
@@ -179,7 +208,7 @@ def export_command(
     """Write the live best entries as JSON lines to stdout (first line: schema header)."""
     _refuse_two_targets(ctx, url)
     if url:
-        sys.stdout.write(_service_request("GET", url, "/v1/export", token))
+        sys.stdout.write(_checked_export(url, _service_request("GET", url, "/v1/export", token)))
         return
     from tuning_db.store import export_jsonl
 
@@ -206,7 +235,7 @@ def import_command(
         params = {"mode": mode, "dry_run": str(dry_run).lower()}
         answer = _service_request("POST", url, "/v1/import", token, wait_for_answer=True, params=params,
                                   content=file.read_bytes())
-        typer.echo(answer)
+        typer.echo(_checked_import_report(url, answer))
         return
     from sqlalchemy.exc import DBAPIError
 
