@@ -99,6 +99,32 @@ def test_db_upgrade_names_the_database_it_cannot_open_or_upgrade(tmp_path: Path)
         assert "cce db upgrade" not in done.stderr
 
 
+def test_a_database_whose_alembic_version_is_another_programs_is_named_without_sql(tmp_path: Path) -> None:
+    """Another program's alembic_version table (other columns, several heads) failed upgrade,
+    export and serve with the driver's text, the whole SELECT and Alembic's advice to call
+    get_current_heads(), none naming --db-url; a database stamped at this code's revision but
+    without its tables failed export with the whole SELECT."""
+    other_columns, two_heads, stamped = tmp_path / "other.db", tmp_path / "heads.db", tmp_path / "stamped.db"
+    with sqlite3.connect(other_columns) as connection:
+        connection.execute("CREATE TABLE alembic_version (revision TEXT)")
+    with sqlite3.connect(two_heads) as connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        connection.execute("INSERT INTO alembic_version VALUES ('a1'), ('b2')")
+    for database in (other_columns, two_heads):
+        for args in (["db", "upgrade"], ["export"], ["serve", "--port", str(free_port())]):
+            done = cce(*args, "--db-url", f"sqlite:///{database}")
+            assert_one_line_failure(done, f"--db-url sqlite:///{database}: cannot read its schema revision")
+            assert "SELECT" not in done.stderr and "get_current_heads" not in done.stderr
+    from tuning_db.migrate import head_revision
+
+    with sqlite3.connect(stamped) as connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        connection.execute("INSERT INTO alembic_version VALUES (?)", (head_revision(),))
+    done = cce("export", "--db-url", f"sqlite:///{stamped}")
+    assert_one_line_failure(done, f"--db-url sqlite:///{stamped}", "no such table")
+    assert "SELECT" not in done.stderr
+
+
 def test_a_bad_token_spec_stops_serve_in_one_line(tmp_path: Path) -> None:
     done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS": "short:read"})
     assert_one_line_failure(done, "CCE_SERVICE_TOKENS", "8+", "cce token")

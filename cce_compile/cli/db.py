@@ -55,18 +55,39 @@ def upgraded(db_url: str | None) -> str | None:
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.migrate import current_revision, upgrade
+    from tuning_db.migrate import upgrade
 
     url = resolve_db_url(db_url)
     engine = opened_engine(url)
     try:
-        _refuse_unknown_revision(current_revision(engine), url)
+        _refuse_unknown_revision(_read_revision(engine, url), url)
     finally:
         engine.dispose()
     try:
         return upgrade(url)
     except (CommandError, DBAPIError) as error:
         fail(f"--db-url {shown_url(url)}: cannot upgrade the schema: {getattr(error, 'orig', None) or error}")
+
+
+def _read_revision(engine: Engine, url: str) -> str | None:
+    """The database's schema revision; an alembic_version table this code cannot read (another
+    program's: other columns, several heads) stops the command with one line naming --db-url,
+    not the driver's text with the whole SELECT."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    from tuning_db.engine import shown_url
+    from tuning_db.migrate import current_revision
+
+    try:
+        return current_revision(engine)
+    except CommandError:  # Alembic's only one here: several rows, which it calls heads
+        reason = "it holds more than one revision"
+    except DBAPIError as error:
+        reason = str(error.orig)
+    engine.dispose()
+    fail(f"--db-url {shown_url(url)}: cannot read its schema revision from its alembic_version table "
+         f"(another program's?): {reason}")
 
 
 def _refuse_unknown_revision(revision: str | None, url: str) -> None:
@@ -130,10 +151,10 @@ def store_engine(db_url: str | None) -> Engine:
     """An existing database whose schema is at the code's revision: the store's queries would
     otherwise fail with the driver's text and the whole SQL statement."""
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.migrate import current_revision, head_revision
+    from tuning_db.migrate import head_revision
 
     engine = opened_engine(db_url, existing=True)
-    revision = current_revision(engine)
+    revision = _read_revision(engine, resolve_db_url(db_url))
     if revision != head_revision():
         engine.dispose()
         url = shown_url(resolve_db_url(db_url))
@@ -210,11 +231,16 @@ def export_command(
     if url:
         sys.stdout.write(_checked_export(url, _service_request("GET", url, "/v1/export", token)))
         return
+    from sqlalchemy.exc import DBAPIError
+
+    from tuning_db.engine import resolve_db_url, shown_url
     from tuning_db.store import export_jsonl
 
     engine = store_engine(db_url)
     try:
         sys.stdout.write("".join(line + "\n" for line in export_jsonl(engine)))
+    except DBAPIError as error:  # the driver's text only, as import says it: the exception's own quotes the statement
+        fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:
         engine.dispose()
 
