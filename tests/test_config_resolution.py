@@ -293,6 +293,15 @@ def test_a_lookup_from_inside_a_running_event_loop_is_served() -> None:
         assert asyncio.run(op_call()) == sources.Found({"slab_v": 8192}, "exact")
 
 
+def test_why_a_service_is_unusable_names_the_cause_not_its_exception_group() -> None:
+    """A port out of range failed inside anyio's task group: the reason (the op's log line, `cce
+    lookup --url`'s error) read 'ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)'."""
+    settings = sources.Settings("http://127.0.0.1:99999", None, False, Path("unused"), 0.0)
+    with pytest.raises(client.ServiceUnusable) as refused:
+        client.ask_service(settings, H100, KEY)
+    assert "ExceptionGroup" not in str(refused.value) and "port must be 0-65535" in str(refused.value)
+
+
 def test_an_oversized_answer_is_not_read_whole() -> None:
     with dribbling_service(answer_bytes=64 << 20, header_lines=0) as (url, _arrivals):
         settings = sources.Settings(url, None, False, Path("unused"), 0.0)

@@ -106,6 +106,8 @@ async def _fetch_within_deadline(settings: Settings, platform: Platform, key: Pr
         return f"no complete answer within {SERVICE_TIMEOUT_S}s"
     except Exception as error:  # an optional source: whatever fails (a body that is not the gzip it says, a port
         # out of range) is a miss and a tripped breaker, never the training step's exception
+        while len(getattr(error, "exceptions", ())) == 1:  # a task group's one failure (the port out of
+            error = error.exceptions[0]  # range): its group's text names no cause
         return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
 
