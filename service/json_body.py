@@ -21,6 +21,12 @@ class _UniqueKeysRequest(Request):
                 self._json = json.loads(body, object_pairs_hook=unique_keys)
             except RepeatedKeyError as error:  # FastAPI answers it as a body that is not JSON
                 raise json.JSONDecodeError(str(error), body.decode(errors="replace"), 0) from None
+            except json.JSONDecodeError:
+                raise
+            except RecursionError:  # and so these, which FastAPI answered 400 'There was an error parsing the body'
+                raise json.JSONDecodeError("nested too deep", "", 0) from None
+            except ValueError as error:  # an integer past Python's digits limit, a byte that is not UTF-8
+                raise json.JSONDecodeError(str(error), "", 0) from None
         return self._json
 
 

@@ -364,6 +364,27 @@ def test_a_measurement_giving_a_key_twice_is_refused_naming_it(client: TestClien
 
 
 @pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (json.dumps(measurement_data()).replace('"tokens": 8192', '"tokens": ' + "9" * 5000).encode(), "digits"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deep"),
+        (json.dumps(measurement_data()).replace("node-1", "node-\udcff").encode(errors="surrogateescape"), "utf-8"),
+    ],
+)
+def test_a_measurement_body_json_cannot_read_is_422_saying_why(client: TestClient, body: bytes, reason: str) -> None:
+    """An integer past Python's 4300 digits, nesting past the parser's depth, a byte that is not
+    UTF-8: the repeated-key check's parser raised other than JSONDecodeError, which FastAPI
+    answers 400 'There was an error parsing the body', naming neither what nor where."""
+    response = client.post(
+        "/v1/measurements", content=body, headers={**bearer(WRITE_TOKEN), "Content-Type": "application/json"}
+    )
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"][0]
+    assert detail["type"] == "json_invalid" and reason in detail["msg"].lower(), detail
+    post_measurement(client)
+
+
+@pytest.mark.parametrize(
     ("body", "line"),
     [
         ("", 1),
