@@ -428,6 +428,15 @@ def test_a_bad_import_file_changes_nothing(engine: Engine, case: str) -> None:
     assert store.export_jsonl(engine) == before
 
 
+@pytest.mark.parametrize("schema_version", [True, 1.0, "1"])
+def test_a_header_schema_version_is_the_integer_1_not_what_compares_equal(schema_version: object) -> None:
+    """Literal[1] took true and 1.0 (they compare equal to 1) in a strict model: a header naming
+    no schema version was read as version 1, where every other field is strict (true is not 1)."""
+    header = json.dumps({"format": "cce-tuning-db", "schema_version": schema_version, "entries": 0, "measurements": 0})
+    with pytest.raises(store.ImportFormatError, match="schema_version"):
+        store._parse_export([header])
+
+
 @pytest.mark.parametrize(
     ("line_number", "key", "value"), [(1, "entries", "1"), (2, "median_ms", "9.9"), (2, "sm_count", "7")]
 )

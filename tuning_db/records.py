@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -205,11 +206,19 @@ class ExportLine(MeasurementIn):
     created_at: StoredMoment
 
 
+def _integer(value: Any) -> Any:
+    """Refuse what merely compares equal to an integer literal (true, 1.0): Literal[1] takes
+    them, strict or not."""
+    if type(value) is not int:
+        raise ValueError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
 class ExportHeader(StrictModel):
     """First line of an export; an importer rejects any other format or schema version."""
 
     format: Literal["cce-tuning-db"] = "cce-tuning-db"
-    schema_version: Literal[1] = 1
+    schema_version: Annotated[Literal[1], BeforeValidator(_integer)] = 1
     entries: int = Field(ge=0)
     measurements: int = Field(ge=0, description="the measurements the file carries, one per entry")
 
