@@ -121,8 +121,51 @@ def test_a_database_whose_alembic_version_is_another_programs_is_named_without_s
         connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
         connection.execute("INSERT INTO alembic_version VALUES (?)", (head_revision(),))
     done = cce("export", "--db-url", f"sqlite:///{stamped}")
-    assert_one_line_failure(done, f"--db-url sqlite:///{stamped}", "no such table")
+    assert_one_line_failure(done, f"--db-url sqlite:///{stamped}", "has no table")
     assert "SELECT" not in done.stderr
+
+
+def _another_alembic_projects_database(url: str, own_columns: bool) -> None:
+    """Another Alembic project's database at its own first revision, whose id is this code's
+    (0001): its own tables, or (`own_columns`) tables named as this store's with other columns."""
+    from sqlalchemy import text
+
+    from tuning_db.engine import make_engine
+
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
+        connection.execute(text("INSERT INTO alembic_version VALUES ('0001')"))
+        for table in ("gpus", "measurements", "best_configs") if own_columns else ("users",):
+            connection.execute(text(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, name VARCHAR(64))"))
+    engine.dispose()
+
+
+def test_another_alembic_projects_database_at_revision_0001_is_not_taken_as_ours(tmp_path: Path) -> None:
+    """Its revision id is this code's head: `cce db upgrade` said 'at revision 0001' and created
+    nothing, and export, import and serve then failed on tables it lacks. Each now names --db-url
+    and what is missing, and leaves the database as it was."""
+    from tests.db_fixtures import POSTGRES_URL, _require_postgres
+    from tuning_db.scratch import scratch_schema
+
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    for own_columns, missing in ((False, "has no table gpus"), (True, "table gpus has no column compute_capability")):
+        path = tmp_path / f"other-{own_columns}.db"
+        _another_alembic_projects_database(f"sqlite:///{path}", own_columns)
+        for args in (["db", "upgrade"], ["export"], ["import", str(export_file)], ["serve", "--port", str(free_port())]):
+            done = cce(*args, "--db-url", f"sqlite:///{path}")
+            assert_one_line_failure(done, f"--db-url sqlite:///{path}: its alembic_version says schema 0001", missing,
+                                    "another program's database")
+        with sqlite3.connect(path) as connection:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert tables == ({"alembic_version", "gpus", "measurements", "best_configs"} if own_columns
+                          else {"alembic_version", "users"})
+    _require_postgres()
+    with scratch_schema(POSTGRES_URL, prefix="cce_test_foreign") as url:
+        _another_alembic_projects_database(url, own_columns=False)
+        done = cce("db", "upgrade", "--db-url", url)
+        assert_one_line_failure(done, "--db-url postgresql", "its alembic_version says schema 0001", "has no table gpus")
 
 
 def test_a_bad_token_spec_stops_serve_in_one_line(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, func, inspect, select
 
 from tuning_db.engine import WRITE_OPTION, make_engine
 
@@ -42,6 +42,26 @@ def known_revision(revision: str) -> bool:
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def foreign_tables(engine: Engine) -> str | None:
+    """Why the database's tables are not this code's head schema (a table missing, or lacking a
+    column), or None. A database whose alembic_version names this code's revision may still be
+    another Alembic project's: `0001` is many a project's first migration id, and Alembic then
+    takes it as up to date and creates nothing."""
+    from tuning_db.models import Base
+
+    with engine.connect() as connection:
+        inspector = inspect(connection)
+        present = set(inspector.get_table_names())
+        for table in Base.metadata.sorted_tables:
+            if table.name not in present:
+                return f"it has no table {table.name}"
+            columns = {column["name"] for column in inspector.get_columns(table.name)}
+            missing = [column.name for column in table.columns if column.name not in columns]
+            if missing:
+                return f"its table {table.name} has no column {', '.join(missing)}"
+    return None
 
 
 def upgrade(url: str | None = None) -> str | None:

@@ -64,9 +64,29 @@ def upgraded(db_url: str | None) -> str | None:
     finally:
         engine.dispose()
     try:
-        return upgrade(url)
+        revision = upgrade(url)
     except (CommandError, DBAPIError) as error:
         fail(f"--db-url {shown_url(url)}: cannot upgrade the schema: {getattr(error, 'orig', None) or error}")
+    engine = new_engine(url)
+    try:
+        _refuse_foreign_tables(engine, url, revision)
+    finally:
+        engine.dispose()
+    return revision
+
+
+def _refuse_foreign_tables(engine: Engine, url: str, revision: str | None) -> None:
+    """A database at this code's head revision whose tables are not this store's: another Alembic
+    project's, whose own first revision has this code's id (0001). Alembic takes it as up to date
+    and creates nothing; the store's queries would then fail on tables it lacks."""
+    from tuning_db.engine import shown_url
+    from tuning_db.migrate import foreign_tables
+
+    reason = foreign_tables(engine)
+    if reason is not None:
+        engine.dispose()
+        fail(f"--db-url {shown_url(url)}: its alembic_version says schema {revision}, this store's, but {reason}: "
+             "another program's database (another Alembic project's revision id)? name the tuning database")
 
 
 def _read_revision(engine: Engine, url: str) -> str | None:
@@ -161,6 +181,7 @@ def store_engine(db_url: str | None) -> Engine:
         _refuse_unknown_revision(revision, url)
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
         fail(f"--db-url {url}: the database {state}; run `cce db upgrade --db-url {url}`")
+    _refuse_foreign_tables(engine, resolve_db_url(db_url), revision)
     return engine
 
 
