@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from service.log_secrets import hide_secrets_in_uvicorn_logs
 from service.body_limit import BodySizeLimitMiddleware
 from service.database_errors import LOCK_RETRY_AFTER_S, database_error
-from service.deps import single_valued_query
+from service.deps import single_valued_headers, single_valued_query
 from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
 from service.routes import configs, gpus, health, measurements, transfer
@@ -60,7 +60,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         version="1",
         summary="Best kernel launch configs per GPU and problem shape, shared by a cluster.",
         lifespan=lifespan,
-        dependencies=[Depends(single_valued_query)],
+        dependencies=[Depends(single_valued_query), Depends(single_valued_headers)],
         docs_url=None,  # served by _serve_docs_locally
         redoc_url=None,
     )

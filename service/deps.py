@@ -13,6 +13,7 @@ from sqlalchemy import Engine
 
 from service.auth import require
 from service.metrics import ServiceMetrics
+from tuning_db.records import IDEMPOTENCY_KEY_HEADER
 
 
 async def _engine(request: Request) -> Engine:
@@ -32,6 +33,21 @@ async def single_valued_query(request: Request) -> None:
             raise RequestValidationError([{"loc": ("query", name), "msg": "given more than once; give it once",
                                            "type": "value_error"}])
         seen.add(name)
+
+
+SINGLE_VALUED_HEADERS = ("Authorization", IDEMPOTENCY_KEY_HEADER)
+"""Headers whose one value decides what a request may do or which measurement it is."""
+
+
+async def single_valued_headers(request: Request) -> None:
+    """Each of SINGLE_VALUED_HEADERS is given at most once: two Authorization headers were
+    authorized by the first alone (a proxy adding its own, a client merging two configs), two
+    Idempotency-Keys stored the measurement under the first; a 422 naming the header, as a
+    repeated query parameter gets."""
+    for name in SINGLE_VALUED_HEADERS:
+        if len(request.headers.getlist(name)) > 1:
+            raise RequestValidationError([{"loc": ("header", name), "msg": "given more than once; give it once",
+                                           "type": "value_error"}])
 
 
 EngineDep = Annotated[Engine, Depends(_engine)]

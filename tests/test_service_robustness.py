@@ -138,6 +138,30 @@ def test_a_query_parameter_given_twice_is_422_not_the_last_one_silently(client: 
     assert best(client)["entry_id"] == 1
 
 
+def test_an_authorization_or_idempotency_key_header_given_twice_is_422_not_the_first_silently(
+    client: TestClient,
+) -> None:
+    """Two Authorization headers were authorized by the first alone (a read token then an admin
+    one read; an admin token then an unknown one retired), two Idempotency-Keys stored the
+    measurement under the first; each is refused as a repeated query parameter is, naming the
+    header, whatever the order, and nothing changes."""
+    post_measurement(client)
+    before = exported(client)
+    for tokens in ((ADMIN_TOKEN, "unknown-token-1"), ("unknown-token-1", ADMIN_TOKEN), (ADMIN_TOKEN, ADMIN_TOKEN)):
+        headers = [("Authorization", f"Bearer {token}") for token in tokens]
+        for method, path in (("POST", "/v1/configs/1/retire"), ("GET", "/v1/export")):
+            response = client.request(method, path, headers=headers)
+            assert response.status_code == 422, response.text
+            assert response.json()["detail"] == [
+                {"loc": ["header", "Authorization"], "msg": "given more than once; give it once", "type": "value_error"}]
+    keys = [("Idempotency-Key", "a" * 32), ("Idempotency-Key", "b" * 32)]
+    response = client.post("/v1/measurements", json=measurement_data(V=5),
+                           headers=[*bearer(WRITE_TOKEN).items(), *keys])
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"]
+    assert exported(client) == before
+    assert best(client)["entry_id"] == 1
+
+
 def _uid_line(client: TestClient) -> tuple[str, dict[str, Any]]:
     header, line = exported(client).splitlines()
     return header, json.loads(line)
