@@ -176,6 +176,19 @@ def test_a_bad_token_spec_stops_serve_in_one_line(tmp_path: Path) -> None:
         assert_one_line_failure(done, f"CCE_SERVICE_TOKENS_FILE: cannot read {tokens_file}")
 
 
+def test_a_tokens_file_that_is_not_utf8_stops_serve_naming_the_file_variable(tmp_path: Path) -> None:
+    """It was reported as a malformed entry of CCE_SERVICE_TOKENS/CCE_SERVICE_TOKENS_FILE, with
+    `cce token`'s advice, though the file's entries were never read."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_bytes("admin-token-0001:admin # r\u00e9seau\n".encode("latin-1"))
+    done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS_FILE": str(tokens_file)})
+    assert_one_line_failure(done, f"CCE_SERVICE_TOKENS_FILE: {tokens_file} is not UTF-8 text", "offset 26")
+    assert "CCE_SERVICE_TOKENS/" not in done.stderr and "cce token" not in done.stderr
+    tokens_file.write_bytes(b"\xef\xbb\xbf" + tokens_file.read_bytes())  # after a byte order mark, counted in
+    done = cce("serve", "--port", str(free_port()), env={"CCE_SERVICE_TOKENS_FILE": str(tokens_file)})
+    assert_one_line_failure(done, f"CCE_SERVICE_TOKENS_FILE: {tokens_file} is not UTF-8 text", "byte 0xe9 at offset 29")
+
+
 def test_a_token_listed_twice_stops_serve_in_one_line(tmp_path: Path) -> None:
     """A read token in CCE_SERVICE_TOKENS listed again as admin in the tokens file was one admin
     token ('1 token(s)'), the later entry silently winning: the line names it, not its secret."""

@@ -115,6 +115,11 @@ def _checked_settings() -> ServiceSettings:
         fail(f"{ServiceSettings.model_config['env_prefix']}{str(first['loc'][0]).upper()}: {first['msg']}")
     except OSError as error:
         fail(f"CCE_SERVICE_TOKENS_FILE: cannot read {settings.tokens_file}: {error.strerror or error}")
+    except UnicodeDecodeError as error:  # a ValueError, but no malformed entry: `cce token` would not mend it
+        # the decoder's offset counts from after a byte order mark it took off
+        offset = error.start + len(settings.tokens_file.read_bytes()) - len(error.object)
+        fail(f"CCE_SERVICE_TOKENS_FILE: {settings.tokens_file} is not UTF-8 text "
+             f"(byte 0x{error.object[error.start]:02x} at offset {offset})")
     except ValueError as error:
         source = "CCE_SERVICE_TOKENS" + ("/CCE_SERVICE_TOKENS_FILE" if settings.tokens_file else "")
         fail(f"{source}: {error} (`cce token` makes one)")
