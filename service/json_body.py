@@ -1,13 +1,15 @@
 """JSON request bodies that give a key twice are refused (422, naming the key), as import
-files are: FastAPI's parser would keep the last value silently."""
+files are: FastAPI's parser would keep the last value silently. A body sent as another media
+type (curl -d sends a form) is refused with 415 naming the Content-Type it needs."""
 
 from __future__ import annotations
 
+import email.message
 import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response, status
 from fastapi.routing import APIRoute
 
 from tuning_db.records import RepeatedKeyError, unique_keys
@@ -31,12 +33,25 @@ class _UniqueKeysRequest(Request):
 
 
 class UniqueKeysRoute(APIRoute):
-    """A route whose JSON body refuses a repeated key."""
+    """A route whose JSON body refuses a repeated key, and a body of another media type."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def unique_keys_handler(request: Request) -> Response:
+            content_type = request.headers.get("content-type")
+            if content_type and not _is_json(content_type):  # FastAPI validated the raw bytes as the model:
+                # 'Input should be a valid dictionary', as if the JSON were wrong
+                raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+                                    f"the body's Content-Type must be application/json, not {content_type[:100]!r}")
             return await handler(_UniqueKeysRequest(request.scope, request.receive))
 
         return unique_keys_handler
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body of `content_type` as JSON (application/json, or a +json type)."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))

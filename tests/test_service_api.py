@@ -363,6 +363,22 @@ def test_a_measurement_giving_a_key_twice_is_refused_naming_it(client: TestClien
     assert exported(client) == before
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/json"])
+def test_a_measurement_sent_as_another_media_type_is_415_naming_json(client: TestClient, content_type: str) -> None:
+    """A JSON body sent as text/plain (or as a form, curl -d's default) was validated as the raw
+    bytes: 422 'Input should be a valid dictionary', as if the JSON were wrong."""
+    body = json.dumps(measurement_data())
+    response = client.post("/v1/measurements", content=body,
+                           headers={**bearer(WRITE_TOKEN), "Content-Type": content_type})
+    assert response.status_code == 415, response.text
+    assert response.json() == {"detail": f"the body's Content-Type must be application/json, not {content_type!r}"}
+    assert exported(client).count("\n") == 1
+    for json_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.cce+json"):
+        response = client.post("/v1/measurements", content=body,
+                               headers={**bearer(WRITE_TOKEN), "Content-Type": json_type})
+        assert response.status_code == 201, response.text
+
+
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
