@@ -420,7 +420,7 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
         assert answered.returncode == 0 and json.loads(answered.stdout)["match_level"] == "none", answered.stderr
         with _answering_html() as other_server:  # a login page, another app behind the URL
             for url, token, reason in ((base_url, "", "HTTP 401"), (base_url, "wrong-token-123", "unknown token"),
-                                       (dead, "", "ConnectError"), ("ftp://x", "", "UnsupportedProtocol"),
+                                       (dead, "", "ConnectError"),
                                        (other_server, "", "answered no JSON object")):
                 done = cce(*problem, "--url", url, env={**scratch, "CCE_TUNING_TOKEN": token})
                 said = "the service" if reason.startswith("answered") else "cannot ask the service"
@@ -535,6 +535,29 @@ def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")
+
+
+def test_a_service_url_that_cannot_be_one_is_refused_up_front_naming_url(tmp_path: Path) -> None:
+    """A port out of range, another scheme, no scheme or no host: export and import said httpx's
+    text once they tried to connect ('ConnectError', 'UnsupportedProtocol'), lookup the same
+    after 'cannot ask the service'; each names --url and what is wrong, as a misused option."""
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    commands = (["export"], ["import", str(export_file)],
+                ["lookup", "--gpu", "NVIDIA H100 80GB HBM3", "--vocab", "64", "--hidden", "16", "--tokens", "16"])
+    bad = (("http://127.0.0.1:99999", "its port '99999' is not a number from 1 to 65535"),
+           ("http://127.0.0.1:0", "its port '0' is not a number from 1 to 65535"),
+           ("http://127.0.0.1:8o00", "its port '8o00' is not a number from 1 to 65535"),
+           ("ftp://127.0.0.1", "not an http:// or https:// URL"),
+           ("127.0.0.1:8000", "not an http:// or https:// URL"),
+           ("http://:8000", "it names no host"),
+           ("http://[::1:8000", "not a URL"))
+    for args in commands:
+        for url, reason in bad:
+            done = cce(*args, "--url", url, env={"CCE_CONFIG_CACHE_DIR": str(tmp_path / "configs")})
+            assert_one_line_failure(done, f"Invalid value for '--url': {url}: {reason}")
+            assert done.returncode == 2 and done.stdout == ""
+            assert "Error" not in done.stderr  # no exception's name: neither httpx's nor a bug's
 
 
 def test_export_and_import_through_a_url_answering_no_export_fail_in_one_line(tmp_path: Path) -> None:

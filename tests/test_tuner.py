@@ -421,6 +421,8 @@ def test_a_destination_that_cannot_work_stops_tune_in_one_line(tmp_path: Path) -
         (["--db-url", "garbage"], {}, 2, ["Invalid value for --db-url", "Could not parse"]),
         (["--publish", f"http://{dead}"], token, 1, [f"--publish http://{dead}: tuning service unreachable"]),
         (["--publish", "garbage"], token, 2, ["--publish garbage: not an http:// or https:// URL"]),
+        (["--publish", "http://127.0.0.1:99999"], token, 2,
+         ["--publish http://127.0.0.1:99999: its port '99999' is not a number from 1 to 65535"]),
         (["--publish", f"http://{dead}"], {sources.TOKEN_ENV: ""}, 2, ["--publish", "needs a write token"]),
         (["--publish", f"http://tuner:pw-s3cret@{dead}/?token=tok-s3cret"], token, 1,
          [f"--publish http://tuner:***@{dead}/?token=***: tuning service unreachable"]),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, one_line, refuse_empty
+from cce_compile.cli.errors import fail, one_line, refuse_empty, service_url
 from cce_compile.resolve.sources import TOKEN_ENV
 from tuning_db.records import ImportMode
 
@@ -28,7 +28,7 @@ DbUrlOption = Annotated[
 ]
 ServiceUrlOption = Annotated[
     Optional[str],
-    typer.Option("--url", callback=refuse_empty("the URL is empty; leave --url out to use --db-url"),
+    typer.Option("--url", callback=service_url("the URL is empty; leave --url out to use --db-url"),
                  help="a running service's base URL, instead of --db-url"),
 ]
 TokenOption = Annotated[

@@ -44,6 +44,24 @@ def refuse_empty(message: str) -> Callable[[str | None], str | None]:
     return check
 
 
+def service_url(empty_message: str) -> Callable[[str | None], str | None]:
+    """An option callback for a tuning service's URL (--url): refuses an empty value with
+    `empty_message`, and a value that cannot be one (another scheme, no host, a port out of
+    range) saying why, before the command connects anywhere."""
+    from cce_compile.resolve.sources import service_url_problem
+
+    not_empty = refuse_empty(empty_message)
+
+    def check(value: str | None) -> str | None:
+        value = not_empty(value)
+        problem = None if value is None else service_url_problem(value)
+        if problem is not None:
+            raise typer.BadParameter(f"{value}: {problem}")
+        return value
+
+    return check
+
+
 def one_line(error: BaseException) -> str:
     """`error` as one line of text, naming the fix where one is known."""
     if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in ("psycopg", "psycopg2"):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, refuse_empty
+from cce_compile.cli.errors import fail, service_url
 
 if TYPE_CHECKING:
     from cce_compile.config.keys import ProblemKey
@@ -42,7 +42,7 @@ def lookup(
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp32 (or the torch names)")] = "bf16",
     mode: Annotated[str, typer.Option(help="exact, or filtered (filter_eps set)")] = "exact",
     url: Annotated[Optional[str], typer.Option(
-        "--url", callback=refuse_empty("the URL is empty; leave --url out to use $CCE_TUNING_URL and the disk cache"),
+        "--url", callback=service_url("the URL is empty; leave --url out to use $CCE_TUNING_URL and the disk cache"),
         help="ask this tuning service alone, not the disk cache, under CCE_TUNING_OFFLINE too (an error if "
              "it cannot be asked); default: the op's ladder, with $CCE_TUNING_URL")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,

@@ -77,6 +77,29 @@ class Settings:
         return self if url is None else replace(self, url=url, offline=False)
 
 
+def service_url_problem(url: str) -> str | None:
+    """Why `url` cannot be a tuning service's base URL, or None: a scheme other than http or
+    https, no host, a port outside 1-65535. A command naming one (--url, --publish) says so up
+    front, naming its option, instead of the HTTP client's error once it tries to connect."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # an unbalanced [ of an IPv6 host
+        return f"not a URL: {error}"
+    if parts.scheme not in ("http", "https"):
+        return "not an http:// or https:// URL"
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        return f"its port {parts.netloc.rpartition(':')[2]!r} is not a number from 1 to 65535"
+    if not parts.hostname:
+        return "it names no host"
+    return None
+
+
 def _ttl_from_env() -> float:
     """CCE_CONFIG_CACHE_TTL_S, or the default where it is unset or no finite, non-negative
     number (nan once made the TTL 0, silently turning the cache off; inf kept files forever)."""

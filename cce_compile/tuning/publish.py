@@ -167,20 +167,15 @@ class ServicePublisher:
 
     def __init__(self, url: str, token: str | None) -> None:
         """PublishError where the URL or the token cannot be right, whatever the service says."""
-        import httpx
-
         if not token:
             raise PublishError(f"publishing needs a write token in ${sources.TOKEN_ENV}")
         if not token.isascii():
             raise PublishError(
                 f"${sources.TOKEN_ENV}: a token is ASCII (URL-safe characters, as `cce token` makes them)"
             )
-        try:
-            parsed = httpx.URL(url)
-        except httpx.InvalidURL as error:
-            raise PublishError(f"not a URL: {error}") from None
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise PublishError("not an http:// or https:// URL")
+        problem = sources.service_url_problem(url)
+        if problem is not None:
+            raise PublishError(problem)
         self.url = url.rstrip("/")
         self.token = token
 
