@@ -27,6 +27,7 @@ Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 _MEMORY = ("workspace", "low")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -165,15 +166,22 @@ def _type_name(value: object) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _got(value: object) -> str:
+    """An error's ", got <value>"; empty while Dynamo traces, where formatting a value it made
+    symbolic (dynamic=True, or one that changed between calls) fails the trace with a type
+    error that hides the message."""
+    return "" if torch.compiler.is_compiling() else f", got {value!r}"
+
+
 def _check_number(name: str, value: object, expected: str, holds: Callable[[float], bool]) -> None:
     """value is a finite real number (not a bool) for which `holds` is true."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number {expected}, got {_type_name(value)}")
-    # NaN fails both; a traced float too. An int past float's range compares finite but would
-    # raise OverflowError where the call converts it with float()
-    too_large = isinstance(value, numbers.Integral) and abs(value) > sys.float_info.max
+    # NaN fails both; a traced float too. An int or fraction past float's range compares finite
+    # but would raise OverflowError where the call converts it with float()
+    too_large = isinstance(value, numbers.Rational) and abs(value) > sys.float_info.max
     if not (-math.inf < value < math.inf and not too_large and holds(value)):
-        raise ValueError(f"{name} must be a finite number {expected}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number {expected}{_got(value)}")
 
 
 def check_loss_options(
@@ -187,17 +195,19 @@ def check_loss_options(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_number("label_smoothing", label_smoothing, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
-    _check_number("z_loss", z_loss, ">= 0", lambda x: x >= 0.0)
+    # A float32 constant of the kernels: past float32's range it is inf, and so every loss
+    _check_number("z_loss", z_loss, "in [0, 3.4e38]", lambda x: 0.0 <= x <= _FLOAT32_MAX)
     if softcap is not None:
         _check_number("softcap", softcap, "> 0 (or None)", lambda x: x > 0.0)
     # The kernels scale float32 logits by 1 / temperature: below 1e-20 logits of everyday size would
     # leave float32's range (1e-300 gave NaN). Literals: Dynamo made a module-level float a graph input.
     _check_number("temperature", temperature, ">= 1e-20", lambda x: x >= 1e-20)
     # The kernels soft-cap the scaled logits at softcap / temperature, a float32 constant: past
-    # float32's range it is inf, and inf * tanh(l / inf) made every output NaN.
-    if softcap is not None and softcap / temperature > _FLOAT32_MAX:
-        raise ValueError(f"softcap / temperature must be at most float32's largest ({_FLOAT32_MAX:.4g}), the cap "
-                         f"the kernels apply to the scaled logits; got {softcap!r} / {temperature!r}")
+    # float32's range it is inf (inf * tanh(l / inf) is NaN), below its smallest normal 0 (0 / 0)
+    if softcap is not None and not _FLOAT32_TINY <= softcap / temperature <= _FLOAT32_MAX:
+        raise ValueError(f"softcap / temperature must be within float32's normal range ({_FLOAT32_TINY:.4g} to "
+                         f"{_FLOAT32_MAX:.4g}), the cap the kernels apply to the scaled logits: (softcap, "
+                         f"temperature){_got((softcap, temperature))}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {_type_name(ignore_index)}")
     if not -(2**63) <= ignore_index < 2**63:

@@ -390,7 +390,10 @@ def test_loss_module_takes_a_temperature() -> None:
     ({"temperature": 10**400}, ValueError, "temperature must be a finite number"),
     ({"softcap": 10**400}, ValueError, "softcap must be a finite number"),
     # softcap / temperature past float32's range: the kernels' cap was inf, every output NaN
-    ({"temperature": 1e-20, "softcap": 1e30}, ValueError, r"softcap / temperature must be at most float32's"),
+    ({"temperature": 1e-20, "softcap": 1e30}, ValueError, r"softcap / temperature must be within float32's normal"),
+    # below float32's smallest normal the cap was 0, and 0 / 0 NaN
+    ({"temperature": 1e50, "softcap": 30.0}, ValueError, r"softcap / temperature must be within .*\(softcap, "
+     r"temperature\), got \(30.0, 1e\+50\)"),
     ({"filter_eps": 1.5}, ValueError, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
     ({"filter_eps": "fast"}, ValueError, "filter_eps"),
 ])

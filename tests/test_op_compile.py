@@ -650,3 +650,19 @@ def test_a_filter_eps_that_changes_between_calls_compiles(call: str) -> None:
                 results.append((value, leaf.grad))
             for got, want in zip(*results):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", ["label_smoothing", "softcap"])
+def test_a_bad_option_dynamo_made_symbolic_keeps_its_message_under_fullgraph(option: str) -> None:
+    """Under fullgraph a bad argument surfaces as Dynamo's Unsupported, the package's message in
+    its developer context; formatting a value Dynamo made symbolic (dynamic=True) into that
+    message failed the trace with a type error instead, and the message was lost."""
+    torch.manual_seed(0)
+    e, c, targets = torch.randn(12, 8), torch.randn(50, 8), torch.randint(0, 50, (12,))
+    bad = {"label_smoothing": 2.0, "softcap": 1e-40}[option]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, c, t, x: cce_compile.linear_cross_entropy(e, c, t, **{option: x}),
+                             backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled(e, c, targets, 0.5)
+    with pytest.raises(Exception, match=f"{option} (/ temperature )?must be"):
+        compiled(e, c, targets, bad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy
 import pytest
 import torch
@@ -48,8 +50,12 @@ def test_bad_tensors(change, error, pattern) -> None:
         ({"softcap": 0.0}, r"softcap must be a finite number > 0 \(or None\)"),
         ({"softcap": -3.0}, r"softcap must be a finite number > 0"),
         ({"softcap": float("inf")}, r"softcap must be a finite number > 0 \(or None\), got inf"),
-        ({"z_loss": -1.0}, r"z_loss must be a finite number >= 0"),
-        ({"z_loss": float("nan")}, r"z_loss must be a finite number >= 0, got nan"),
+        ({"z_loss": -1.0}, r"z_loss must be a finite number in \[0, 3.4e38\]"),
+        ({"z_loss": float("nan")}, r"z_loss must be a finite number in \[0, 3.4e38\], got nan"),
+        # a float32 constant of the kernels: 1e39 was inf there, and every loss with it
+        ({"z_loss": 1e39}, r"z_loss must be a finite number in \[0, 3.4e38\], got 1e\+39"),
+        # an int or a fraction past float's range compared finite, then float() raised OverflowError
+        ({"label_smoothing": Fraction(10**400)}, r"label_smoothing must be a finite number in \[0, 1\]"),
         ({"temperature": 0}, r"temperature must be a finite number >= 1e-20, got 0"),
         ({"temperature": 1e-300}, r"temperature must be a finite number >= 1e-20, got 1e-300"),
         ({"filter_eps": 2.0}, r"filter_eps must be None, 'auto' or a float in \(0, 1\)"),
@@ -67,7 +73,7 @@ def test_bad_options(options, pattern) -> None:
     ("options", "pattern"),
     [
         ({"label_smoothing": "0.1"}, r"label_smoothing must be a number in \[0, 1\], got str"),
-        ({"z_loss": None}, r"z_loss must be a number >= 0, got NoneType"),
+        ({"z_loss": None}, r"z_loss must be a number in \[0, 3.4e38\], got NoneType"),
         ({"softcap": True}, r"softcap must be a number > 0 \(or None\), got bool"),
         ({"ignore_index": 0.5}, r"ignore_index must be an int, got float"),
         ({"bias": [0.0] * 20}, r"bias must be None or a torch.Tensor, got list"),
