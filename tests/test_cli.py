@@ -123,6 +123,14 @@ def test_a_database_whose_alembic_version_is_another_programs_is_named_without_s
     done = cce("export", "--db-url", f"sqlite:///{stamped}")
     assert_one_line_failure(done, f"--db-url sqlite:///{stamped}", "has no table")
     assert "SELECT" not in done.stderr
+    # another program's table of one row, at a revision this code has none of: the advice was
+    # only to upgrade cce_compile
+    foreign = tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        connection.execute("INSERT INTO alembic_version VALUES ('3f2a9c1b7d4e')")
+    done = cce("db", "upgrade", "--db-url", f"sqlite:///{foreign}")
+    assert_one_line_failure(done, "schema 3f2a9c1b7d4e", "upgrade cce_compile", "another program's")
 
 
 def _another_alembic_projects_database(url: str, own_columns: bool) -> None:
@@ -377,14 +385,14 @@ def test_lookup_refuses_what_the_service_refuses() -> None:
 
 
 @contextlib.contextmanager
-def _answering_html() -> Iterator[str]:
-    """A real HTTP server on a loopback port that answers every GET with 200 and an HTML page."""
+def _answering(body: bytes = b"<html><body>Sign in</body></html>", content_type: str = "text/html") -> Iterator[str]:
+    """A real HTTP server on a loopback port that answers every GET with 200 and `body` (by
+    default a login page's HTML)."""
 
     class Page(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = b"<html><body>Sign in</body></html>"
             self.send_response(200)
-            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -418,7 +426,7 @@ def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(t
                  env={"CCE_SERVICE_TOKENS": "read-token-0001:read"}) as base_url:
         answered = cce(*problem, "--url", base_url, env={**scratch, "CCE_TUNING_TOKEN": "read-token-0001"})
         assert answered.returncode == 0 and json.loads(answered.stdout)["match_level"] == "none", answered.stderr
-        with _answering_html() as other_server:  # a login page, another app behind the URL
+        with _answering() as other_server:  # a login page, another app behind the URL
             for url, token, reason in ((base_url, "", "HTTP 401"), (base_url, "wrong-token-123", "unknown token"),
                                        (dead, "", "ConnectError"),
                                        (other_server, "", "answered no JSON object")):
@@ -565,13 +573,28 @@ def test_export_and_import_through_a_url_answering_no_export_fail_in_one_line(tm
     as the backup and `cce import --url` printed it as the counts, both with exit 0."""
     export = tmp_path / "export.jsonl"
     export.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
-    with _answering_html() as other_server:
+    with _answering() as other_server:
         exported = cce("export", "--url", other_server)
         assert_one_line_failure(exported, f"--url {other_server}: the service answered no export file", "Sign in")
         assert exported.stdout == ""
         imported = cce("import", str(export), "--url", other_server)
         assert_one_line_failure(imported, f"--url {other_server}: the service answered no import report", "Sign in")
         assert imported.stdout == ""
+
+
+def test_export_through_a_url_writes_a_newer_services_export_whole() -> None:
+    """The answer is checked for the export format only: a newer service's export (another
+    schema version, another header field, a byte order mark) was refused as 'no export file',
+    so no backup could be taken from it."""
+    header = '\ufeff{"format": "cce-tuning-db", "schema_version": 2, "entries": 1, "measurements": 1, "new": 0}'
+    body = f"{header}\n{{\"any\": \"entry\"}}\n"
+    with _answering(body.encode(), "application/x-ndjson") as newer_service:
+        exported = cce("export", "--url", newer_service)
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout == body
+    short = body.replace('"entries": 1', '"entries": 2')
+    with _answering(short.encode(), "application/x-ndjson") as newer_service:
+        assert_one_line_failure(cce("export", "--url", newer_service), "announces 2 entries but holds 1")
 
 
 def test_export_and_import_refuse_a_service_and_a_database_named_together(tmp_path: Path) -> None:

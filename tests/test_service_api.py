@@ -76,6 +76,24 @@ def test_readyz_is_503_when_the_database_is_unreachable() -> None:
     assert head.status_code == 503 and head.content == b""
 
 
+@pytest.mark.postgres
+def test_readyz_names_an_alembic_version_of_several_rows() -> None:
+    """Another program's alembic_version of several rows, in the PostgreSQL schema a replica
+    serves (it never migrates one), was 'database unreachable: CommandError'."""
+    from sqlalchemy import text
+
+    with scratch_schema(POSTGRES_URL, prefix="cce_test") as url:
+        engine = make_engine(url)
+        with engine.begin() as connection:
+            connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
+            connection.execute(text("INSERT INTO alembic_version VALUES ('a1'), ('b2')"))
+        engine.dispose()
+        with make_client(url) as foreign:
+            response = foreign.get("/readyz")
+    assert response.status_code == 503
+    assert "several revisions" in response.json()["detail"]
+
+
 def test_health_checks_answer_head(client: TestClient) -> None:
     for path in ("/healthz", "/readyz"):
         response = client.head(path)
@@ -386,6 +404,7 @@ def test_a_measurement_sent_as_another_media_type_is_415_naming_json(client: Tes
         (b"[" * 5000 + b"]" * 5000, "nested too deep"),
         (json.dumps(measurement_data()).replace("node-1", "node-\udcff").encode(errors="surrogateescape"), "utf-8"),
     ],
+    ids=["digits", "nesting", "utf-8"],
 )
 def test_a_measurement_body_json_cannot_read_is_422_saying_why(client: TestClient, body: bytes, reason: str) -> None:
     """An integer past Python's 4300 digits, nesting past the parser's depth, a byte that is not

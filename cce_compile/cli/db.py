@@ -118,7 +118,8 @@ def _refuse_unknown_revision(revision: str | None, url: str) -> None:
 
     if revision is not None and not known_revision(revision):
         fail(f"--db-url {shown_url(url)}: the database has schema {revision}, which this cce_compile does not "
-             "know (a newer release wrote it); upgrade cce_compile")
+             "know: a newer release wrote it (upgrade cce_compile), or its alembic_version table is another "
+             "program's (name the tuning database)")
 
 
 def opened_engine(db_url: str | None, existing: bool = False) -> Engine:
@@ -207,18 +208,25 @@ def _service_request(
 
 
 def _checked_export(url: str, answer: str) -> str:
-    """A service's export as it came, once its header reads as one and its line count matches:
-    a 200 from something else at the URL (a login page, another app) is no backup."""
-    from tuning_db.records import ExportHeader, clip, validate_json
+    """A service's export as it came, once its first line names the export format and its line
+    count matches: a 200 from something else at the URL (a login page, another app) is no
+    backup. Only the format is checked, so a newer service's export (another schema version,
+    more header fields) is still written out whole."""
+    import json
+
+    from tuning_db.records import ExportHeader, clip
+    from tuning_db.store import BYTE_ORDER_MARK
 
     lines = [line for line in answer.split("\n") if line.strip()]  # as the service writes them
     try:
-        header = validate_json(ExportHeader, lines[0] if lines else "")
-    except ValueError:  # pydantic's ValidationError and a repeated key alike
+        header = json.loads(lines[0].removeprefix(BYTE_ORDER_MARK)) if lines else None
+    except ValueError:
+        header = None
+    if not (isinstance(header, dict) and header.get("format") == ExportHeader.model_fields["format"].default):
         fail(f"--url {url}: the service answered no export file (its first line is no export header): "
              f"{clip(answer[:ERROR_DETAIL_CHARS])!r}")
-    if header.entries != len(lines) - 1:
-        fail(f"--url {url}: the service's export announces {header.entries} entries but holds {len(lines) - 1}")
+    if header.get("entries") != len(lines) - 1:
+        fail(f"--url {url}: the service's export announces {header.get('entries')!r} entries but holds {len(lines) - 1}")
     return answer
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from alembic.util import CommandError
 from fastapi import APIRouter, status
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,6 +28,8 @@ def readyz(engine: EngineDep) -> Health | JSONResponse:
     """Ready when the database answers and its schema is at the code's revision."""
     try:
         revision = current_revision(engine)
+    except CommandError:  # Alembic's for an alembic_version of several rows: not this store's
+        return _not_ready("its alembic_version table holds several revisions (another program's?)")
     except Exception as error:  # any failure to reach the database means not ready
         return _not_ready(f"database unreachable: {type(error).__name__}")
     if revision != head_revision():
