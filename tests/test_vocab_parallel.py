@@ -242,6 +242,12 @@ def check_refusals(parallel: VocabParallel) -> None:
                        ("c", lambda: cce_compile.linear_log_probs(e, sharded_c, targets))):
         with pytest.raises(TypeError, match=rf"{name} is a DTensor: pass {name}.to_local\(\)"):
             call()  # not DTensor's "mixed torch.Tensor and DTensor" from inside the op
+    # a DeviceMesh or a group's name for the group: said as such, not as "not a member of the group"
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup or None, got DeviceMesh "
+                                        r"\(a DeviceMesh: pass mesh.get_group\(\)\)"):
+        VocabParallel(mesh, parallel.start, parallel.stop, vocab_size=V)
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got str"):
+        VocabParallel(mesh.get_group().group_name, parallel.start, parallel.stop, vocab_size=V)
     outside = dist.new_group([0])  # every rank takes part in creating it; rank 0 alone is in it
     if parallel.rank != 0:
         with pytest.raises(ValueError, match="not a member"):

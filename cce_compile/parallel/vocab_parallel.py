@@ -59,8 +59,12 @@ class VocabParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("vocab_parallel needs an initialized torch.distributed process group")
         group = self.group if self.group is not None else dist.group.WORLD
-        if not isinstance(group, dist.ProcessGroup):  # new_group's stand-in on the ranks outside it
+        if _is_int(group) and group == dist.GroupMember.NON_GROUP_MEMBER:  # new_group's stand-in outside the group
             raise ValueError("VocabParallel.group: this rank is not a member of the group")
+        if not isinstance(group, dist.ProcessGroup):  # a DeviceMesh, a group's name, a rank list
+            hint = " (a DeviceMesh: pass mesh.get_group())" if type(group).__name__ == "DeviceMesh" else ""
+            raise TypeError(f"VocabParallel.group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(group).__name__}{hint}")
         if not isinstance(self.reduce_grad_e, bool):
             raise TypeError(f"VocabParallel.reduce_grad_e must be a bool, got {self.reduce_grad_e!r:.40}")
         object.__setattr__(self, "group_name", group.group_name)
