@@ -448,7 +448,7 @@ class LinearCrossEntropyLoss(nn.Module):
                            temperature=temperature)
         check_flags(shift=shift, return_lse=return_lse)
         _check_weight(weight, None)
-        check_vocab_parallel(vocab_parallel)
+        check_vocab_parallel(vocab_parallel, filter_eps)
         self.register_buffer("weight", weight)
         self.options = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,

@@ -226,6 +226,8 @@ def check_refusals(parallel: VocabParallel) -> None:
     rows = slice(parallel.start, parallel.stop)
     with pytest.raises(ValueError, match="filter_eps"):
         cce_compile.linear_cross_entropy(e, c[rows], targets, vocab_parallel=parallel, filter_eps="auto")
+    with pytest.raises(ValueError, match="filter_eps"):  # where the module is built, not at its first call
+        cce_compile.LinearCrossEntropyLoss(vocab_parallel=parallel, filter_eps="auto")
     with pytest.raises(ValueError, match="rows but vocab_parallel"):
         cce_compile.linear_cross_entropy(e, c, targets, vocab_parallel=parallel)
     with pytest.raises(ValueError, match="tile"):

@@ -160,9 +160,17 @@ def is_dtensor(tensor: object) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def check_vocab_parallel(vocab_parallel: object) -> None:
+FILTER_EPS_REFUSAL = ("filter_eps: filtered mode does not combine over vocabulary shards (its kept tiles are "
+                      "chosen against the global log-sum-exp, which no shard has in its forward); pass None")
+
+
+def check_vocab_parallel(vocab_parallel: object, filter_eps: object = None) -> None:
+    """vocab_parallel is a VocabParallel or None; with one, filter_eps must be None (a module's
+    options are checked where it is built: a bad pair fails there, not at the first step)."""
     if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise TypeError(f"vocab_parallel must be a VocabParallel or None, got {type(vocab_parallel).__name__}")
+    if vocab_parallel is not None and filter_eps is not None:
+        raise ValueError(FILTER_EPS_REFUSAL)
 
 
 def sharded_operands(
@@ -209,8 +217,7 @@ def vocab_parallel_loss(
     classifier (and of bias and weight), global targets (N,) int64; `logit_scale` (1 /
     temperature) multiplies the logits before the soft-cap, as in the unsharded op."""
     if filter_eps > 0.0:
-        raise ValueError("filter_eps: filtered mode does not combine over vocabulary shards (its kept tiles are "
-                         "chosen against the global log-sum-exp, which no shard has in its forward); pass None")
+        raise ValueError(FILTER_EPS_REFUSAL)
     if c.shape[0] != parallel.shard_size:
         raise ValueError(f"c has {c.shape[0]} rows but vocab_parallel's shard [{parallel.start}, {parallel.stop}) "
                          f"has {parallel.shard_size}")
