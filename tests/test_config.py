@@ -268,3 +268,19 @@ def test_a_backward_plan_needs_a_chunk_and_a_slab() -> None:
     for fields in ((0, 1024, True), (2, 0, True), (2, 1024, True, -1)):
         with pytest.raises(ValueError, match="BackwardPlan: expected n_chunks >= 1"):
             BackwardPlan(*fields)
+
+
+def test_one_row_chunks_allowed_still_end_the_plan() -> None:
+    """Policy(min_chunk_rows=1), which the Policy accepts: chunks of one row always have >= 1
+    row, so the search over chunk counts doubled forever (a CPU call under the interpreter hung
+    in plan_backward); it stops at one row per chunk."""
+    import threading
+
+    tiny_budget = Policy(min_chunk_rows=1, scratch_floor_bytes=0, scratch_fraction=0.01)
+    plans: list[BackwardPlan] = []
+    planner = threading.Thread(target=lambda: plans.append(plan_backward(150, 23, 8, 4, KernelConfig(),
+                                                                         policy=tiny_budget)), daemon=True)
+    planner.start()
+    planner.join(timeout=30)
+    assert plans, "plan_backward did not return"
+    assert 1 <= plans[0].n_chunks <= 150

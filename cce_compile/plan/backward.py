@@ -99,7 +99,8 @@ def plan_backward(
     best_preference = (False, -float("inf"))  # (within max_dc_roundings, -traffic): larger wins
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
     n_chunks = 1
-    while n_chunks == 1 or -(-n // n_chunks) >= policy.min_chunk_rows:
+    # n_chunks <= n: with min_chunk_rows=1 the rows test alone never fails (a chunk of 1 row has >= 1)
+    while n_chunks == 1 or (n_chunks <= n and -(-n // n_chunks) >= policy.min_chunk_rows):
         slab = widest
         while True:
             plan = BackwardPlan(n_chunks, slab, fp32_acc)
