@@ -26,8 +26,6 @@ from .plan.launch import Memory, gradients_in_forward
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 _MEMORY = ("workspace", "low")
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
@@ -195,8 +193,10 @@ def check_loss_options(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_number("label_smoothing", label_smoothing, "in [0, 1]", lambda x: 0.0 <= x <= 1.0)
-    # A float32 constant of the kernels: past float32's range it is inf, and so every loss
-    _check_number("z_loss", z_loss, "in [0, 3.4e38]", lambda x: 0.0 <= x <= _FLOAT32_MAX)
+    # A float32 constant of the kernels: past float32's largest (the literal below) it is inf, and so
+    # every loss. Bounds are literals: Dynamo made a module-level float a graph input, and
+    # comparing against it added a guard that recompiled a dynamic=True graph on its next call.
+    _check_number("z_loss", z_loss, "in [0, 3.4e38]", lambda x: 0.0 <= x <= 3.4028234663852886e38)
     if softcap is not None:
         _check_number("softcap", softcap, "> 0 (or None)", lambda x: x > 0.0)
     # The kernels scale float32 logits by 1 / temperature: below 1e-20 logits of everyday size would
@@ -204,9 +204,9 @@ def check_loss_options(
     _check_number("temperature", temperature, ">= 1e-20", lambda x: x >= 1e-20)
     # The kernels soft-cap the scaled logits at softcap / temperature, a float32 constant: past
     # float32's range it is inf (inf * tanh(l / inf) is NaN), below its smallest normal 0 (0 / 0)
-    if softcap is not None and not _FLOAT32_TINY <= softcap / temperature <= _FLOAT32_MAX:
-        raise ValueError(f"softcap / temperature must be within float32's normal range ({_FLOAT32_TINY:.4g} to "
-                         f"{_FLOAT32_MAX:.4g}), the cap the kernels apply to the scaled logits: (softcap, "
+    if softcap is not None and not 1.1754943508222875e-38 <= softcap / temperature <= 3.4028234663852886e38:
+        raise ValueError("softcap / temperature must be within float32's normal range (1.175e-38 to "
+                         f"3.403e+38), the cap the kernels apply to the scaled logits: (softcap, "
                          f"temperature){_got((softcap, temperature))}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {_type_name(ignore_index)}")
