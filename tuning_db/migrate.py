@@ -10,6 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, func, inspect, select
 
 from tuning_db.engine import WRITE_OPTION, make_engine
@@ -39,9 +40,16 @@ def known_revision(revision: str) -> bool:
     return revision in {script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
 
 
+class UnreadableRevision(Exception):
+    """An alembic_version table of several rows: no revision of this store's (another program's?)."""
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
-        return MigrationContext.configure(connection).get_current_revision()
+        try:
+            return MigrationContext.configure(connection).get_current_revision()
+        except CommandError:  # Alembic's for several rows, which it calls heads
+            raise UnreadableRevision("it holds several revisions") from None
 
 
 def foreign_tables(engine: Engine) -> str | None:

@@ -55,7 +55,7 @@ def upgraded(db_url: str | None) -> str | None:
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.migrate import upgrade
+    from tuning_db.migrate import UnreadableRevision, upgrade
 
     url = resolve_db_url(db_url)
     engine = opened_engine(url)
@@ -65,7 +65,7 @@ def upgraded(db_url: str | None) -> str | None:
         engine.dispose()
     try:
         revision = upgrade(url)
-    except (CommandError, DBAPIError) as error:
+    except (CommandError, DBAPIError, UnreadableRevision) as error:
         fail(f"--db-url {shown_url(url)}: cannot upgrade the schema: {getattr(error, 'orig', None) or error}")
     engine = new_engine(url)
     try:
@@ -93,16 +93,15 @@ def _read_revision(engine: Engine, url: str) -> str | None:
     """The database's schema revision; an alembic_version table this code cannot read (another
     program's: other columns, several heads) stops the command with one line naming --db-url,
     not the driver's text with the whole SELECT."""
-    from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import shown_url
-    from tuning_db.migrate import current_revision
+    from tuning_db.migrate import UnreadableRevision, current_revision
 
     try:
         return current_revision(engine)
-    except CommandError:  # Alembic's only one here: several rows, which it calls heads
-        reason = "it holds more than one revision"
+    except UnreadableRevision as error:
+        reason = str(error)
     except DBAPIError as error:
         reason = str(error.orig)
     engine.dispose()
@@ -174,15 +173,16 @@ def store_engine(db_url: str | None) -> Engine:
     from tuning_db.engine import resolve_db_url, shown_url
     from tuning_db.migrate import head_revision
 
-    engine = opened_engine(db_url, existing=True)
-    revision = _read_revision(engine, resolve_db_url(db_url))
+    url = resolve_db_url(db_url)
+    engine = opened_engine(url, existing=True)
+    revision = _read_revision(engine, url)
     if revision != head_revision():
         engine.dispose()
-        url = shown_url(resolve_db_url(db_url))
         _refuse_unknown_revision(revision, url)
+        shown = shown_url(url)
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
-        fail(f"--db-url {url}: the database {state}; run `cce db upgrade --db-url {url}`")
-    _refuse_foreign_tables(engine, resolve_db_url(db_url), revision)
+        fail(f"--db-url {shown}: the database {state}; run `cce db upgrade --db-url {shown}`")
+    _refuse_foreign_tables(engine, url, revision)
     return engine
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from alembic.util import CommandError
 from fastapi import APIRouter, status
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.deps import EngineDep, MetricsDep
 from service.schemas import Health
-from tuning_db.migrate import current_revision, head_revision
+from tuning_db.migrate import UnreadableRevision, current_revision, head_revision
 
 router = APIRouter(tags=["health"])
 
@@ -28,8 +27,8 @@ def readyz(engine: EngineDep) -> Health | JSONResponse:
     """Ready when the database answers and its schema is at the code's revision."""
     try:
         revision = current_revision(engine)
-    except CommandError:  # Alembic's for an alembic_version of several rows: not this store's
-        return _not_ready("its alembic_version table holds several revisions (another program's?)")
+    except UnreadableRevision as error:
+        return _not_ready(f"alembic_version: {error} (another program's?)")
     except Exception as error:  # any failure to reach the database means not ready
         return _not_ready(f"database unreachable: {type(error).__name__}")
     if revision != head_revision():
