@@ -417,6 +417,43 @@ def test_patch_checks_its_options_before_any_step(options: dict, error: type, ma
         unpatch(model)
 
 
+def test_patch_names_an_unknown_option_and_the_ones_it_takes() -> None:
+    """An unknown option (one linear_cross_entropy takes but the patch does not, say) once
+    failed in LossOptions.__init__, which the caller never called, without the options patch()
+    takes; unpatch() of something that is no model failed in vars()."""
+    model = tiny_model(sorted(FAMILIES)[0])
+    for options in ({"softcap": 30.0}, {"reduction": "sum"}, {"z_los": 1e-4}):
+        with pytest.raises(TypeError, match=rf"^patch\(\) got unknown loss options \['{next(iter(options))}'\]; "
+                                            r"it takes \['ignore_index', 'label_smoothing', 'z_loss'"):
+            patch(model, **options)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+    for target in (None, 42):
+        with pytest.raises(TypeError, match=r"^unpatch\(\) takes a model or model class that patch\(\) patched"):
+            unpatch(target)
+
+
+@pytest.mark.parametrize("patch_ignore_index", [-100, -1])
+def test_an_ignore_index_passed_to_the_call_is_used_as_hfs_loss_uses_it(patch_ignore_index: int) -> None:
+    """HF's ForCausalLMLoss takes ignore_index from the forward's kwargs; the patched forward
+    once kept the patch's, so labels padded with the call's ignore_index raised as out of range
+    (on the GPU: a NaN loss)."""
+    reference = tiny_model("llama")
+    patched = patch(copy.deepcopy(reference), ignore_index=patch_ignore_index)
+    input_ids, labels = batch(seed=16)
+    labels = torch.where(labels == -100, -7, labels)
+    for kwargs in ({}, {"num_items_in_batch": 19}):
+        expected = reference(input_ids, labels=labels, ignore_index=-7, **kwargs).loss
+        actual = patched(input_ids, labels=labels, ignore_index=-7, **kwargs).loss
+        assert_close(actual, expected, rtol=1e-5)
+        reference.zero_grad()
+        patched.zero_grad()
+        expected.backward()
+        actual.backward()
+        assert_close(patched.lm_head.weight.grad, reference.lm_head.weight.grad)
+        assert_close(patched.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)
+
+
 @parametrize_families
 def test_cache_goes_in_and_out_of_the_training_forward_as_hf(family: str) -> None:
     """A training step on a continuation of a cached prefix: the cache, given under the installed

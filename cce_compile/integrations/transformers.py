@@ -134,6 +134,9 @@ class LossOptions:
         check_flags(return_logits=self.return_logits)
 
 
+_LOSS_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(LossOptions))
+
+
 def available_families() -> dict[str, type[PreTrainedModel]]:
     """The causal-LM classes of FAMILIES that the installed transformers has."""
     found = {}
@@ -331,10 +334,13 @@ def _patched_forward(
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         outputs = self.model(**model_inputs, **kwargs)
         softcap = self.config.final_logit_softcapping if softcapped else None
+        # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
+        ignore_index = kwargs.get("ignore_index")
+        call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
         loss = causal_lm_loss(
             outputs.last_hidden_state, self.lm_head, labels,
             logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
-            num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=options,
+            num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=call_options,
         )
         logits = None
         if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
@@ -420,6 +426,10 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     A model instance gets its own forward (other instances keep theirs); a class is patched
     for all its instances. loss_options are LossOptions' fields. Returns its argument.
     """
+    unknown = [name for name in loss_options if name not in _LOSS_OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"patch() got unknown loss options {unknown}; it takes {list(_LOSS_OPTION_NAMES)} "
+                        "(the soft-cap comes from the model's config, the reduction from num_items_in_batch)")
     options = LossOptions(**loss_options)
     model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
     _check_patchable(model_class, model_or_class)
@@ -444,6 +454,8 @@ def unpatch(model_or_class: Patchable) -> Patchable:
     one is now (beneath an accelerate hook added since, too). Refused where another forward has
     replaced the patch's since (accelerate's autocast wrapper, a fused LM head): giving back the
     one from before patch() would silently drop it too."""
+    if not isinstance(model_or_class, (type, nn.Module)):
+        raise TypeError(f"unpatch() takes a model or model class that patch() patched, got {_name(model_or_class)}")
     if _REPLACED_FORWARD not in vars(model_or_class):
         raise ValueError(f"{_name(model_or_class)} is not patched")
     slot = forward_slot(model_or_class)
