@@ -766,3 +766,14 @@ def test_an_accelerate_hooked_instance_is_patched_beneath_its_hook() -> None:
         unpatch(model)
         assert_close(model(input_ids, labels=labels).logits, expected.logits, rtol=1e-5)
         assert hook.calls == 3
+
+
+def test_a_float64_model_is_refused_naming_its_dtype() -> None:
+    """The op runs in float32, float16 or bfloat16; a patched float64 model once failed naming
+    the op's internal argument `e`, which its user never passed."""
+    model = patch(tiny_model("llama").double())
+    input_ids, labels = batch(seed=17)
+    with pytest.raises(TypeError, match=r"computes its loss in float32, float16 or bfloat16; this one's lm_head is "
+                                        r"torch\.float64 \(cast the model, or unpatch\(\) it\)"):
+        model(input_ids, labels=labels)
+    assert model(input_ids).logits.dtype == torch.float64  # without labels the model runs as HF's

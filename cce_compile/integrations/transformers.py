@@ -254,6 +254,9 @@ def causal_lm_loss(
 
     def head_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not torch.is_autocast_enabled(hidden.device.type):
+            if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"a model patched by cce_compile computes its loss in float32, float16 or bfloat16; "
+                                f"this one's lm_head is {weight.dtype} (cast the model, or unpatch() it)")
             # Outside autocast the op needs one dtype: the head's (under autocast it casts both).
             hidden = hidden.to(weight.dtype)
         return linear_cross_entropy(
