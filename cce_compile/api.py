@@ -151,6 +151,16 @@ def _active_transforms() -> set[str]:
     return {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
 
 
+def _in_transform(*operands: Tensor | None) -> bool:
+    """Whether this call runs inside a torch.func transform (vmap), where a batched operand
+    reports requires_grad False while autograd still wants its gradient. Eagerly, any active
+    transform; while Dynamo traces one (torch.compile of a vmap), where the interpreters are
+    not read, an operand it batches (torch._C._functorch.is_batchedtensor, which it folds)."""
+    if torch.compiler.is_compiling():
+        return any(t is not None and torch._C._functorch.is_batchedtensor(t) for t in operands)
+    return bool(_active_transforms())
+
+
 def check_flags(**flags: object) -> None:
     """Each flag is a bool (numpy's included by name in the error)."""
     for name, value in flags.items():
@@ -339,7 +349,7 @@ def linear_cross_entropy(
     flat_e = e.reshape(-1, d)
     if backward and not return_lse and gradients_in_forward(
             options, dtype_name(e.dtype), reduction, memory, has_z_loss=z_loss > 0.0,
-            in_transform=bool(_active_transforms())):
+            in_transform=_in_transform(e, c, bias, targets)):
         with without_autocast(e.device.type):
             loss, *_ = ops.linear_cross_entropy_fused(
                 flat_e, c, flat_targets, bias, weight, int(ignore_index), float(label_smoothing),
@@ -416,7 +426,7 @@ def linear_log_probs(
     with without_autocast(e.device.type):  # fp32 accumulation is the op's own
         log_probs, entropies, *_ = ops.linear_log_probs_forward(
             flat_e, c, flat_tokens, bias, int(ignore_index), scaled_softcap, entropy,
-            backward or bool(_active_transforms()), eps, logit_scale,  # vmap's operands hide requires_grad
+            backward or _in_transform(e, c, bias, tokens), eps, logit_scale,  # vmap's operands hide requires_grad
             traced_settings(flat_e, c, eps > 0.0, config_in_backward=backward))
     if entropy:
         return log_probs.reshape(tokens.shape), entropies.reshape(tokens.shape)

@@ -666,3 +666,31 @@ def test_a_bad_option_dynamo_made_symbolic_keeps_its_message_under_fullgraph(opt
     compiled(e, c, targets, 0.5)
     with pytest.raises(Exception, match=f"{option} (/ temperature )?must be"):
         compiled(e, c, targets, bad)
+
+
+
+@pytest.mark.parametrize("call", ["loss", "log_probs"])
+def test_a_compiled_vmap_differentiates_its_batched_operands(call: str) -> None:
+    """torch.compile of a vmap: Dynamo traces the transform, so the eager check of the
+    interpreters does not run, and a batched operand reports requires_grad False. The loss (e
+    batched, c shared) once took the fused forward, which computed no dE for the batched e
+    (autograd: "invalid gradient ... got [0]"), and linear_log_probs (e and c batched) ran a
+    forward without the statistics its entropy's backward reads."""
+    e, c, t = make_inputs("zipf", (2, 20), 30, 16, torch.float32, seed=4)
+    t[:, ::4] = -100
+    heads = torch.stack([c, 2 * c]) if call == "log_probs" else c
+
+    def per_item(x: torch.Tensor, head: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if call == "loss":
+            return cce_compile.linear_cross_entropy(x, head, y)
+        log_probs, entropy = cce_compile.linear_log_probs(x, head, y, entropy=True)
+        return (log_probs + 0.5 * entropy).sum()
+
+    in_dims = (0, 0 if call == "log_probs" else None, 0)
+    compiled = [e.clone().requires_grad_(), heads.clone().requires_grad_()]
+    eager = [tensor.detach().clone().requires_grad_() for tensor in compiled]
+    batched = torch.func.vmap(per_item, in_dims)
+    for leaves, run in ((compiled, torch.compile(batched, fullgraph=True, backend="aot_eager")), (eager, batched)):
+        (run(*leaves, t) * torch.tensor([1.0, 3.0])).sum().backward()
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got.grad, want.grad)
