@@ -463,6 +463,44 @@ def test_a_served_config_that_fails_to_launch_is_not_launched_again_from_its_cac
     assert not sources.cache_path(_settings(), H100, key).exists()
 
 
+def test_a_config_two_threads_failed_drops_its_own_source_only(tmp_path: Path) -> None:
+    """Two threads launch the cached config, and both fail. The first drops the cache and
+    launches the bundled config; the second's failure once dropped whatever the memo held by
+    then (the bundled config, which never failed: the key fell to the heuristic), or, with the
+    memo empty between the first's drop and its new resolution, was raised into its call."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[KernelConfig] = []
+    refusing = _refusing_launch({"256"}, launched)
+    both_failed, first_done = threading.Barrier(2, timeout=10), threading.Event()
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        def launch(config: KernelConfig, policy: Policy) -> str:
+            if config.slab_v == 256:
+                both_failed.wait()
+                if name == "second":
+                    first_done.wait(10)
+            return refusing(config, policy)
+
+        try:
+            with override_policy(policy):
+                results[name] = launch_with_config(e, c, False, "", launch)
+        except Exception as error:
+            results[name] = repr(error)
+        finally:
+            if name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == {"first": "ran with slab_v=512", "second": "ran with slab_v=512"}
+    assert resolved()[key].source == "bundled"
+    assert sorted(config.slab_v for config in launched) == [256, 256, 512, 512]
+
+
 def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> None:
     e, c, _targets = _small_inputs()
     policy = Policy()

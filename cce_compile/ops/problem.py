@@ -199,12 +199,12 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
             raise
         except Exception as error:
             if _encoded_part(settings):
-                if resolve_config(key) != config or launch_failed(key, error):
+                if resolve_config(key) != config or launch_failed(key, error, config):
                     raise RuntimeError(
                         f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "
                         "torch._dynamo.reset() (or a new process) traces again with the next one") from error
                 raise
-            if not launch_failed(key, error):
+            if not launch_failed(key, error, config):
                 raise
         config = resolve_config(key)
 

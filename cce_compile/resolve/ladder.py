@@ -117,13 +117,19 @@ def resolution_for(key: ProblemKey) -> Resolution:
     return resolution
 
 
-def launch_failed(key: ProblemKey, error: Exception) -> bool:
-    """The config resolved for `key` failed to launch with `error`: skip its source for `key`
-    from now on in this process (a disk cache file is removed too), so the next resolution
-    takes the next rung. False when there is no rung left to take (an override, the heuristic)."""
+def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig | None = None) -> bool:
+    """The config resolved for `key` (`config`, where the caller names the one it launched)
+    failed to launch with `error`: skip its source for `key` from now on in this process (a
+    disk cache file is removed too), so the next resolution takes the next rung. False when
+    there is no rung left to take (an override, the heuristic). Where another thread already
+    dropped `config` (the memo holds another config, or none yet), nothing more is dropped and
+    the caller resolves again: the source now memoized never failed."""
     if active_override() is not None:
         return False
     with _memo_lock:
+        current = _memo.get(key)
+        if config is not None and (current is None or current.config != config):
+            return True
         failed = _memo.pop(key, None)
         if failed is None or failed.source == "heuristic":
             if failed is not None:
