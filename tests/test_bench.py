@@ -136,6 +136,7 @@ def test_cli_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch, caps
     pytest.param(["--budget-s", "-5"], "greater than or equal to 0", id="negative-budget"),
     pytest.param(["--impls", "nope"], "unknown impls", id="unknown-impl"),
     pytest.param(["--out", "{tmp}/bench.csv"], "is not a folder", id="out-a-file"),
+    pytest.param(["--out", "{tmp}/bench.csv/results"], "bench.csv is not a folder", id="out-below-a-file"),
     pytest.param(["--out", "{tmp}"], "bench.csv line 2: 2 cells", id="out-a-short-row"),
 ])
 def test_cli_checks_its_arguments_before_asking_for_a_gpu(

@@ -7,6 +7,7 @@ service's dependencies nor an installed package.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -46,6 +47,16 @@ def _check_out(out: Path) -> None:
 
     if out.exists() and not out.is_dir():
         raise typer.BadParameter(f"{out} is not a folder", param_hint="--out")
+    # The folder is made when the first rows are written: the nearest part of it that exists
+    # must be a folder this process can write in (a path below a file once failed only then).
+    existing = next(path for path in (out, *out.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        raise typer.BadParameter(f"{existing} is not a folder", param_hint="--out")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise typer.BadParameter(f"cannot write in {existing}: {error.strerror}", param_hint="--out") from None
     csv_path = out / results.CSV_NAME
     if csv_path.exists():
         try:
