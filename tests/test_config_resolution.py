@@ -195,6 +195,17 @@ def test_a_missing_entry_is_not_cached(service: str, monkeypatch: pytest.MonkeyP
     assert not (tmp_path / "configs").exists()
 
 
+def test_a_key_the_service_refuses_is_a_miss_for_that_key_alone(service: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mark_dynamic(e, 0, min=2, max=sys.maxsize) keys its config on the 2^63 token bucket,
+    past the service's Tokens: its 422 tripped the breaker, and no later key asked the service."""
+    monkeypatch.setenv(sources.URL_ENV, service)
+    monkeypatch.setenv(sources.TOKEN_ENV, READ_TOKEN)
+    unbounded = replace(KEY, n_bucket=2**63)
+    assert resolution_for(unbounded) == _heuristic(unbounded)
+    assert client._service_down is None
+    assert resolution_for(KEY) == Resolution(KernelConfig.from_dict(TUNED), "service", "exact")
+
+
 # (2) a dead service -------------------------------------------------------------------
 
 

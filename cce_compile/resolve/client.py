@@ -47,6 +47,11 @@ class ServiceUnusable(Exception):
     """The service could not be asked (unreachable, refused the token, answered an error)."""
 
 
+class RefusedQuery(str):
+    """Why the service refused the query for one key (422: a value past its rules, such as the
+    2^63 token bucket of a range declared up to sys.maxsize): a miss for that key alone."""
+
+
 class UnreadableAnswer(ServiceUnusable):
     """The service answered, but nothing this client reads as a config (not JSON, an unknown
     match level: another server at the URL, a newer service): a miss for the op, whose breaker
@@ -91,6 +96,8 @@ def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Foun
     thread.start()
     thread.join(SERVICE_TIMEOUT_S + JOIN_SLACK_S)
     outcome = answers[0] if answers else f"no complete answer within {SERVICE_TIMEOUT_S}s (a hung name lookup?)"
+    if isinstance(outcome, RefusedQuery):
+        raise UnreadableAnswer(f"refused the query ({outcome})")
     if isinstance(outcome, str):
         raise ServiceUnusable(outcome)
     return _parse_answer(outcome)
@@ -136,6 +143,8 @@ async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> byt
             if status == 200:
                 return body
             failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
+            if status == 422:  # this key's query, not the service: the breaker stays closed for the others
+                return RefusedQuery(failure)
             if status < 500:
                 break
     return failure
