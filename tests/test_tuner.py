@@ -457,11 +457,22 @@ def test_without_a_gpu_tune_stops_before_the_plan() -> None:
     assert done.returncode == 2
 
 
+def _entry_text(**fields: Any) -> str:
+    """A bundled-configs file of one entry, its fields as given (a V in quotes, the dtype's short name)."""
+    entry = {"gpu": "NVIDIA H200", "V": 128256, "D": 4096, "dtype": "bfloat16", "tokens": 8192, "mode": "exact",
+             "kernel_version": "0123456789ab", "config": {}}
+    return json.dumps({"entries": [{**entry, **fields}]})
+
+
 def test_a_bundle_file_that_is_not_one_is_refused_before_tuning(tmp_path: Path) -> None:
-    """It once failed after the whole run, in the JSON reader's words, and before publishing."""
+    """It once failed after the whole run, in the JSON reader's words, and before publishing;
+    an entry keyed by a V in quotes failed there too (sorting the file's keys raised TypeError),
+    and one the reader matches to no key ("bf16") was kept, unwarned."""
     bundle = tmp_path / "bundle.json"
     for text, fragment in (("not json", "not a bundled-configs file"), ("[]", "not a bundled-configs file"),
-                           ('{"entries": [{"gpu": "x"}]}', "entry 0 lacks one of")):
+                           ('{"entries": [{"gpu": "x"}]}', "entry 0 lacks one of"),
+                           (_entry_text(V="128256"), "entry 0 has V '128256'"),
+                           (_entry_text(dtype="bf16"), "entry 0 has dtype 'bf16'")):
         bundle.write_text(text)
         done = cce_process(*TINY_CLI, "--bundle", str(bundle))
         assert_one_line_failure(done, "Invalid value for --bundle", str(bundle), fragment)

@@ -230,6 +230,7 @@ def _bundled_index(directory: Path) -> dict[tuple[Any, ...], tuple[Any, Any]]:
     return index
 
 
+BUNDLED_DTYPES = ("float32", "float16", "bfloat16")
 BUNDLED_FIELDS = ("gpu", "V", "D", "dtype", "tokens", "mode", "kernel_version", "config")
 
 
@@ -246,9 +247,18 @@ def bundled_entry_fault(entry: Any) -> str | None:
     None for an entry it reads."""
     if not isinstance(entry, Mapping) or any(name not in entry for name in BUNDLED_FIELDS):
         return f"lacks one of {BUNDLED_FIELDS}"
-    tokens = entry["tokens"]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        return f"has tokens {tokens!r}"
+    for name in ("V", "D", "tokens"):
+        value = entry[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"has {name} {value!r}"
+    # A key the op never asks for ("bf16", a V in quotes) matched nothing, unwarned, and the
+    # file's sort by key (cce tune --bundle, after the whole run) raised on a V in quotes.
+    if entry["dtype"] not in BUNDLED_DTYPES:
+        return f"has dtype {entry['dtype']!r}, not one of {BUNDLED_DTYPES}"
+    if entry["mode"] not in ("exact", "filtered"):
+        return f"has mode {entry['mode']!r}, not exact or filtered"
+    if not isinstance(entry["gpu"], str) or not isinstance(entry["kernel_version"], str):
+        return "has a gpu or kernel_version that is not a string"
     return None
 
 
