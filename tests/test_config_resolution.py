@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -612,6 +614,16 @@ def test_a_bad_cache_ttl_is_warned_about_and_the_default_used(
     assert resolution_for(KEY).source == "disk"
     assert _settings().ttl_s == sources.DEFAULT_TTL_S
     assert f"ignoring {sources.CACHE_TTL_ENV}={value!r}" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan"])
+def test_a_rank_waits_for_rank_0_whatever_the_wait_setting(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """inf and 1e300 overflowed the store wait's timedelta, taken for rank 0's timeout: the
+    rank resolved its own config at once; nan waited 0 s."""
+    monkeypatch.setenv(resolve.WAIT_ENV, value)
+    wait_s = resolve._wait_s()
+    assert 1.0 <= wait_s < math.inf
+    assert timedelta(seconds=wait_s).total_seconds() == wait_s
 
 
 def test_the_cache_is_written_atomically_and_survives_an_unwritable_directory(tmp_path: Path) -> None:

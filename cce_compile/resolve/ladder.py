@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -218,12 +219,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+MAX_WAIT_S = 24 * 3600.0
+"""The longest wait CCE_CONFIG_WAIT_S sets: inf (or 1e300) once overflowed timedelta, which the
+wait took for rank 0's timeout, so the rank resolved on its own at once."""
+
+
 def _wait_s() -> float:
-    try:
-        return max(0.0, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)))
-    except ValueError:
-        log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, os.environ[WAIT_ENV])
+    raw = os.environ.get(WAIT_ENV)
+    if raw is None:
         return DEFAULT_WAIT_S
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if math.isnan(wait):  # nan once waited 0 s
+        log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, raw)
+        return DEFAULT_WAIT_S
+    return min(max(0.0, wait), MAX_WAIT_S)
 
 
 def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose: str) -> Resolution:
