@@ -238,3 +238,36 @@ def test_cli_import_through_the_service_waits_for_a_long_import(
         imported = CliRunner().invoke(cce, ["import", str(export_file), "--url", base_url, "--token", ADMIN_TOKEN])
     assert imported.exit_code == 0, imported.output
     assert json.loads(imported.stdout)["entries_added"] == count
+
+
+def test_an_import_does_not_revive_a_retired_entry_through_another_line_of_its_key(tmp_path: Path, db_url: str) -> None:
+    """A file with two lines for one key (a merge of two exports): the slower line replaced the
+    retired entry (a retired entry takes the key's next measurement), then the retired line,
+    faster, replaced that one, so re-importing the file served the retired config again. An
+    entry that holds a line's measurement stays retired; it must not come back by another line."""
+    with serving(tmp_path / "serve.log", "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+
+        def post(median_ms: float) -> dict[str, Any]:
+            body = measurement_data(median_ms=median_ms, p20_ms=median_ms, p80_ms=median_ms)
+            response = httpx.post(f"{base_url}/v1/measurements", json=body, headers=bearer(WRITE_TOKEN))
+            assert response.status_code == 201, response.text
+            return response.json()
+
+        def exported_line() -> str:
+            response = httpx.get(f"{base_url}/v1/export", headers=bearer(READ_TOKEN))
+            [line] = response.text.splitlines()[1:]
+            return line
+
+        post(10.0)
+        slower = exported_line()
+        bogus = post(8.0)
+        header = {"format": "cce-tuning-db", "schema_version": 1, "entries": 2, "measurements": 2}
+        export_file = "\n".join([json.dumps(header), slower, exported_line()]) + "\n"
+        retired = httpx.post(f"{base_url}/v1/configs/{bogus['entry_id']}/retire", headers=bearer(ADMIN_TOKEN))
+        assert retired.status_code == 200 and retired.json()["retired"], retired.text
+
+        imported = httpx.post(f"{base_url}/v1/import", content=export_file, headers=bearer(ADMIN_TOKEN))
+        assert imported.status_code == 200, imported.text
+        source = _lookup(base_url)["source"]
+        assert source is not None and source["measurement_uid"] != bogus["measurement_uid"], source
+        assert source["median_ms"] == 10.0

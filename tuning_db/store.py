@@ -597,9 +597,18 @@ def _write_lines(
                 number, _add_measurement, session, line, gpu_ids[line.gpu.name], line.measurement_uid, line.created_at
             )
             counts["measurements_added"] += added
+        # The measurements of the retired entries as the import found them: a line holding one
+        # leaves its key alone, even once another line of that key has replaced the retired entry
+        # (a re-imported file of two lines for a key served the retired config again).
+        retired_measurements: set[int] = set()
         for number, line in sorted(entries, key=lambda entry: _key_of(entry[1])):
-            existed = session.scalar(select(BestConfig.id).where(*_same_key(rows[number]))) is not None
-            applied = _upsert_best(session, rows[number], mode)
+            entry = session.execute(
+                select(BestConfig.measurement_id, BestConfig.retired).where(*_same_key(rows[number]))
+            ).one_or_none()
+            existed = entry is not None
+            if entry is not None and entry.retired:
+                retired_measurements.add(entry.measurement_id)
+            applied = rows[number].id not in retired_measurements and _upsert_best(session, rows[number], mode)
             counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
         if dry_run:
             session.rollback()
