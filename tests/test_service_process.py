@@ -271,3 +271,27 @@ def test_an_import_does_not_revive_a_retired_entry_through_another_line_of_its_k
         source = _lookup(base_url)["source"]
         assert source is not None and source["measurement_uid"] != bogus["measurement_uid"], source
         assert source["median_ms"] == 10.0
+
+
+def test_a_retried_measurement_does_not_revive_its_retired_entry(tmp_path: Path, db_url: str) -> None:
+    """A tuner's send whose answer was lost, retried under its Idempotency-Key after an admin had
+    retired its entry and another measurement had taken the key: the retry ran the upsert again
+    and, faster, made the retired config the key's best once more, while answering that it added
+    nothing (already_stored)."""
+    with serving(tmp_path / "serve.log", "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+
+        def post(median_ms: float, headers: dict[str, str]) -> dict[str, Any]:
+            body = measurement_data(median_ms=median_ms, p20_ms=median_ms, p80_ms=median_ms)
+            response = httpx.post(f"{base_url}/v1/measurements", json=body, headers={**bearer(WRITE_TOKEN), **headers})
+            assert response.status_code == 201, response.text
+            return response.json()
+
+        key = {"Idempotency-Key": "3b9f4c2e-6a1d-4e8b-9c7f-0d2a5e6b1c4f"}
+        bogus = post(8.0, key)
+        retired = httpx.post(f"{base_url}/v1/configs/{bogus['entry_id']}/retire", headers=bearer(ADMIN_TOKEN))
+        assert retired.status_code == 200 and retired.json()["retired"], retired.text
+        post(10.0, {})
+        again = post(8.0, key)
+        assert again["already_stored"] and not again["is_best"], again
+        source = _lookup(base_url)["source"]
+        assert source is not None and source["measurement_uid"] != bogus["measurement_uid"], source

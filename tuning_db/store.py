@@ -299,7 +299,9 @@ def record_measurement(engine: Engine, measurement: MeasurementIn, uid: str | No
         row, added = _add_measurement(
             session, measurement, _gpu_id(session, measurement.gpu), uid or uuid.uuid4().hex, _now(), RETRY_UID_FIX
         )
-        _upsert_best(session, row, "keep_better")
+        if added:  # a retry adds nothing: its first send's upsert committed with it, and the key's entry
+            # may have moved on since (retired, then replaced): running it again revived a retired config
+            _upsert_best(session, row, "keep_better")
         best_id, best_measurement_id, best_median_ms = session.execute(
             select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms).where(*_same_key(row))
         ).one()
