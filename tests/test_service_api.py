@@ -397,6 +397,22 @@ def test_a_measurement_sent_as_another_media_type_is_415_naming_json(client: Tes
         assert response.status_code == 201, response.text
 
 
+
+def test_a_measurement_sent_without_a_content_type_is_read_as_json(client: TestClient) -> None:
+    """docs/service.md: a body with no Content-Type is read as JSON. Recent FastAPI (0.165 here) made its
+    default strict_content_type=True: such a body was validated as raw bytes, 422 'Input should
+    be a valid dictionary', as if the JSON were wrong."""
+    body = json.dumps(measurement_data()).encode()
+    request = client.build_request("POST", "/v1/measurements", content=body, headers=bearer(WRITE_TOKEN))
+    assert "content-type" not in request.headers
+    response = client.send(request)
+    assert response.status_code == 201, response.text
+    assert exported(client).count("\n") == 2
+    duplicate = json.dumps(measurement_data())[:-1] + ', "tokens": 1}'
+    request = client.build_request("POST", "/v1/measurements", content=duplicate, headers=bearer(WRITE_TOKEN))
+    response = client.send(request)
+    assert response.status_code == 422 and "given twice" in response.json()["detail"][0]["msg"], response.text
+
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
