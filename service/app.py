@@ -23,6 +23,7 @@ from service.deps import single_valued_headers, single_valued_query
 from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
 from service.routes import configs, gpus, health, measurements, transfer
+from service.schemas import EVERY_ROUTE
 from service.settings import ServiceSettings
 from tuning_db import store
 from tuning_db.engine import make_engine, resolve_db_url
@@ -61,6 +62,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         summary="Best kernel launch configs per GPU and problem shape, shared by a cluster.",
         lifespan=lifespan,
         dependencies=[Depends(single_valued_query), Depends(single_valued_headers)],
+        responses=EVERY_ROUTE,
         docs_url=None,  # served by _serve_docs_locally
         redoc_url=None,
     )

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BeforeValidator
 
 from service.deps import ADMIN, READ, EngineDep, MetricsDep
-from service.schemas import BestConfigResponse, ConfigListQuery, ConfigPage, NoQuery
+from service.schemas import AUTH, DATABASE, BestConfigResponse, ConfigListQuery, ConfigPage, NoQuery, errors
 from tuning_db import store
 from tuning_db.records import BestEntry, LookupQuery, RowId
 
-router = APIRouter(prefix="/v1/configs", tags=["configs"])
+router = APIRouter(prefix="/v1/configs", tags=["configs"], responses=errors(*AUTH, *DATABASE))
 
 
 @router.get("/best", dependencies=READ, response_model=BestConfigResponse)
@@ -45,7 +45,7 @@ def _written_in_digits(value: object) -> object:
     return value
 
 
-@router.post("/{entry_id}/retire", dependencies=ADMIN, response_model=BestEntry)
+@router.post("/{entry_id}/retire", dependencies=ADMIN, response_model=BestEntry, responses=errors(404))
 def retire_config(
     entry_id: Annotated[RowId, BeforeValidator(_written_in_digits), Path()], _query: Annotated[NoQuery, Query()],
     engine: EngineDep,

@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from service.deps import READ, EngineDep
-from service.schemas import NoQuery
+from service.schemas import AUTH, DATABASE, NoQuery, errors
 from tuning_db import store
 from tuning_db.records import GpuSummary
 
-router = APIRouter(prefix="/v1", tags=["gpus"])
+router = APIRouter(prefix="/v1", tags=["gpus"], responses=errors(*AUTH, *DATABASE))
 
 
 @router.get("/gpus", dependencies=READ, response_model=list[GpuSummary])

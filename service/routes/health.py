@@ -40,6 +40,7 @@ def _not_ready(detail: str) -> JSONResponse:
     return JSONResponse(Health(status="unavailable", detail=detail).model_dump(), status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 def metrics(service_metrics: MetricsDep) -> Response:
     return Response(service_metrics.render(), media_type=CONTENT_TYPE_LATEST)

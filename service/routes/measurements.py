@@ -9,11 +9,12 @@ from fastapi import APIRouter, Header, Query, status
 
 from service.deps import WRITE, EngineDep
 from service.json_body import UniqueKeysRoute
-from service.schemas import NoQuery
+from service.schemas import AUTH, DATABASE, NoQuery, errors
 from tuning_db import store
 from tuning_db.records import IDEMPOTENCY_KEY_HEADER, MAX_RECORD_CHARS, MeasurementIn, RecordResult
 
-router = APIRouter(prefix="/v1", tags=["measurements"], route_class=UniqueKeysRoute)
+router = APIRouter(prefix="/v1", tags=["measurements"], route_class=UniqueKeysRoute,
+                   responses=errors(*AUTH, *DATABASE, 409, 415))
 
 MAX_BODY_BYTES = MAX_RECORD_CHARS
 """FastAPI parses and validates a body on the event loop, before auth: 8 MB of 700,000 unknown

@@ -9,16 +9,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from service.deps import ADMIN, READ, EngineDep
-from service.schemas import ImportQuery, NoQuery
+from service.schemas import AUTH, DATABASE, IMPORT_ERRORS, ImportQuery, NoQuery, errors
 from tuning_db import store
 from tuning_db.records import ImportReport
 
-router = APIRouter(prefix="/v1", tags=["transfer"])
-
 JSONL_MEDIA_TYPE = "application/x-ndjson"
 
+router = APIRouter(prefix="/v1", tags=["transfer"], responses=errors(*AUTH, *DATABASE))
 
-@router.get("/export", dependencies=READ, response_class=Response)
+
+@router.get("/export", dependencies=READ, response_class=Response,
+            responses={200: {"content": {JSONL_MEDIA_TYPE: {"schema": {"type": "string"}}}}})
 def export(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> Response:
     """A header line with the schema version, then one line per live best entry."""
     return Response("".join(line + "\n" for line in store.export_jsonl(engine)), media_type=JSONL_MEDIA_TYPE)
@@ -28,6 +29,7 @@ def export(_query: Annotated[NoQuery, Query()], engine: EngineDep) -> Response:
     "/import",
     dependencies=ADMIN,
     response_model=ImportReport,
+    responses=IMPORT_ERRORS,
     openapi_extra={"requestBody": {"content": {JSONL_MEDIA_TYPE: {"schema": {"type": "string"}}}, "required": True}},
 )
 async def import_entries(request: Request, query: Annotated[ImportQuery, Query()], engine: EngineDep) -> ImportReport:
