@@ -417,6 +417,31 @@ def test_inductor_calls_the_op_whole_and_matches_eager() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: the two-GPU run")
+@pytest.mark.parametrize("call", ["loss", "loss_low", "filtered", "log_probs"])
+def test_operands_on_another_gpu_than_the_current_one(call: str) -> None:
+    """HF's device_map="auto" puts the head on the last GPU while cuda:0 stays current: the
+    op's kernels launch on its operands' GPU, not the current one (Triton's default)."""
+    e0, c0, targets0 = make_inputs("zipf", (1024,), 8192, 512, torch.bfloat16, seed=3, device="cuda:0")
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        e, c, targets = (t.to(device) for t in (e0, c0, targets0))
+        e.requires_grad_()
+        c.requires_grad_()
+        assert torch.cuda.current_device() == 0
+        if call == "log_probs":
+            log_probs, entropy = cce_compile.linear_log_probs(e, c, targets, entropy=True)
+            output = log_probs.sum() + entropy.sum()
+        else:
+            output = cce_compile.linear_cross_entropy(e, c, targets, memory="low" if call == "loss_low" else "workspace",
+                                                      filter_eps="auto" if call == "filtered" else None)
+        output.backward()
+        assert e.grad.device == c.grad.device == torch.device(device)
+        results.append([t.detach().cpu() for t in (output, e.grad, c.grad)])
+    for on_current, on_other in zip(*results):
+        torch.testing.assert_close(on_other, on_current)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_training_step_with_a_layer_below_matches_eager(mode: str) -> None:
     """A compiled step whose hidden states come from a layer (the fused op's gradients flow on

@@ -13,6 +13,7 @@ start all their compiles before the first; each launch then waits only for its o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -25,6 +26,13 @@ import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+def on_device_of(tensor: torch.Tensor) -> Any:
+    """A context running the op's launches on `tensor`'s GPU. The dispatcher gives a custom op no
+    device guard, and Triton launches on the current device: with Hugging Face's
+    device_map="auto", the head's tensors are on the last GPU while the current one is cuda:0."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
 
 INT32 = range(-(2**31), 2**31)
 INT64 = range(-(2**63), 2**63)

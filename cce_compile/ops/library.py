@@ -33,7 +33,7 @@ from .backward import run_backward
 from .filtering import FilterStats
 from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
-from .launch import KernelLauncher
+from .launch import KernelLauncher, on_device_of
 from .precision import without_autocast
 from .problem import backward_settings, cdiv, decode_settings, launch_settings, launch_with_config, options_of, problem_of
 
@@ -55,13 +55,15 @@ def linear_cross_entropy_forward(
     otherwise these are empty.
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
-    options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
+    with on_device_of(e):
+        options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
 
-    def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
-        plan = plan_launch(problem_of(e, c), options, config, policy)
-        return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
+        def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap,
+                               filter_eps)
 
-    return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
+        return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
 def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool,
@@ -101,16 +103,17 @@ def linear_cross_entropy_backward(
     """-> (grad_e, grad_c, grad_bias), with the forward's config and policy (`settings`,
     problem.encode_settings). A gradient not needed (a frozen head under LoRA: need_grad_c
     False) comes back empty and its GEMMs never run; grad_bias is empty when there is no bias."""
-    kernel_config, launch_policy = decode_settings(settings)
-    plan = plan_launch(problem_of(e, c), options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale),
-                       kernel_config, launch_policy)
-    grad_e, grad_c, grad_bias = run_backward(
-        plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
-        vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
-    )
-    if grad_bias is None:
-        return grad_e, grad_c, c.new_empty((0,))
-    return grad_e, grad_c, grad_bias.to(c.dtype)
+    with on_device_of(e):
+        kernel_config, launch_policy = decode_settings(settings)
+        options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
+        plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
+        grad_e, grad_c, grad_bias = run_backward(
+            plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
+            vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
+        )
+        if grad_bias is None:
+            return grad_e, grad_c, c.new_empty((0,))
+        return grad_e, grad_c, grad_bias.to(c.dtype)
 
 
 @linear_cross_entropy_backward.register_fake
@@ -174,14 +177,15 @@ def linear_cross_entropy_fused(
     `logit_scale` as in linear_cross_entropy_forward;
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
-    options = options_of(bias, weight, softcap, label_smoothing, 0.0, logit_scale)
+    with on_device_of(e):
+        options = options_of(bias, weight, softcap, label_smoothing, 0.0, logit_scale)
 
-    def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        plan = plan_launch(problem_of(e, c), options, config, policy)
-        return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
-                         reduction, need_grad_e, need_grad_c)
+        def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            return run_fused(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss,
+                             reduction, need_grad_e, need_grad_c)
 
-    return launch_with_config(e, c, False, settings, launch)
+        return launch_with_config(e, c, False, settings, launch)
 
 
 @linear_cross_entropy_fused.register_fake

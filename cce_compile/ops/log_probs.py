@@ -23,6 +23,7 @@ from ..plan.launch import Options, plan_launch
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_and_filter_stats
+from .launch import on_device_of
 from .library import fake_filter_stats, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
@@ -52,18 +53,19 @@ def linear_log_probs_forward(
     multiplies the logits before it (ops/library.py).
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
-    config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
-    entropy_backward = entropy and entropy_backward
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale, entropy_backward),
-                       config, policy)
-    stats, filter_stats = row_and_filter_stats(
-        plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps, entropy_backward)
-    log_probs, entropies = log_prob_terms(stats.lse, stats.target_logit, stats.entropy, tokens, c.shape[0],
-                                          ignore_index)
-    lse_minus_mean = stats.lse_minus_mean
-    # empties where absent, two of them: a custom op's outputs may not alias
-    return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
-            stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
+    with on_device_of(e):
+        config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
+        entropy_backward = entropy and entropy_backward
+        options = _options(bias, softcap, entropy, filter_eps, logit_scale, entropy_backward)
+        plan = plan_launch(problem_of(e, c), options, config, policy)
+        stats, filter_stats = row_and_filter_stats(
+            plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps, entropy_backward)
+        log_probs, entropies = log_prob_terms(stats.lse, stats.target_logit, stats.entropy, tokens, c.shape[0],
+                                              ignore_index)
+        lse_minus_mean = stats.lse_minus_mean
+        # empties where absent, two of them: a custom op's outputs may not alias
+        return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
+                stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
 
 
 @linear_log_probs_forward.register_fake
@@ -87,23 +89,24 @@ def linear_log_probs_backward(
     None) the entropies, with the forward's lse less the mean logit (read with grad_entropy
     only), filter statistics, config and policy (`settings`).
     A gradient not needed comes back empty, grad_bias empty without a bias."""
-    kernel_config, launch_policy = decode_settings(settings)
-    entropy = grad_entropy is not None
-    plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
-                       launch_policy)
-    row_lse_minus_mean = lse_minus_mean if entropy else None
-    coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
-        grad_log_probs, grad_entropy, row_lse_minus_mean, tokens, c.shape[0], ignore_index)
-    grad_e, grad_c, grad_bias = backward_from_coefficients(
-        plan, kernel_config,
-        Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
-        e, c, tokens, bias,
-        None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
-        need_grad_e, need_grad_c,
-    )
-    if grad_bias is None:
-        return grad_e, grad_c, c.new_empty((0,))
-    return grad_e, grad_c, grad_bias.to(c.dtype)
+    with on_device_of(e):
+        kernel_config, launch_policy = decode_settings(settings)
+        entropy = grad_entropy is not None
+        plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
+                           launch_policy)
+        row_lse_minus_mean = lse_minus_mean if entropy else None
+        coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
+            grad_log_probs, grad_entropy, row_lse_minus_mean, tokens, c.shape[0], ignore_index)
+        grad_e, grad_c, grad_bias = backward_from_coefficients(
+            plan, kernel_config,
+            Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
+            e, c, tokens, bias,
+            None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
+            need_grad_e, need_grad_c,
+        )
+        if grad_bias is None:
+            return grad_e, grad_c, c.new_empty((0,))
+        return grad_e, grad_c, grad_bias.to(c.dtype)
 
 
 @linear_log_probs_backward.register_fake

@@ -24,6 +24,7 @@ from ..plan.launch import plan_launch
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_stats
+from .launch import on_device_of
 from .precision import without_autocast
 from .problem import backward_settings, decode_settings, launch_settings, options_of, problem_of
 
@@ -46,14 +47,15 @@ def shard_row_stats(
     `logit_scale`: as the unsharded forward op's.
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
-    config, policy = launch_settings(settings, e, c, False, config_v)
-    options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
-    plan = plan_launch(problem_of(e, c), options, config, policy)
-    none = targets.new_empty((0,))
-    lse, target_logit, weighted_sum, *_ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
-                                                   need_weighted_sum, False, none,
-                                                   none.new_empty((0, 0), dtype=torch.float32))
-    return lse, target_logit, weighted_sum if weighted_sum is not None else lse.new_empty((0,))
+    with on_device_of(e):
+        config, policy = launch_settings(settings, e, c, False, config_v)
+        options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
+        plan = plan_launch(problem_of(e, c), options, config, policy)
+        none = targets.new_empty((0,))
+        lse, target_logit, weighted_sum, *_ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
+                                                       need_weighted_sum, False, none,
+                                                       none.new_empty((0, 0), dtype=torch.float32))
+        return lse, target_logit, weighted_sum if weighted_sum is not None else lse.new_empty((0,))
 
 
 @shard_row_stats.register_fake
@@ -73,23 +75,24 @@ def shard_row_stats_backward(
     """-> (grad_e, grad_c, grad_bias) of the shard's statistics given their upstream
     gradients; grad_weighted_sum is read only with has_smoothing. As the unsharded backward
     op: a gradient not needed comes back empty, grad_bias is empty without a bias."""
-    kernel_config, launch_policy = decode_settings(settings)
-    options = options_of(bias, weight, softcap, _SMOOTHING_ON if has_smoothing else 0.0, 0.0, logit_scale)
-    plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
-    coef_softmax = grad_lse.to(torch.float32).contiguous()
-    coef_target = grad_target_logit.to(torch.float32).neg().contiguous()
-    # without smoothing no runner reads coef_smooth: coef_target stands in for it
-    coef_smooth = grad_weighted_sum.to(torch.float32).neg().contiguous() if has_smoothing else coef_target
-    # A shard whose every logit of a row is -inf (a sampler's mask on its whole slice) has lse
-    # -inf there and no share of the softmax: a finite stand-in keeps exp(l - lse) at 0, not NaN.
-    lse = torch.where(torch.isneginf(lse), 0.0, lse)
-    grad_e, grad_c, grad_bias = backward_from_coefficients(
-        plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_smooth), e, c, targets, bias, weight, lse,
-        FilterStats.empty(e.device), 1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,
-    )
-    if grad_bias is None:
-        return grad_e, grad_c, c.new_empty((0,))
-    return grad_e, grad_c, grad_bias.to(c.dtype)
+    with on_device_of(e):
+        kernel_config, launch_policy = decode_settings(settings)
+        options = options_of(bias, weight, softcap, _SMOOTHING_ON if has_smoothing else 0.0, 0.0, logit_scale)
+        plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
+        coef_softmax = grad_lse.to(torch.float32).contiguous()
+        coef_target = grad_target_logit.to(torch.float32).neg().contiguous()
+        # without smoothing no runner reads coef_smooth: coef_target stands in for it
+        coef_smooth = grad_weighted_sum.to(torch.float32).neg().contiguous() if has_smoothing else coef_target
+        # A shard whose every logit of a row is -inf (a sampler's mask on its whole slice) has lse
+        # -inf there and no share of the softmax: a finite stand-in keeps exp(l - lse) at 0, not NaN.
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
+        grad_e, grad_c, grad_bias = backward_from_coefficients(
+            plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_smooth), e, c, targets, bias, weight, lse,
+            FilterStats.empty(e.device), 1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,
+        )
+        if grad_bias is None:
+            return grad_e, grad_c, c.new_empty((0,))
+        return grad_e, grad_c, grad_bias.to(c.dtype)
 
 
 @shard_row_stats_backward.register_fake
