@@ -48,7 +48,9 @@ class UniqueKeysRoute(APIRoute):
             scope = request.scope
             if not content_type:  # read as JSON, as documented: FastAPI's strict_content_type (default
                 # True in recent releases, 0.165 here) would validate the raw bytes, 422 'a valid dictionary'
-                scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+                # an empty Content-Type header is replaced, not joined: FastAPI reads the first one
+                headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
             return await handler(_UniqueKeysRequest(scope, request.receive))
 
         return unique_keys_handler

@@ -397,7 +397,6 @@ def test_a_measurement_sent_as_another_media_type_is_415_naming_json(client: Tes
         assert response.status_code == 201, response.text
 
 
-
 def test_a_measurement_sent_without_a_content_type_is_read_as_json(client: TestClient) -> None:
     """docs/service.md: a body with no Content-Type is read as JSON. Recent FastAPI (0.165 here) made its
     default strict_content_type=True: such a body was validated as raw bytes, 422 'Input should
@@ -412,6 +411,15 @@ def test_a_measurement_sent_without_a_content_type_is_read_as_json(client: TestC
     request = client.build_request("POST", "/v1/measurements", content=duplicate, headers=bearer(WRITE_TOKEN))
     response = client.send(request)
     assert response.status_code == 422 and "given twice" in response.json()["detail"][0]["msg"], response.text
+
+
+def test_a_measurement_sent_with_an_empty_content_type_is_read_as_json(client: TestClient) -> None:
+    """An empty Content-Type header is none: the JSON one added beside it came second, and
+    FastAPI, reading the first, validated the raw bytes (422 'a valid dictionary')."""
+    headers = {**bearer(WRITE_TOKEN), "Content-Type": ""}
+    response = client.post("/v1/measurements", content=json.dumps(measurement_data()).encode(), headers=headers)
+    assert response.status_code == 201, response.text
+
 
 @pytest.mark.parametrize(
     ("body", "reason"),
