@@ -668,3 +668,14 @@ def test_concurrent_imports_and_measurements_queue_instead_of_deadlocking(postgr
     assert measurement_count(engine) == 7
     assert [lookup(engine, V=v).entry.median_ms for v in (1001, 1002)] == [5.0, 1.0]  # type: ignore[union-attr]
     engine.dispose()
+
+
+def test_a_retry_whose_entry_was_retired_is_not_the_best(engine: Engine) -> None:
+    """A retry under its Idempotency-Key after an admin retired its entry (nothing has replaced
+    it yet) answered is_best: true, though lookups skip the entry."""
+    uid = uuid.uuid4().hex
+    first = store.record_measurement(engine, measurement(8.0), uid)
+    store.retire(engine, first.entry_id)
+    again = store.record_measurement(engine, measurement(8.0), uid)
+    assert again.already_stored and again.entry_id == first.entry_id
+    assert not again.is_best

@@ -302,13 +302,14 @@ def record_measurement(engine: Engine, measurement: MeasurementIn, uid: str | No
         if added:  # a retry adds nothing: its first send's upsert committed with it, and the key's entry
             # may have moved on since (retired, then replaced): running it again revived a retired config
             _upsert_best(session, row, "keep_better")
-        best_id, best_measurement_id, best_median_ms = session.execute(
-            select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms).where(*_same_key(row))
+        best_id, best_measurement_id, best_median_ms, retired = session.execute(
+            select(BestConfig.id, BestConfig.measurement_id, BestConfig.median_ms, BestConfig.retired)
+            .where(*_same_key(row))
         ).one()
         return RecordResult(
             measurement_uid=row.uid,
             entry_id=best_id,
-            is_best=best_measurement_id == row.id,
+            is_best=best_measurement_id == row.id and not retired,  # a retry after its entry's retire
             best_median_ms=best_median_ms,
             already_stored=not added,
         )
