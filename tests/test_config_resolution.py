@@ -208,6 +208,16 @@ def test_a_key_the_service_refuses_is_a_miss_for_that_key_alone(service: str, mo
     assert resolution_for(KEY) == Resolution(KernelConfig.from_dict(TUNED), "service", "exact")
 
 
+def test_a_422_naming_the_platform_trips_the_breaker(service: str) -> None:
+    """Only a 422 naming the key's own values is a miss for that key alone; one naming the
+    platform (a GPU name the service's rule refuses) holds for every key, so the breaker trips
+    rather than each key asking again."""
+    settings = sources.Settings(service, READ_TOKEN, False, Path("unused"), 0.0)
+    refused_gpu = replace(H100, gpu="NVIDIA H100 [MIG 1g.10gb]")
+    assert client.fetch_from_service(settings, refused_gpu, KEY) is None
+    assert client._service_down is not None and "HTTP 422" in client._service_down
+
+
 # (2) a dead service -------------------------------------------------------------------
 
 

@@ -143,7 +143,7 @@ async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> byt
             if status == 200:
                 return body
             failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
-            if status == 422:  # this key's query, not the service: the breaker stays closed for the others
+            if status == 422 and _refuses_key_values(body):  # the breaker stays closed for other keys
                 return RefusedQuery(failure)
             if status < 500:
                 break
@@ -160,6 +160,23 @@ async def _read_capped(response: Any) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+KEY_PARAMETERS = ("V", "D", "dtype", "tokens", "mode")
+"""The query's parameters that differ from key to key; the rest are this process's platform."""
+
+
+def _refuses_key_values(body: bytes) -> bool:
+    """Whether a 422 names only the key's own values (a token bucket past the service's rules):
+    a miss for that key alone. One naming the platform (a GPU name the service refuses), an
+    unknown parameter (an older service) or not the service's validation body (another app at
+    the URL) says the service is unusable for every key."""
+    try:
+        issues = parse_json(body)["detail"]
+        return bool(issues) and all(
+            issue["loc"][0] == "query" and issue["loc"][-1] in KEY_PARAMETERS for issue in issues)
+    except (TypeError, KeyError, IndexError):
+        return False
 
 
 def _query(platform: Platform, key: ProblemKey) -> dict[str, Any]:
