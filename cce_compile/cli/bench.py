@@ -61,6 +61,7 @@ def _check_out(out: Path) -> None:
     if csv_path.exists():
         try:
             results.read_rows(csv_path)
+            csv_path.open("a").close()  # appended to after the first shape's run
         except (OSError, ValueError) as err:
             raise typer.BadParameter(str(err), param_hint="--out") from err
 
