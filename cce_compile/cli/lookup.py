@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, service_url
+from cce_compile.config.keys import KEY_MODES
 
 if TYPE_CHECKING:
     from cce_compile.config.keys import ProblemKey
@@ -27,7 +28,7 @@ def checked_problem_options(dtype: str, mode: str) -> str:
     dtype_name = DTYPES.get(dtype, dtype)
     if dtype_name not in DTYPES.values():
         raise typer.BadParameter(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}", param_hint="--dtype")
-    if mode not in ("exact", "filtered"):
+    if mode not in KEY_MODES:
         raise typer.BadParameter(f"unknown mode {mode!r}; use exact or filtered", param_hint="--mode")
     return dtype_name
 

@@ -17,6 +17,10 @@ MATCH_LEVELS: tuple[MatchLevel, ...] = get_args(MatchLevel)
 """The match levels, best first."""
 
 
+KEY_DTYPES = ("float32", "float16", "bfloat16")
+KEY_MODES = ("exact", "filtered")
+
+
 @dataclass(frozen=True)
 class ProblemKey:
     """What a best config depends on; the key of every cache and of the tuning database."""
@@ -24,9 +28,9 @@ class ProblemKey:
     device: str  # "cuda" / "cpu" / "interpreter"
     v: int
     d: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # one of KEY_DTYPES
     n_bucket: int
-    mode: str  # "exact" | "filtered"
+    mode: str  # one of KEY_MODES
 
 
 def n_bucket(n) -> int:

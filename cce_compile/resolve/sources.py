@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..config.keys import MATCH_LEVELS, ProblemKey, n_bucket, normalize_gpu_name
+from ..config.keys import KEY_DTYPES, KEY_MODES, MATCH_LEVELS, ProblemKey, n_bucket, normalize_gpu_name
 from .platform import Platform
 
 log = logging.getLogger("cce_compile.config")
@@ -230,7 +230,6 @@ def _bundled_index(directory: Path) -> dict[tuple[Any, ...], tuple[Any, Any]]:
     return index
 
 
-BUNDLED_DTYPES = ("float32", "float16", "bfloat16")
 BUNDLED_FIELDS = ("gpu", "V", "D", "dtype", "tokens", "mode", "kernel_version", "config")
 
 
@@ -253,10 +252,10 @@ def bundled_entry_fault(entry: Any) -> str | None:
             return f"has {name} {value!r}"
     # A key the op never asks for ("bf16", a V in quotes) matched nothing, unwarned, and the
     # file's sort by key (cce tune --bundle, after the whole run) raised on a V in quotes.
-    if entry["dtype"] not in BUNDLED_DTYPES:
-        return f"has dtype {entry['dtype']!r}, not one of {BUNDLED_DTYPES}"
-    if entry["mode"] not in ("exact", "filtered"):
-        return f"has mode {entry['mode']!r}, not exact or filtered"
+    if entry["dtype"] not in KEY_DTYPES:
+        return f"has dtype {entry['dtype']!r}, not one of {KEY_DTYPES}"
+    if entry["mode"] not in KEY_MODES:
+        return f"has mode {entry['mode']!r}, not one of {KEY_MODES}"
     if not isinstance(entry["gpu"], str) or not isinstance(entry["kernel_version"], str):
         return "has a gpu or kernel_version that is not a string"
     return None
