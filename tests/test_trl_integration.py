@@ -233,8 +233,8 @@ def test_a_bad_temperature_is_refused_when_the_head_is_added(temperature: object
 
 
 def test_a_default_moe_model_is_taken() -> None:
-    """Mixtral's config sets a router loss coefficient but leaves output_router_logits off, as
-    TRL's trainers leave it: its head is taken and scores as the model's own logits do."""
+    """Mixtral's config sets a router loss coefficient but leaves output_router_logits off (TRL's
+    GRPO and RLOO trainers turn it on per call unless their router_aux_loss_coef is 0.0): its head is taken and scores as the model's own logits do."""
     torch.manual_seed(0)
     model = tiny_mixtral()
     assert model.config.router_aux_loss_coef > 0 and not model.config.output_router_logits
@@ -409,3 +409,56 @@ def test_a_peft_model_gets_the_head_on_the_causal_lm_it_wraps() -> None:
         assert relative_error(param.grad, ref_param.grad) < 1e-4, name
     with pytest.raises(TypeError, match="model: expected a transformers PreTrainedModel or a PEFT model of one, got Linear"):
         add_fused_lm_head(nn.Linear(4, 4))
+
+
+def _separately_sharded_head_worker(rank: int, store: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from cce_compile.plan.policy import Policy, override_policy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        with override_policy(Policy(triton_on_cpu=False)):
+            torch.manual_seed(0)
+            model = tiny_llama()
+            ref_model = copy.deepcopy(model)
+            add_fused_lm_head(ref_model, temperature=0.7, outputs=("log_probs", "entropy"))
+            input_ids = torch.randint(0, 211, (4, 12), generator=torch.Generator().manual_seed(1))
+            labels = input_ids.clone()
+            labels[:, :5] = -100
+            labels[3, :9] = -100  # the ranks score different numbers of tokens
+            out = ref_model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+            (out.log_probs.sum() + 0.1 * out.entropy.sum()).backward()
+
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(model.lm_head, mesh=mesh)  # its own group: a DTensor the head gathers
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+            mine = slice(2 * rank, 2 * rank + 2)
+            out_rank = model(input_ids=input_ids[mine], labels=labels[mine], fused_lm_head=True)
+            (out_rank.log_probs.sum() + 0.1 * out_rank.entropy.sum()).backward()
+            torch.testing.assert_close(out_rank.log_probs, out.log_probs[mine].detach())
+            for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
+                grad = param.grad.full_tensor() * 2  # FSDP averages the ranks' gradients
+                if ref_param.grad.abs().max() > 0:
+                    assert relative_error(grad, ref_param.grad) < 1e-4, name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_separately_sharded_fsdp2_head_gets_every_ranks_gradient(tmp_path) -> None:
+    """fully_shard(lm_head) in a group of its own: its forward never runs, so the head gathers the
+    DTensor weight itself. full_tensor()'s default backward (Replicate) kept on each rank its own
+    tokens' gradient for its shard, unreduced: lm_head's gradient was 99% off that of one process
+    on the whole batch (as TRL's head's is), silently. Two gloo ranks on CPU."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_separately_sharded_head_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)

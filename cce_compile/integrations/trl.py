@@ -19,7 +19,7 @@ DeepSpeed ZeRO-3 partitioned head are refused, as is a head that is more than on
 beside the base model (BERT-style heads), each with a clear error: nothing
 is silently computed differently. The soft-cap is the config's final_logit_softcapping where
 its class declares that field (the Gemma family's, whose forwards apply it), as patch() does. An FSDP2-sharded head is gathered, as
-TRL's is; a head offloaded by accelerate is loaded by its hook, as a call would load it.
+TRL's is, its gradient averaged over the ranks (TRL's is not reduced); a head offloaded by accelerate is loaded by its hook, as a call would load it.
 cast_lm_head_to_fp32 casts the whole head for the call (TRL casts tile by tile).
 TRL itself is never imported here; import this module only where transformers is installed.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -161,8 +161,13 @@ def add_fused_lm_head(
 
         def score(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
             """Per-token log-probs, entropies (None unless asked for) and the label mask."""
-            if isinstance(weight, DTensor):  # FSDP2's sharded head: gathered, as TRL's head does
-                weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+            if isinstance(weight, DTensor):  # FSDP2's sharded head (its own group, never unsharded): gathered
+                # Each rank scores its own tokens, so the gathered head's gradient is a partial one: averaged over
+                # the mesh (a reduce-scatter back to the shards), as FSDP averages the other gradients. The default
+                # (Replicate) kept each rank's slice of its own tokens' gradient, unreduced (TRL's head does so too).
+                grads = [Partial("avg")] * weight.device_mesh.ndim
+                weight = weight.full_tensor(grad_placements=grads)
+                bias = None if bias is None else bias.full_tensor(grad_placements=grads)
             # With the model split across devices the decoder may end on another device than the head.
             hidden, targets = hidden.to(weight.device), labels.to(weight.device)
             mask = targets != -100
