@@ -32,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
 from ..api import check_flags, check_loss_options, linear_cross_entropy, shift_targets
+from ..ops.problem import SUPPORTED_DTYPES
 from ..plan.launch import Memory
 
 Function = TypeVar("Function", bound=Callable[..., Any])
@@ -254,7 +255,7 @@ def causal_lm_loss(
 
     def head_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not torch.is_autocast_enabled(hidden.device.type):
-            if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if weight.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"a model patched by cce_compile computes its loss in float32, float16 or bfloat16; "
                                 f"this one's lm_head is {weight.dtype} (cast the model, or unpatch() it)")
             # Outside autocast the op needs one dtype: the head's (under autocast it casts both).

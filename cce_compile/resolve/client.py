@@ -47,11 +47,6 @@ class ServiceUnusable(Exception):
     """The service could not be asked (unreachable, refused the token, answered an error)."""
 
 
-class RefusedQuery(str):
-    """Why the service refused the query for one key (422: a value past its rules, such as the
-    2^63 token bucket of a range declared up to sys.maxsize): a miss for that key alone."""
-
-
 class UnreadableAnswer(ServiceUnusable):
     """The service answered, but nothing this client reads as a config (not JSON, an unknown
     match level: another server at the URL, a newer service): a miss for the op, whose breaker
@@ -88,7 +83,7 @@ def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Foun
     # is served too. The loop's wait_for ends the request at the deadline, but asyncio.run then
     # waits for the resolver's thread (a DNS lookup that hangs took 8 s): so the caller waits
     # for the thread only a little past the deadline, and a daemon thread finishes on its own.
-    answers: list[bytes | str] = []
+    answers: list[bytes | str | UnreadableAnswer] = []
     thread = threading.Thread(
         target=lambda: answers.append(asyncio.run(_fetch_within_deadline(settings, platform, key))),
         name="cce-config-lookup", daemon=True,
@@ -96,14 +91,15 @@ def ask_service(settings: Settings, platform: Platform, key: ProblemKey) -> Foun
     thread.start()
     thread.join(SERVICE_TIMEOUT_S + JOIN_SLACK_S)
     outcome = answers[0] if answers else f"no complete answer within {SERVICE_TIMEOUT_S}s (a hung name lookup?)"
-    if isinstance(outcome, RefusedQuery):
-        raise UnreadableAnswer(f"refused the query ({outcome})")
+    if isinstance(outcome, UnreadableAnswer):
+        raise outcome
     if isinstance(outcome, str):
         raise ServiceUnusable(outcome)
     return _parse_answer(outcome)
 
 
-async def _fetch_within_deadline(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
+async def _fetch_within_deadline(settings: Settings, platform: Platform, key: ProblemKey
+                                 ) -> bytes | str | UnreadableAnswer:
     """The answer's body, or why the service is unusable."""
     import asyncio
 
@@ -118,7 +114,7 @@ async def _fetch_within_deadline(settings: Settings, platform: Platform, key: Pr
         return f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
 
-async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str:
+async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str | UnreadableAnswer:
     import httpx
 
     assert settings.url is not None
@@ -143,8 +139,8 @@ async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> byt
             if status == 200:
                 return body
             failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
-            if status == 422 and _refuses_key_values(body):  # the breaker stays closed for other keys
-                return RefusedQuery(failure)
+            if status == 422 and _refuses_key_values(body):  # a miss for this key alone (2^63 tokens): the
+                return UnreadableAnswer(f"refused the query ({failure})")  # breaker stays closed for the others
             if status < 500:
                 break
     return failure

@@ -118,18 +118,17 @@ def resolution_for(key: ProblemKey) -> Resolution:
     return resolution
 
 
-def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig | None = None) -> bool:
-    """The config resolved for `key` (`config`, where the caller names the one it launched)
-    failed to launch with `error`: skip its source for `key` from now on in this process (a
-    disk cache file is removed too), so the next resolution takes the next rung. False when
-    there is no rung left to take (an override, the heuristic). Where another thread already
-    dropped `config` (the memo holds another config, or none yet), nothing more is dropped and
-    the caller resolves again: the source now memoized never failed."""
+def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig) -> bool:
+    """`config`, resolved for `key`, failed to launch with `error`: skip its source for `key`
+    from now on in this process (a disk cache file is removed too), so the next resolution
+    takes the next rung. False when there is no rung left to take (an override, the heuristic).
+    Where another thread already dropped `config` (the memo holds another config, or none yet),
+    nothing more is dropped and the caller resolves again: the source now memoized never failed."""
     if active_override() is not None:
         return False
     with _memo_lock:
         current = _memo.get(key)
-        if config is not None and (current is None or current.config != config):
+        if current is None or current.config != config:
             return True
         failed = _memo.pop(key, None)
         if failed is None or failed.source == "heuristic":
@@ -225,15 +224,12 @@ wait took for rank 0's timeout, so the rank resolved on its own at once."""
 
 
 def _wait_s() -> float:
-    raw = os.environ.get(WAIT_ENV)
-    if raw is None:
-        return DEFAULT_WAIT_S
     try:
-        wait = float(raw)
+        wait = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     except ValueError:
         wait = math.nan
     if math.isnan(wait):  # nan once waited 0 s
-        log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, raw)
+        log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, os.environ[WAIT_ENV])
         return DEFAULT_WAIT_S
     return min(max(0.0, wait), MAX_WAIT_S)
 
