@@ -109,7 +109,7 @@ def postgres_url(postgres_schema_url: str) -> str:
     """The session's schema, emptied for this test."""
     engine = make_engine(postgres_schema_url)
     with engine.begin() as connection:
-        connection.execute(text("TRUNCATE best_configs, measurements, gpus RESTART IDENTITY CASCADE"))
+        connection.execute(text("TRUNCATE retired_measurements, best_configs, measurements, gpus RESTART IDENTITY CASCADE"))
     engine.dispose()
     return postgres_schema_url
 

@@ -124,7 +124,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         db_url = request.getfixturevalue("postgres_schema_url")
         engine = make_engine(db_url)
         with engine.begin() as connection:
-            connection.execute(text("TRUNCATE best_configs, measurements, gpus RESTART IDENTITY CASCADE"))
+            connection.execute(text("TRUNCATE retired_measurements, best_configs, measurements, gpus RESTART IDENTITY CASCADE"))
         engine.dispose()
     log = directory / "serve.log"
     with serving(log, "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:

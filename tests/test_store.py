@@ -250,6 +250,38 @@ def test_retired_entries_are_skipped_then_replaced_by_the_next_measurement(engin
     assert measurement_count(engine) == 2
 
 
+def test_an_older_export_does_not_revive_a_retired_measurement_replaced_since(engine: Engine) -> None:
+    """Retire a bogus fast entry, let a measurement replace it, then import an export taken before
+    the retire: once replaced, the entry no longer said it had been retired, so keep_better took
+    the file's faster line and served the retired config again."""
+    bogus = store.record_measurement(engine, measurement(0.002))
+    before_retire = store.export_jsonl(engine)
+    store.retire(engine, bogus.entry_id)
+    store.record_measurement(engine, measurement(10.0))
+    for mode in ("keep_better", "overwrite", "skip"):
+        report = store.import_jsonl(engine, before_retire, mode=mode)
+        assert (report.entries_replaced, report.entries_kept) == (0, 1), mode
+        assert lookup(engine).entry.median_ms == 10.0, mode  # type: ignore[union-attr]
+
+
+def test_an_upgrade_from_schema_0001_keeps_the_retirements_it_can_see(db_url: str, engine: Engine) -> None:
+    """Schema 0001 knew a retirement only while the entry was retired: the upgrade records those
+    entries' measurements, so an older export cannot revive them once they are replaced."""
+    from alembic import command
+
+    from tuning_db.migrate import alembic_config
+
+    bogus = store.record_measurement(engine, measurement(0.002))
+    before_retire = store.export_jsonl(engine)
+    store.retire(engine, bogus.entry_id)
+    with engine.begin() as connection:
+        command.downgrade(alembic_config(connection), "0001")
+    assert upgrade(db_url) == head_revision()
+    store.record_measurement(engine, measurement(10.0))
+    store.import_jsonl(engine, before_retire)
+    assert lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+
+
 def test_retiring_an_unknown_entry_is_not_found(engine: Engine) -> None:
     with pytest.raises(store.NotFoundError):
         store.retire(engine, 999)

@@ -52,17 +52,24 @@ def current_revision(engine: Engine) -> str | None:
             raise UnreadableRevision("it holds several revisions") from None
 
 
-def foreign_tables(engine: Engine) -> str | None:
-    """Why the database's tables are not this code's head schema (a table missing, or lacking a
-    column), or None. A database whose alembic_version names this code's revision may still be
-    another Alembic project's: `0001` is many a project's first migration id, and Alembic then
-    takes it as up to date and creates nothing."""
+FIRST_TABLES = ("gpus", "measurements", "best_configs")
+"""The tables revision 0001 made, with the columns the models give them: every revision has them."""
+
+
+def foreign_tables(engine: Engine, tables: tuple[str, ...] | None = None) -> str | None:
+    """Why the database's tables are not this code's schema (a table missing, or lacking a
+    column), or None; `tables` names those to check, by default all of the head's. A database
+    whose alembic_version names one of this code's revisions may still be another Alembic
+    project's: `0001` is many a project's first migration id, and Alembic then takes it as up
+    to date (or upgrades it on top of that project's tables)."""
     from tuning_db.models import Base
 
     with engine.connect() as connection:
         inspector = inspect(connection)
         present = set(inspector.get_table_names())
         for table in Base.metadata.sorted_tables:
+            if tables is not None and table.name not in tables:
+                continue
             if table.name not in present:
                 return f"it has no table {table.name}"
             columns = {column["name"] for column in inspector.get_columns(table.name)}

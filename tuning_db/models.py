@@ -122,3 +122,14 @@ class BestConfig(ProblemKey, Base):
     measurement_id: Mapped[int] = mapped_column(ForeignKey("measurements.id"))
     retired: Mapped[bool] = mapped_column(default=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RetiredMeasurement(Base):
+    """A measurement whose entry an admin retired: never a key's best again, so an older export
+    that still carries it cannot bring it back once a newer measurement has replaced it.
+    Append-only, as measurements are; a best entry is `retired` exactly while it points at one."""
+
+    __tablename__ = "retired_measurements"
+
+    measurement_id: Mapped[int] = mapped_column(ForeignKey("measurements.id"), primary_key=True)
+    retired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from cce_compile.config.keys import n_bucket
 from tuning_db.engine import read_session, write_session
-from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement
+from tuning_db.models import BEST_KEY_COLUMNS, BestConfig, Gpu, Measurement, RetiredMeasurement
 from tuning_db.records import (
     MATCH_LEVELS,
     MAX_RECORD_CHARS,
@@ -410,16 +410,23 @@ def list_gpus(engine: Engine) -> list[GpuSummary]:
 
 
 def retire(engine: Engine, entry_id: int) -> BestEntry:
-    """Flag a best entry as bad: lookups skip it and the key's next measurement replaces it."""
+    """Flag a best entry as bad: lookups skip it, the key's next measurement replaces it, and
+    its measurement never becomes a best entry again (an import that carries it leaves its key
+    alone)."""
     with write_session(engine) as session:
+        now = _now()
         flagged = session.execute(
             update(BestConfig)
             .where(BestConfig.id == entry_id)
-            .values(retired=True, updated_at=_now())
-            .returning(BestConfig.id)
+            .values(retired=True, updated_at=now)
+            .returning(BestConfig.measurement_id)
         ).scalar_one_or_none()
         if flagged is None:
             raise NotFoundError(f"no config entry {entry_id}")
+        insert = _dialect_insert(session)
+        session.execute(
+            insert(RetiredMeasurement).values(measurement_id=flagged, retired_at=now).on_conflict_do_nothing()
+        )
         return _entry(session.execute(_ENTRIES.where(BestConfig.id == entry_id)).one())
 
 
@@ -600,18 +607,12 @@ def _write_lines(
                 number, _add_measurement, session, line, gpu_ids[line.gpu.name], line.measurement_uid, line.created_at
             )
             counts["measurements_added"] += added
-        # The measurements of the retired entries as the import found them: a line holding one
-        # leaves its key alone, even once another line of that key has replaced the retired entry
-        # (a re-imported file of two lines for a key served the retired config again).
-        retired_measurements: set[int] = set()
+        # A line whose measurement was retired leaves its key alone, in every mode: whether its
+        # entry is still retired or another measurement has replaced it since.
+        retired = set(session.scalars(select(RetiredMeasurement.measurement_id)))  # few: retiring is an admin's act
         for number, line in sorted(entries, key=lambda entry: _key_of(entry[1])):
-            entry = session.execute(
-                select(BestConfig.measurement_id, BestConfig.retired).where(*_same_key(rows[number]))
-            ).one_or_none()
-            existed = entry is not None
-            if entry is not None and entry.retired:
-                retired_measurements.add(entry.measurement_id)
-            applied = rows[number].id not in retired_measurements and _upsert_best(session, rows[number], mode)
+            existed = session.execute(select(BestConfig.id).where(*_same_key(rows[number]))).first() is not None
+            applied = rows[number].id not in retired and _upsert_best(session, rows[number], mode)
             counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
         if dry_run:
             session.rollback()

@@ -60,7 +60,7 @@ def upgraded(db_url: str | None) -> str | None:
     url = resolve_db_url(db_url)
     engine = opened_engine(url)
     try:
-        _refuse_unknown_revision(_read_revision(engine, url), url)
+        _refuse_older_foreign_schema(engine, url, _read_revision(engine, url))
     finally:
         engine.dispose()
     try:
@@ -75,14 +75,26 @@ def upgraded(db_url: str | None) -> str | None:
     return revision
 
 
-def _refuse_foreign_tables(engine: Engine, url: str, revision: str | None) -> None:
-    """A database at this code's head revision whose tables are not this store's: another Alembic
-    project's, whose own first revision has this code's id (0001). Alembic takes it as up to date
-    and creates nothing; the store's queries would then fail on tables it lacks."""
+def _refuse_older_foreign_schema(engine: Engine, url: str, revision: str | None) -> None:
+    """A revision a newer release wrote, or one of this code's older revisions on tables that are
+    not this store's (another Alembic project's at its own `0001`): upgrading it would fail
+    half-way or build on that project's tables."""
+    from tuning_db.migrate import FIRST_TABLES
+
+    _refuse_unknown_revision(revision, url)
+    if revision is not None:
+        _refuse_foreign_tables(engine, url, revision, FIRST_TABLES)
+
+
+def _refuse_foreign_tables(engine: Engine, url: str, revision: str | None,
+                           tables: tuple[str, ...] | None = None) -> None:
+    """A database at one of this code's revisions whose `tables` (by default the head's) are not
+    this store's: another Alembic project's, whose own first revision has this code's first id
+    (0001). The store's queries, or an upgrade, would fail on tables it lacks."""
     from tuning_db.engine import shown_url
     from tuning_db.migrate import foreign_tables
 
-    reason = foreign_tables(engine)
+    reason = foreign_tables(engine, tables)
     if reason is not None:
         engine.dispose()
         fail(f"--db-url {shown_url(url)}: its alembic_version says schema {revision}, this store's, but {reason}: "
@@ -177,8 +189,8 @@ def store_engine(db_url: str | None) -> Engine:
     engine = opened_engine(url, existing=True)
     revision = _read_revision(engine, url)
     if revision != head_revision():
+        _refuse_older_foreign_schema(engine, url, revision)
         engine.dispose()
-        _refuse_unknown_revision(revision, url)
         shown = shown_url(url)
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"
         fail(f"--db-url {shown}: the database {state}; run `cce db upgrade --db-url {shown}`")
