@@ -503,3 +503,9 @@ def test_package_comments_carry_no_history() -> None:
              for package in ("cce_compile", "service", "tuning_db") for path in sorted((REPO / package).rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1) if history.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_a_budget_of_zero_starts_nothing(cpu_harness: None) -> None:
+    """`--budget-s 0` is a budget spent before the first run, as `cce tune --budget-s 0` starts no
+    candidate: it once read as no budget at all and ran every shape."""
+    assert harness.run_benchmark([TINY], ["lm_like"], [IMPLS["cce_exact"]], Settings(budget_s=0.0)) == []

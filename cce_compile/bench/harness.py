@@ -284,7 +284,7 @@ def run_benchmark(shapes: list[Shape], kinds: list[str], impls: list[Impl], sett
     """
     require_cuda()
     kinds = resolve_kinds(kinds)
-    deadline = time.monotonic() + settings.budget_s if settings.budget_s else float("inf")
+    deadline = time.monotonic() + settings.budget_s if settings.budget_s is not None else float("inf")
     plan = [(kind, shape, _timed_impls(kind, impls, settings)) for kind in kinds for shape in shapes]
     runs: list[RunResult] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
