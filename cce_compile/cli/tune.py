@@ -3,7 +3,7 @@ best vs default per kernel and for the whole op, and write the results (JSON, bu
 configs, the tuning service or database).
 
 Runs as `python -m cce_compile.cli.tune` too, which loads no database code: a GPU node
-without pydantic can tune and publish over HTTP.
+without SQLAlchemy can tune and publish over HTTP.
 """
 
 from __future__ import annotations

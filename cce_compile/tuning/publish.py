@@ -1,7 +1,8 @@
 """Where tuning results go: the tuning service (POST /v1/measurements over httpx), the
 tuning database directly (tuning_db.store), and the bundled configs shipped with the
-package. Only the database path loads pydantic and SQLAlchemy, so a GPU node without the
-web stack can tune and publish over HTTP.
+package. Only the database path loads SQLAlchemy, so a GPU node without it can tune and
+publish over HTTP (pydantic, which records.py's shared header name comes with, is a core
+dependency).
 
 Each run yields kernel-level measurements (kernel "cce.<kernel>": one per timed config,
 the default's included, with that kernel's stage time) and one whole-op measurement
