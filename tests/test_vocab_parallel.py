@@ -222,7 +222,7 @@ def check_module_deep_copies(parallel: VocabParallel) -> None:
 
 
 def check_refusals(parallel: VocabParallel) -> None:
-    e, c, _, _, targets = problem(6)
+    e, c, bias, weight, targets = problem(6)
     rows = slice(parallel.start, parallel.stop)
     with pytest.raises(ValueError, match="filter_eps"):
         cce_compile.linear_cross_entropy(e, c[rows], targets, vocab_parallel=parallel, filter_eps="auto")
@@ -244,6 +244,12 @@ def check_refusals(parallel: VocabParallel) -> None:
                        ("c", lambda: cce_compile.linear_log_probs(e, sharded_c, targets))):
         with pytest.raises(TypeError, match=rf"{name} is a DTensor: pass {name}.to_local\(\)"):
             call()  # not DTensor's "mixed torch.Tensor and DTensor" from inside the op
+    # a plain bias or weight of all V rows with a DTensor c (a loss module keeps its class weights so):
+    # said as such, not as a shape error about this rank's rows, which the caller never named
+    for name, call in (("bias", lambda: cce_compile.linear_cross_entropy(e, sharded_c, targets, bias=bias)),
+                       ("weight", lambda: cce_compile.LinearCrossEntropyLoss(weight=weight)(e, sharded_c, targets))):
+        with pytest.raises(ValueError, match=rf"{name}: with a DTensor c, pass it as a DTensor sharded Shard\(0\)"):
+            call()
     # a DeviceMesh or a group's name for the group: said as such, not as "not a member of the group"
     with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup or None, got DeviceMesh "
                                         r"\(a DeviceMesh: pass mesh.get_group\(\)\)"):

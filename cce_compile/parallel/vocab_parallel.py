@@ -141,11 +141,18 @@ def from_dtensor(c) -> tuple[Tensor, VocabParallel]:
     return c.to_local(), VocabParallel(mesh.get_group(), start, stop, vocab_size=v)
 
 
-def local_shard(name: str, tensor: Tensor | None) -> Tensor | None:
-    """A bias or weight given as a DTensor sharded like c: its local rows."""
+def local_shard(name: str, tensor: Tensor | None, parallel: VocabParallel) -> Tensor | None:
+    """A bias or weight given with a DTensor c: a DTensor sharded like c gives its local rows; a
+    plain one must already be this rank's rows (one of all V rows, as a loss module's class
+    weights are kept, raises saying so, not as a shape error about rows it never had)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(tensor, DTensor):
+        if (isinstance(tensor, Tensor) and tensor.dim() == 1
+                and tensor.shape[0] == parallel.vocab_size != parallel.shard_size):
+            raise ValueError(f"{name}: with a DTensor c, pass it as a DTensor sharded Shard(0) like c, or this "
+                             f"rank's rows [{parallel.start}, {parallel.stop}) of it; got a plain tensor of all "
+                             f"{parallel.vocab_size} rows")
         return tensor
     if tuple(tensor.placements) != (Shard(0),):
         raise ValueError(f"{name}: a DTensor must be sharded Shard(0) like c, got {tuple(tensor.placements)}")
@@ -184,7 +191,7 @@ def sharded_operands(
     if vocab_parallel is not None:
         raise ValueError("vocab_parallel: leave it None for a DTensor c, whose sharding says it")
     local_c, derived = from_dtensor(c)
-    return local_c, local_shard("bias", bias), local_shard("weight", weight), derived
+    return local_c, local_shard("bias", bias, derived), local_shard("weight", weight, derived), derived
 
 
 def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
