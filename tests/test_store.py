@@ -702,6 +702,40 @@ def test_concurrent_imports_and_measurements_queue_instead_of_deadlocking(postgr
     engine.dispose()
 
 
+def test_a_retire_while_an_import_runs_is_not_undone_by_it(postgres_url: str) -> None:
+    """An export taken before a retire is imported while an admin retires the entry and a newer
+    measurement replaces it. The import read the retired measurements before writing its best
+    entries: the retire, committed in between, went unseen, and the file's line (faster than
+    the newer measurement) made the retired config the best again. The import pauses before
+    its first best entry until the retire and the measurement are done (or a second has
+    passed: they wait for the import)."""
+    engine = make_engine(postgres_url)
+    bogus = store.record_measurement(engine, measurement(0.002))
+    before_retire = store.export_jsonl(engine)
+    importer = make_engine(postgres_url)
+    replaced = threading.Event()
+
+    def retire_and_replace() -> None:
+        store.retire(engine, bogus.entry_id)
+        store.record_measurement(engine, measurement(10.0))
+        replaced.set()
+
+    admin = threading.Thread(target=retire_and_replace)
+
+    @event.listens_for(importer, "before_cursor_execute")
+    def _pause_before_the_first_entry(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("INSERT INTO best_configs") and admin.ident is None:
+            admin.start()
+            replaced.wait(timeout=1)
+
+    store.import_jsonl(importer, before_retire)
+    admin.join(timeout=30)
+    assert replaced.is_set()
+    assert lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+    importer.dispose()
+    engine.dispose()
+
+
 def test_a_retry_whose_entry_was_retired_is_not_the_best(engine: Engine) -> None:
     """A retry under its Idempotency-Key after an admin retired its entry (nothing has replaced
     it yet) answered is_best: true, though lookups skip the entry."""

@@ -608,11 +608,18 @@ def _write_lines(
             )
             counts["measurements_added"] += added
         # A line whose measurement was retired leaves its key alone, in every mode: whether its
-        # entry is still retired or another measurement has replaced it since.
-        retired = set(session.scalars(select(RetiredMeasurement.measurement_id)))  # few: retiring is an admin's act
+        # entry is still retired or another measurement has replaced it since. The key's entry
+        # is locked before retired_measurements is read: a retire holds the entry until it
+        # commits, and each PostgreSQL statement sees what committed before it began, so a
+        # retire that committed while this import ran is seen.
         for number, line in sorted(entries, key=lambda entry: _key_of(entry[1])):
-            existed = session.execute(select(BestConfig.id).where(*_same_key(rows[number]))).first() is not None
-            applied = rows[number].id not in retired and _upsert_best(session, rows[number], mode)
+            row = rows[number]
+            entry = session.execute(select(BestConfig.id).where(*_same_key(row)).with_for_update()).first()
+            retired = session.execute(
+                select(RetiredMeasurement.measurement_id).where(RetiredMeasurement.measurement_id == row.id)
+            ).first()
+            existed = entry is not None
+            applied = retired is None and _upsert_best(session, row, mode)
             counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
         if dry_run:
             session.rollback()
