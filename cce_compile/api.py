@@ -262,12 +262,11 @@ def _flat_indices(targets: Tensor) -> Tensor:
 def shift_targets(targets: Tensor, ignore_index: int) -> Tensor:
     """Position t is scored against target t+1; the last position of each sequence is
     ignored. Only targets move: e is never copied. In int64, which holds any ignore_index
-    (-100 would wrap in uint8)."""
-    targets = targets.to(torch.int64)
-    if targets.shape[-1] == 0:  # no position, none to pad
-        return targets
-    pad = targets.new_full((*targets.shape[:-1], 1), ignore_index)
-    return torch.cat([targets[..., 1:], pad], dim=-1)
+    (-100 would wrap in uint8). Padded, then sliced (a sequence of none stays empty): sliced
+    first, a batch of one's T - 1 targets made torch.compile guard T >= 3, which a
+    mark_dynamic range from 2 refused (ConstraintViolationError)."""
+    pad = targets.new_full((*targets.shape[:-1], 1), ignore_index, dtype=torch.int64)
+    return torch.cat([targets.to(torch.int64), pad], dim=-1)[..., 1:]
 
 
 def linear_cross_entropy(

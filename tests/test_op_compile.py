@@ -254,6 +254,30 @@ def test_mark_dynamic_batch_of_two_compiles_without_pinning_the_batch(
     assert traced_buckets == [256, 512]
 
 
+@pytest.mark.parametrize("call", ["workspace", "low", "log_probs"])
+def test_shift_under_a_declared_range_from_two_compiles_one_graph(call: str) -> None:
+    """shift=True on a batch of one, its sequence marked dynamic from 2 (mark_dynamic(e, 1,
+    min=2, max=8192)): one graph for every length, with eager's loss and gradients. Slicing
+    the targets before padding them made a tensor of T - 1 elements whose metadata guarded
+    T >= 3, and the range refused it (ConstraintViolationError)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = torch.randn(97, 16)
+
+    def step(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if call == "log_probs":
+            log_probs, entropy = cce_compile.linear_log_probs(e, c, targets, entropy=True, shift=True)
+            return log_probs.sum() + entropy.sum()
+        return cce_compile.linear_cross_entropy(e, c, targets, shift=True, memory=call)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for t in (40, 100):
+        e, targets = torch.randn(1, t, 16), torch.randint(0, 97, (1, t))
+        _matches_eager(compiled, step, e, c, targets, 1, min=2, max=8192)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.interpreter
 def test_a_graph_serving_batches_past_its_bucket_plans_each_for_its_own_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton path's backward plan, the memory it takes, is made as the opaque op runs,
