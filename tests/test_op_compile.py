@@ -388,6 +388,33 @@ def test_a_whole_compiled_training_step_matches_eager(memory: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_autograd_traces_an_eager_fused_losss_backward_whole() -> None:
+    """Compiled autograd over a loss computed eagerly (a model compiled per block, the loss
+    outside): Dynamo traces the fused loss's backward on the real gradients its forward left,
+    fullgraph, one graph for every step, with eager's gradients. is_fake (a function Dynamo
+    skips) and the retain_graph query (a pybind builtin) broke that graph in two places."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    c = torch.randn(97, 16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiler = torch.compile(backend=counter, fullgraph=True)
+    for step in range(3):
+        e, targets = torch.randn(40, 16), torch.randint(0, 97, (40,))
+        grads = []
+        for compiled in (True, False):
+            leaves = e.clone().requires_grad_(), c.clone().requires_grad_()
+            loss = cce_compile.linear_cross_entropy(*leaves, targets) * (step + 1)
+            if compiled:
+                with torch._dynamo.compiled_autograd._enable(compiler):
+                    loss.backward()
+            else:
+                loss.backward()
+            grads.append([leaf.grad for leaf in leaves])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.interpreter
 def test_compiled_graph_runs_the_interpreted_kernels() -> None:
     """Inductor calls the op, opaque, and the real Triton kernels run on CPU."""

@@ -231,8 +231,10 @@ def scaled(gradient: Tensor, grad_loss: Tensor, traced: bool, in_place: bool) ->
 
 
 def _fused_backward(ctx, grad_loss, _grad_e, _grad_c, _grad_bias):
-    # torch.compile's AOTAutograd traces this with fake or functional tensors: no kernel launch, no in-place.
-    traced = ctx.gradients is not None and any(is_fake(g) or type(g) is not Tensor for g in ctx.gradients)
+    # torch.compile's AOTAutograd traces this with fake or functional tensors, compiled autograd's
+    # Dynamo with the real ones (where is_fake and _keep_graph broke its graph): no kernel launch, no in-place.
+    traced = torch.compiler.is_compiling() or (
+        ctx.gradients is not None and any(is_fake(g) or type(g) is not Tensor for g in ctx.gradients))
     if torch.is_grad_enabled() and not traced:
         raise RuntimeError(
             "linear_cross_entropy computes its gradients in the forward (memory='workspace'), so it cannot record "
