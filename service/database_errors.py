@@ -37,7 +37,7 @@ async def database_error(_request: Request, error: Exception) -> JSONResponse:
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
         )
     if missing_schema(error):
-        detail = "the database schema is not set up: run `cce db upgrade`"
+        detail = "the database lacks this service's schema (none, or an older revision): run `cce db upgrade`"
         retry_after = SCHEMA_RETRY_AFTER_S
     elif isinstance(error, OperationalError):
         # SQLite's "database is locked" after the busy timeout, PostgreSQL's lock and

@@ -150,7 +150,7 @@ def _another_alembic_projects_database(url: str, own_columns: bool) -> None:
 
 
 def test_another_alembic_projects_database_at_revision_0001_is_not_taken_as_ours(tmp_path: Path) -> None:
-    """Its revision id is this code's head: `cce db upgrade` said 'at revision 0001' and created
+    """Its revision id is this code's first: `cce db upgrade` said 'at revision 0001' and created
     nothing, and export, import and serve then failed on tables it lacks. Each now names --db-url
     and what is missing, and leaves the database as it was."""
     from tests.db_fixtures import POSTGRES_URL, _require_postgres

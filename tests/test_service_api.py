@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 from tests.db_fixtures import (
     GPU_H100,
@@ -23,6 +24,7 @@ from tests.db_fixtures import (
 from service.app import create_app
 from service.settings import ServiceSettings
 from tuning_db.engine import make_engine
+from tuning_db.migrate import head_revision
 from tuning_db.scratch import scratch_schema
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0001", "write-token-0001", "admin-token-0001"
@@ -121,6 +123,23 @@ def test_readyz_is_503_until_a_postgres_schema_is_upgraded(postgres_schema_url: 
         response = not_upgraded.get("/readyz")
     assert response.status_code == 503
     assert "cce db upgrade" in response.json()["detail"]
+
+
+@pytest.mark.postgres
+def test_readyz_is_503_on_another_projects_database_at_this_revision(postgres_schema_url: str) -> None:
+    """Another Alembic project's database whose revision id is this code's head: /readyz said
+    ready (it compared only the revision) while every lookup answered 503."""
+    with scratch_schema(POSTGRES_URL, prefix="cce_test") as url:
+        engine = make_engine(url)
+        with engine.begin() as connection:
+            connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
+            connection.execute(text("INSERT INTO alembic_version VALUES (:head)"), {"head": head_revision()})
+            connection.execute(text("CREATE TABLE users (id INTEGER PRIMARY KEY)"))
+        engine.dispose()
+        with make_client(url) as foreign:
+            response = foreign.get("/readyz")
+    assert response.status_code == 503
+    assert "has no table gpus" in response.json()["detail"]
 
 
 def test_measurement_then_lookup_with_metrics(client: TestClient) -> None:

@@ -264,22 +264,34 @@ def test_an_older_export_does_not_revive_a_retired_measurement_replaced_since(en
         assert lookup(engine).entry.median_ms == 10.0, mode  # type: ignore[union-attr]
 
 
-def test_an_upgrade_from_schema_0001_keeps_the_retirements_it_can_see(db_url: str, engine: Engine) -> None:
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_an_upgrade_from_schema_0001_keeps_the_retirements_it_can_see(database: str, tmp_path: Any) -> None:
     """Schema 0001 knew a retirement only while the entry was retired: the upgrade records those
-    entries' measurements, so an older export cannot revive them once they are replaced."""
+    entries' measurements, so an older export cannot revive them once they are replaced. On a
+    database of its own: it downgrades the schema, which the session's shared one must not see."""
+    from contextlib import nullcontext
+
     from alembic import command
 
+    from tests.db_fixtures import _require_postgres
     from tuning_db.migrate import alembic_config
 
-    bogus = store.record_measurement(engine, measurement(0.002))
-    before_retire = store.export_jsonl(engine)
-    store.retire(engine, bogus.entry_id)
-    with engine.begin() as connection:
-        command.downgrade(alembic_config(connection), "0001")
-    assert upgrade(db_url) == head_revision()
-    store.record_measurement(engine, measurement(10.0))
-    store.import_jsonl(engine, before_retire)
-    assert lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+    if database == "postgres":
+        _require_postgres()
+    with (scratch_schema(POSTGRES_URL, prefix="cce_test_0001") if database == "postgres"
+          else nullcontext(f"sqlite:///{tmp_path / 'old.db'}")) as url:
+        upgrade(url)
+        engine = make_engine(url)
+        bogus = store.record_measurement(engine, measurement(0.002))
+        before_retire = store.export_jsonl(engine)
+        store.retire(engine, bogus.entry_id)
+        with engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0001")
+        assert upgrade(url) == head_revision()
+        store.record_measurement(engine, measurement(10.0))
+        store.import_jsonl(engine, before_retire)
+        assert lookup(engine).entry.median_ms == 10.0  # type: ignore[union-attr]
+        engine.dispose()
 
 
 def test_retiring_an_unknown_entry_is_not_found(engine: Engine) -> None:

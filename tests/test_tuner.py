@@ -256,7 +256,8 @@ def test_publishing_to_a_database_without_schema_fails_at_once_naming_the_fix(
         with pytest.raises(PublishError, match=r"not ready: 503: schema at None, .*: run `cce db upgrade`$"):
             publisher.check()  # what `cce tune --publish` meets first, in one line
     assert [outcome.accepted for outcome in outcomes] == [False] * 3
-    assert outcomes[0].detail == "503: the database schema is not set up: run `cce db upgrade`"
+    assert outcomes[0].detail == ("503: the database lacks this service's schema (none, or an older revision): "
+                                  "run `cce db upgrade`")
     assert all(outcome.detail.startswith("not sent: ") for outcome in outcomes[1:]), outcomes
 
 
@@ -552,8 +553,8 @@ def test_a_schema_lost_during_the_run_is_one_refusal_naming_the_fix(tmp_path: Pa
     sent = len(json.loads(out.read_text())["measurements"])
     lines = stderr[stderr.index("published 0 of"):].strip().splitlines()
     assert len(lines) == 3 and lines[0] == f"published 0 of {sent} measurements", stderr
-    assert re.fullmatch(r"  refused cce \([0-9.]+ ms\): 503: the database schema is not set up: run `cce db upgrade`",
-                        lines[1]), stderr
+    assert re.fullmatch(r"  refused cce \([0-9.]+ ms\): 503: the database lacks this service's schema "
+                        r"\(none, or an older revision\): run `cce db upgrade`", lines[1]), stderr
     assert lines[2] == f"  not sent: {sent - 1} more measurements (the service failed on an earlier measurement)"
 
 

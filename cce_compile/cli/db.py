@@ -60,7 +60,7 @@ def upgraded(db_url: str | None) -> str | None:
     url = resolve_db_url(db_url)
     engine = opened_engine(url)
     try:
-        _refuse_older_foreign_schema(engine, url, _read_revision(engine, url))
+        _refuse_foreign_schema(engine, url, _read_revision(engine, url))
     finally:
         engine.dispose()
     try:
@@ -75,10 +75,11 @@ def upgraded(db_url: str | None) -> str | None:
     return revision
 
 
-def _refuse_older_foreign_schema(engine: Engine, url: str, revision: str | None) -> None:
-    """A revision a newer release wrote, or one of this code's older revisions on tables that are
-    not this store's (another Alembic project's at its own `0001`): upgrading it would fail
-    half-way or build on that project's tables."""
+def _refuse_foreign_schema(engine: Engine, url: str, revision: str | None) -> None:
+    """A revision a newer release wrote, or one of this code's revisions on tables that are not
+    this store's (another Alembic project's at its own `0001`): upgrading or using it would fail
+    half-way or build on that project's tables. Checked before an upgrade, so only the tables
+    every revision has."""
     from tuning_db.migrate import FIRST_TABLES
 
     _refuse_unknown_revision(revision, url)
@@ -189,7 +190,7 @@ def store_engine(db_url: str | None) -> Engine:
     engine = opened_engine(url, existing=True)
     revision = _read_revision(engine, url)
     if revision != head_revision():
-        _refuse_older_foreign_schema(engine, url, revision)
+        _refuse_foreign_schema(engine, url, revision)
         engine.dispose()
         shown = shown_url(url)
         state = "has no schema" if revision is None else f"has schema {revision}, not {head_revision()}"

@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.deps import EngineDep, MetricsDep
 from service.schemas import Health
-from tuning_db.migrate import UnreadableRevision, current_revision, head_revision
+from tuning_db.migrate import UnreadableRevision, current_revision, foreign_tables, head_revision
 
 router = APIRouter(tags=["health"])
 
@@ -24,15 +24,19 @@ def healthz() -> Health:
 @router.head("/readyz", response_model=Health, include_in_schema=False)
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 def readyz(engine: EngineDep) -> Health | JSONResponse:
-    """Ready when the database answers and its schema is at the code's revision."""
+    """Ready when the database answers, its schema is at the code's revision, and its tables are
+    this store's (another Alembic project's database may carry the same revision id)."""
     try:
         revision = current_revision(engine)
+        foreign = foreign_tables(engine) if revision == head_revision() else None
     except UnreadableRevision as error:
         return _not_ready(f"alembic_version: {error} (another program's?)")
     except Exception as error:  # any failure to reach the database means not ready
         return _not_ready(f"database unreachable: {type(error).__name__}")
     if revision != head_revision():
         return _not_ready(f"schema at {revision}, expected {head_revision()}: run `cce db upgrade`")
+    if foreign is not None:
+        return _not_ready(f"schema at {revision}, but {foreign}: another program's database?")
     return Health(status="ready")
 
 
