@@ -3,8 +3,8 @@
 Two loops enqueue more kernels than the host keeps up with: exact mode's recompute backward
 (Qwen2.5's shape, 16384 x 896 x 151936: ~900 dependent kernels a call, 304 steps of a recompute
 and two GEMMs, at 24-40 ms of host time against ~24 ms of GPU work; docs/notes/cuda-graph-slab-loop.md)
-and the fused forward's token chunks (the same shape: 26 chunks of ~90 launches, 42 ms of host
-time against 26 ms of GPU work; docs/notes/fused-forward.md). A training loop calls the op step
+and the fused forward's token chunks (the same shape: 19 chunks of ~90 launches; profiled with 26
+chunks, 42 ms of host time against 26 ms of GPU work; docs/notes/fused-forward.md). A training loop calls the op step
 after step on tensors the caching allocator puts at the same addresses: the second call on the
 same tensors (addresses, shapes, strides, dtypes, and the loop's settings) captures the loop's
 launches into a graph, and every later one replays it in one launch. Any other call runs the
