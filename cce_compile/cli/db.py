@@ -33,7 +33,7 @@ ServiceUrlOption = Annotated[
 ]
 TokenOption = Annotated[
     Optional[str],
-    typer.Option("--token", envvar=TOKEN_ENV, help="bearer token for --url (the one the op reads with)"),
+    typer.Option("--token", envvar=TOKEN_ENV, help="bearer token for --url: read scope for export, admin for import"),
 ]
 HTTP_TIMEOUT_S = 60.0
 ERROR_DETAIL_CHARS = 500
