@@ -9,7 +9,8 @@ Checks (a table on stdout; JSON to --out, rewritten after each check):
                 (torch.ops.cce.linear_cross_entropy_fused: its Triton kernels run inside it, unseen by Inductor);
   cudagraphs    mode="reduce-overhead" tracks eager, with no CUDA graph skipped;
   autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
-  graphs        eager training replays the backward's slab loop as a CUDA graph (ops/graphs.py) from its
+  graphs        eager training replays the op's loop as a CUDA graph (ops/graphs.py: the fused forward's chunk
+                loop on the default path, the backward's slab loop with memory="low") from its
                 second step, with the losses of eager training without graphs (within GRAPHS_RTOL: the
                 model's attention makes eager steps not bit-reproducible run to run, graphs or not);
   dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket):
@@ -93,14 +94,14 @@ def train(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast
           cuda_graphs: bool = True) -> dict:
     """`args.steps` AdamW steps on one batch: eager (mode None) or torch.compile(mode=mode).
     bf16 weights, or fp32 weights under autocast(bf16). `cuda_graphs`: the op's own graphs of
-    its backward's slab loop (eager calls), whose replays the result counts."""
+    its loops (the fused forward's chunks, the backward's slabs), whose replays the result counts."""
     torch._dynamo.reset()
     with override_policy(replace(active_policy(), cuda_graphs=cuda_graphs)):
         return _train_steps(args, patched=patched, mode=mode, autocast=autocast)
 
 
 def _train_steps(args: argparse.Namespace, *, patched: bool, mode: str | None, autocast: bool) -> dict:
-    replays = graphs.SLAB_LOOPS.replays
+    replays = _graph_replays()
     model = build(args, patched=patched, dtype=torch.float32 if autocast else torch.bfloat16)
     forward = model if mode is None else torch.compile(model, mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -124,7 +125,13 @@ def _train_steps(args: argparse.Namespace, *, patched: bool, mode: str | None, a
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(args.device) / 2**20 if args.device.type == "cuda" else None
     return {"losses": losses, "step_ms": 1e3 * statistics.median(seconds[1:]), "first_step_s": seconds[0],
-            "peak_mib": peak, "graph_replays": graphs.SLAB_LOOPS.replays - replays}
+            "peak_mib": peak, "graph_replays": _graph_replays() - replays}
+
+
+def _graph_replays() -> int:
+    """Replays of the op's CUDA graphs so far: the patched loss's default path (a mean, memory="workspace")
+    replays the fused forward's chunk loop, memory="low" the backward's slab loop."""
+    return graphs.CHUNK_LOOPS.replays + graphs.SLAB_LOOPS.replays
 
 
 RUNS = {
