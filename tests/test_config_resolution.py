@@ -844,6 +844,32 @@ def test_ranks_may_meet_keys_in_any_order(tmp_path: Path) -> None:
     assert rank0[str(SMALL_KEY.n_bucket)] == KernelConfig.from_dict(_rank_config(0, 0)).to_dict()
 
 
+def _lone_key_rank_main(rank: int, root: str, wait: str) -> None:
+    """Rank 1 meets a key rank 0 never resolves, under CCE_CONFIG_WAIT_S=`wait`."""
+    os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1", resolve.WAIT_ENV: wait})
+    resolve.local_platform = lambda device: H100
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            started = time.monotonic()
+            source = resolution_for(SMALL_KEY).source
+            Path(root, "rank1.json").write_text(json.dumps({"source": source, "s": time.monotonic() - started}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["0", "-5", "0.0001"])
+def test_a_rank_that_waits_no_time_resolves_on_its_own(wait: str, tmp_path: Path) -> None:
+    """A wait under a millisecond (0, a negative one) reached the store as 0 ms, which c10d
+    takes for no timeout: under a file:// rendezvous (a FileStore) the rank waited forever
+    for a key rank 0 never resolves."""
+    mp.spawn(_lone_key_rank_main, args=(str(tmp_path), wait), nprocs=2, join=True)
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    assert report["source"] == "heuristic" and report["s"] < 10
+
+
 @pytest.mark.timeout(120)
 def test_a_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     mp.spawn(_failing_rank_main, args=(str(tmp_path),), nprocs=2, join=True)

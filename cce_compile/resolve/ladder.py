@@ -221,6 +221,9 @@ def _distributed() -> bool:
 MAX_WAIT_S = 24 * 3600.0
 """The longest wait CCE_CONFIG_WAIT_S sets: inf (or 1e300) once overflowed timedelta, which the
 wait took for rank 0's timeout, so the rank resolved on its own at once."""
+MIN_WAIT_S = 0.001
+"""The shortest: the store's wait counts whole milliseconds, and 0 ms is c10d's "no timeout" (a
+FileStore, under a file:// rendezvous, then waited forever where 0 or a negative wait was set)."""
 
 
 def _wait_s() -> float:
@@ -231,7 +234,7 @@ def _wait_s() -> float:
     if math.isnan(wait):  # nan once waited 0 s
         log.warning("ignoring %s=%r (not a number of seconds)", WAIT_ENV, os.environ[WAIT_ENV])
         return DEFAULT_WAIT_S
-    return min(max(0.0, wait), MAX_WAIT_S)
+    return min(max(MIN_WAIT_S, wait), MAX_WAIT_S)
 
 
 def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose: str) -> Resolution:
