@@ -582,6 +582,8 @@ def test_a_fresh_cache_file_answers(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.param("[]", id="not-an-object"),
         pytest.param('{"match_level": "exact", "config": {}}', id="no-timestamp"),
         pytest.param('{"stored_at": "now", "match_level": "exact", "config": {}}', id="timestamp-not-a-number"),
+        pytest.param('{"stored_at": 1' + "0" * 400 + ', "match_level": "exact", "config": {}}',
+                     id="timestamp-past-any-float"),
         pytest.param('{"stored_at": NOW, "match_level": "none", "config": {}}', id="no-match"),
         pytest.param(
             '{"stored_at": NOW, "match_level": "exact", "config": {"forward": {"block_m": 48}}}', id="bad-config"

@@ -162,7 +162,11 @@ def read_cache(settings: Settings, platform: Platform, key: ProblemKey) -> Found
     if isinstance(stored_at, bool) or not isinstance(stored_at, (int, float)) or level is None:
         log.warning("config cache %s is malformed; ignoring it", path)
         return None
-    if not 0 <= time.time() - stored_at <= settings.ttl_s:
+    try:
+        age = time.time() - stored_at
+    except OverflowError:  # an integer no float holds (it raised out of the op's first call)
+        age = math.nan
+    if not 0 <= age <= settings.ttl_s:
         log.info("config cache %s expired (TTL %ss)", path, settings.ttl_s)
         return None
     return Found(data.get("config"), level)
