@@ -777,3 +777,24 @@ def test_a_float64_model_is_refused_naming_its_dtype() -> None:
                                         r"torch\.float64 \(cast the model, or unpatch\(\) it\)"):
         model(input_ids, labels=labels)
     assert model(input_ids).logits.dtype == torch.float64  # without labels the model runs as HF's
+
+
+def test_a_loss_function_set_on_the_model_is_refused_not_replaced() -> None:
+    """transformers' `model.loss_function = f` makes HF's forward compute f(logits, labels, ...);
+    the patched forward computed the plain cross-entropy in its place, silently (5.86 against
+    the custom loss's 11.72 here). Refused, naming the setter, with labels; without them the
+    model generates as HF's."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def doubled(logits: Tensor, labels: Tensor, vocab_size: int, **kwargs: object) -> Tensor:
+        return 2 * ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+    reference = tiny_model("llama")
+    reference.loss_function = doubled
+    patched = patch(copy.deepcopy(reference))
+    input_ids, labels = batch(seed=18)
+    with pytest.raises(TypeError, match=r"^LlamaForCausalLM: its loss_function was set \(model\.loss_function = \.\.\.\)"):
+        patched(input_ids, labels=labels)
+    assert_close(patched(input_ids).logits, reference(input_ids).logits, rtol=1e-5)
+    del patched._loss_function
+    assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss / 2, rtol=1e-5)

@@ -336,6 +336,11 @@ def _patched_forward(
         }
         if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+        if getattr(self, "_loss_function", None) is not None:  # what `model.loss_function = f` sets; HF's forward calls f
+            raise TypeError(
+                f"{type(self).__name__}: its loss_function was set (model.loss_function = ...), a loss the patched "
+                "forward would replace by linear_cross_entropy's; unpatch() the model, or `del model._loss_function` to "
+                "train with the patched loss")
         outputs = self.model(**model_inputs, **kwargs)
         softcap = self.config.final_logit_softcapping if softcapped else None
         # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
