@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from cce_compile import linear_cross_entropy
@@ -39,14 +40,16 @@ from cce_compile.tuning.publish import (
     DatabasePublisher,
     PublishError,
     bundled_entries,
+    is_publishable,
     ServicePublisher,
     local_identity,
     measurements,
     write_bundled,
 )
-from cce_compile.tuning.tuner import Tuner, TuneResult, WallClockTimer
+from cce_compile.tuning.tuner import Timing, Tuner, TuneResult, WallClockTimer
 from service.process import REPO_ROOT, free_port, serving
 from tests.db_fixtures import measurement_count, measurement_data
+from tuning_db.records import MeasurementIn
 from tests.test_cli import assert_one_line_failure, cce as cce_process
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
 
@@ -122,6 +125,22 @@ def test_the_search_times_checked_candidates_and_drops_a_wrong_one(tuned: TuneRe
     assert tuned.best_whole.median_ms <= tuned.default_whole.median_ms
     assert tuned.method == "wall_clock"
     assert json.loads(json.dumps(tuned.to_json()))["trials"][0]["kernel"] == "forward"
+
+
+@pytest.mark.parametrize("timing", [
+    Timing(0.5, 0.4, 0.6), Timing(1e-3, 1e-3, 1e-3), Timing(5e-4, 4e-4, 6e-4), Timing(2e6, 2e6, 2e6),
+    Timing(0.5, 0.6, 0.4), Timing(float("nan"), 0.4, 0.6), Timing(0.5, 0.4, float("inf")),
+])
+def test_a_time_is_published_exactly_when_the_database_takes_it(timing: Timing) -> None:
+    """is_publishable took any positive time, the database only 1 us to 1000 s: a sub-microsecond
+    time was sent, refused with a 422, and `cce tune --publish` exited 1."""
+    data = measurement_data(median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms)
+    try:
+        MeasurementIn.model_validate(data)
+        taken = True
+    except ValidationError:
+        taken = False
+    assert is_publishable(timing) == taken
 
 
 @pytest.mark.interpreter

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import math
 import os
 import re
 import socket
@@ -32,7 +31,7 @@ from cce_compile.redact import redact_urls
 from cce_compile.resolve import sources
 from cce_compile.resolve.platform import kernel_version, local_platform, triton_version
 from cce_compile.config.kernel_config import KernelConfig
-from tuning_db.records import IDEMPOTENCY_KEY_HEADER
+from tuning_db.records import IDEMPOTENCY_KEY_HEADER, MAX_MILLISECONDS, MIN_MILLISECONDS
 
 from .tuner import Timing, TuneResult
 
@@ -99,11 +98,16 @@ def default_submitter() -> str:
     return _name(f"cce-tune-{user}")
 
 
+def in_range(milliseconds: float) -> bool:
+    """Whether the database takes this as a kernel time (records.Milliseconds: 1 us to 1000 s)."""
+    return MIN_MILLISECONDS <= milliseconds <= MAX_MILLISECONDS
+
+
 def is_publishable(timing: Timing) -> bool:
-    """Whether the database takes these times (positive, finite, ordered); a backward time
-    (a difference of two timings) can fail this on a noisy machine."""
+    """Whether the database takes these times (each in range, ordered); a backward time (a
+    difference of two timings) can fail this on a noisy machine."""
     values = (timing.p20_ms, timing.median_ms, timing.p80_ms)
-    return all(math.isfinite(value) for value in values) and 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
+    return all(map(in_range, values)) and timing.p20_ms <= timing.median_ms <= timing.p80_ms
 
 
 def measurements(result: TuneResult, identity: Identity, submitter: str) -> list[dict[str, Any]]:
@@ -140,7 +144,7 @@ def measurements(result: TuneResult, identity: Identity, submitter: str) -> list
     return [
         {**common, "kernel": kernel, "config": config.to_dict(), **asdict(timing), "default_ms": default.median_ms}
         for kernel, config, timing, default in rows
-        if is_publishable(timing) and default.median_ms > 0
+        if is_publishable(timing) and in_range(default.median_ms)
     ]
 
 
