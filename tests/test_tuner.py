@@ -10,6 +10,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -512,6 +513,20 @@ def _tune_until_planned(problem: Problem, *options: str) -> subprocess.Popen:
     while "cce tune plan" not in child.stderr.readline():
         assert child.poll() is None, child.stderr.read()
     return child
+
+
+def test_ctrl_c_ends_the_search_and_keeps_what_it_measured(tmp_path: Path) -> None:
+    """A Ctrl-C during `cce tune` exited 130 with nothing written or published, however long it
+    had run; the first now ends the search as the budget does, and the run finishes."""
+    out = tmp_path / "report.json"
+    with _tune_until_planned(TINY, "--budget-s", "600", "--out", str(out)) as child:
+        time.sleep(3)
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr
+    report = json.loads(out.read_text())
+    assert report["stopped"] and report["elapsed_s"] < 300, report["elapsed_s"]
+    assert report["measurements"][0]["kernel"] == KERNEL_NAME
 
 
 def test_a_bundle_broken_during_the_run_loses_no_published_measurement(service_url: str, tmp_path: Path) -> None:

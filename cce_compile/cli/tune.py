@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -229,9 +230,20 @@ def _run_with_progress(tuner: Tuner) -> TuneResult:
                 description=f"{trial.kernel} {_describe(trial.config, trial.kernel)}: {trial.status}",
             )
 
+        def stop(signal_number: int, _frame: object) -> None:
+            """The first Ctrl-C (or SIGTERM) ends the search and keeps its results; the next is the default's."""
+            signal.signal(signal_number, previous[signal_number])
+            tuner.stop()
+            progress.update(task, description="stopping after this candidate (again to abort)")
+
         tuner.on_trial = on_trial
-        result = tuner.run()
-        progress.update(task, description=f"done in {result.elapsed_s:.0f} s")
+        previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            result = tuner.run()
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        progress.update(task, description=f"{'stopped' if result.stopped else 'done'} in {result.elapsed_s:.0f} s")
     return result
 
 

@@ -152,6 +152,8 @@ class TuneResult:
     best_whole: Timing
     kernels: dict[str, KernelResult]
     trials: list[Trial]
+    stopped: bool = False
+    """Whether `Tuner.stop` ended the search before its budget did."""
 
     @property
     def speedup(self) -> float:
@@ -164,6 +166,7 @@ class TuneResult:
             "method": self.method,
             "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s,
+            "stopped": self.stopped,
             "default_config": self.default_config.to_dict(),
             "best_config": self.best_config.to_dict(),
             "whole": {"default": asdict(self.default_whole), "best": asdict(self.best_whole), "speedup": self.speedup},
@@ -202,7 +205,8 @@ class Tuner:
     """Tunes one problem on one device. `spaces` are searched in order (the forward first);
     the search starts no candidate after `budget_s` from the start of `run`, and each
     kernel gets an equal share of what is left when its turn comes. `loss_fn` is the op
-    call (a seam for tests); `on_trial` sees every candidate as it finishes."""
+    call (a seam for tests); `on_trial` sees every candidate as it finishes. `stop()` (from a
+    signal handler, say) ends the search at the next candidate, as the budget's end does."""
 
     problem: Problem
     device: str
@@ -218,6 +222,7 @@ class Tuner:
     _whole: dict[KernelConfig, Timing] = field(init=False, default_factory=dict)
     _trials: dict[tuple[object, ...], Trial] = field(init=False, default_factory=dict)
     _reference: Outputs | None = field(init=False, default=None)
+    _stopped: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.loss_fn is None:
@@ -228,6 +233,13 @@ class Tuner:
     def default_config(self) -> KernelConfig:
         return heuristic_config(self.problem.key(self.device))
 
+    def stop(self) -> None:
+        """Start no further candidate; `run` then finishes with what was measured."""
+        self._stopped = True
+
+    def _searching(self, deadline: float) -> bool:
+        return not self._stopped and time.monotonic() < deadline
+
     def run(self) -> TuneResult:
         started = time.monotonic()
         deadline = started + self.budget_s
@@ -237,7 +249,7 @@ class Tuner:
         default_whole = self._whole_time(default)  # the baseline, timed first
         best = default
         improved = True
-        while improved and time.monotonic() < deadline:
+        while improved and self._searching(deadline):
             improved = False
             for index, space in enumerate(self.spaces):
                 share = (deadline - time.monotonic()) / (len(self.spaces) - index)
@@ -257,6 +269,7 @@ class Tuner:
             best_whole=self._whole_time(best),
             kernels={space.kernel: self._kernel_result(space.kernel, default) for space in self.spaces},
             trials=list(self._trials.values()),
+            stopped=self._stopped,
         )
 
     def _descend(self, space: KernelSpace, start: KernelConfig, deadline: float) -> tuple[KernelConfig, bool]:
@@ -265,7 +278,7 @@ class Tuner:
         best_time = self._stage_time(space.kernel, best)
         for axis in space.axes:
             for candidate in space.along(best, axis):
-                if time.monotonic() >= deadline:
+                if not self._searching(deadline):
                     return best, best != start
                 trial = self._trials.get((space.kernel, space.launches(candidate))) or self._try(space, candidate)
                 if trial.time is not None and trial.time.median_ms < best_time.median_ms * (1 - MIN_GAIN):
