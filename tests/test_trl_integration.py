@@ -269,9 +269,22 @@ def test_a_deepcopy_runs_its_own_weights_on_both_paths() -> None:
     assert not bool((model(input_ids=input_ids).logits == 0).all())
     log_probs = copied(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
     torch.testing.assert_close(log_probs, torch.full_like(log_probs, -math.log(211)))
-    with pytest.raises(ValueError, match="already has cce_compile's fused LM head"):
-        add_fused_lm_head(model)  # a second wrapper would call itself without the flag
     assert model(input_ids=input_ids).logits.shape == (2, 12, 211)
+
+
+def test_adding_the_head_again_takes_the_new_settings() -> None:
+    """A second trainer on the same model (a notebook's re-run) adds the head again: it raised,
+    so the model had to be loaded anew; TRL's own head wraps again and the new temperature wins,
+    as it does here (no wrapper around the first head, which would call it without the flag)."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    input_ids = torch.randint(0, 211, (2, 12))
+    add_fused_lm_head(model)
+    add_fused_lm_head(model, temperature=2.0)
+    log_probs = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
+    logits = model(input_ids=input_ids).logits[:, :-1].double() / 2.0
+    expected = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(log_probs.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_adapter_on_the_head_is_refused() -> None:

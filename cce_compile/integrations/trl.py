@@ -49,6 +49,7 @@ OTHER_SOFTCAP_FIELDS = ("logits_soft_cap", "output_logit_soft_cap")
 """Soft-caps some forwards apply by a field other than final_logit_softcapping (RecurrentGemma's,
 xLSTM's), which declares_softcap does not read: refused."""
 _REPLACED_FORWARD = "_cce_trl_replaced_forward"
+_FUSED_FORWARD = "_cce_trl_fused_forward"  # the forward add_fused_lm_head installed, which a second call replaces
 
 
 @dataclass
@@ -135,8 +136,8 @@ def add_fused_lm_head(
     model = _causal_lm(model)
     _check_supported(model, outputs)
     _check_plain_head(model)
-    if _REPLACED_FORWARD in vars(model):
-        raise ValueError("model already has cce_compile's fused LM head")
+    if _REPLACED_FORWARD in vars(model):  # a second trainer on the same model (a notebook's re-run): the new
+        _remove_fused_lm_head(model)      # settings replace the first's, as TRL's own head, wrapped again, does
     slot = forward_slot(model)  # beneath an accelerate hook, which then runs around the head too
     setattr(model, _REPLACED_FORWARD, vars(model).get(slot))  # for the flag-less calls: replaced_forward
     text_config = model.config.get_text_config()
@@ -192,3 +193,20 @@ def add_fused_lm_head(
                                    label_mask=mask)
 
     setattr(model, slot, types.MethodType(fused_forward, model))
+    setattr(model, _FUSED_FORWARD, fused_forward)
+
+
+def _remove_fused_lm_head(model: PreTrainedModel) -> None:
+    """Put back the forward add_fused_lm_head replaced; refused where the head's forward was wrapped
+    since (the wrapper would be lost, or call the head it wraps without the flag)."""
+    slot = forward_slot(model)
+    if getattr(vars(model).get(slot), "__func__", None) is not vars(model)[_FUSED_FORWARD]:
+        raise ValueError("model already has cce_compile's fused LM head, and its forward was wrapped since: "
+                         "load the model again to add the head with other settings")
+    original = vars(model)[_REPLACED_FORWARD]
+    delattr(model, _REPLACED_FORWARD)
+    delattr(model, _FUSED_FORWARD)
+    if original is None:
+        delattr(model, slot)
+    else:
+        setattr(model, slot, original)
