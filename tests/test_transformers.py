@@ -95,6 +95,21 @@ def test_patching_a_peft_wrapper_names_the_model_to_patch() -> None:
     assert_close(output.loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
 
 
+def test_patching_a_compiled_model_names_the_model_to_patch() -> None:
+    """patch(torch.compile(model)) said 'OptimizedModule is not a supported causal LM' and no
+    more; the error names the module it wraps, which patched before the first call is what the
+    compiled model runs."""
+    input_ids, labels = batch(seed=12)
+    reference = tiny_model("llama")
+    compiled = torch.compile(copy.deepcopy(reference), backend="aot_eager")
+    with pytest.raises(TypeError, match=r"OptimizedModule is not a supported causal LM .*patch\(model\._orig_mod\)"):
+        patch(compiled)
+    patch(compiled._orig_mod)
+    output = compiled(input_ids, labels=labels)
+    assert output.logits is None  # the loss went through the op
+    assert_close(output.loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+
 @parametrize_families
 def test_loss_and_gradients_match_hf(family: str) -> None:
     reference, patched = twins(family)

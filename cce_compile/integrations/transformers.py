@@ -399,8 +399,12 @@ def _check_patchable(model_class: type, target: object) -> None:
     families = tuple(available_families().values())
     if not issubclass(model_class, families):
         names = ", ".join(cls.__name__ for cls in families)
-        wrapped = getattr(target, "get_base_model", None)  # a PEFT wrapper around the model
-        hint = "; patch the model it wraps: patch(model.get_base_model())" if callable(wrapped) else ""
+        hint = ""
+        if callable(getattr(target, "get_base_model", None)):  # a PEFT wrapper around the model
+            hint = "; patch the model it wraps: patch(model.get_base_model())"
+        elif isinstance(getattr(target, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            hint = ("; patch the model torch.compile wraps, before the compiled one's first call: "
+                    "patch(model._orig_mod) (or patch, then compile)")
         raise TypeError(f"{model_class.__name__} is not a supported causal LM (the installed transformers "
                         f"has: {names}){hint}")
     family = next(cls for cls in model_class.__mro__ if cls in families)
