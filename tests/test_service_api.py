@@ -78,20 +78,25 @@ def test_readyz_is_503_when_the_database_is_unreachable() -> None:
     assert head.status_code == 503 and head.content == b""
 
 
-@pytest.mark.postgres
-def test_readyz_names_an_alembic_version_of_several_rows() -> None:
-    """Another program's alembic_version of several rows, in the PostgreSQL schema a replica
-    serves (it never migrates one), was 'database unreachable: CommandError'."""
-    from sqlalchemy import text
-
+def _readyz_of_a_database_made_by(*statements: str) -> Any:
+    """/readyz of a service on a fresh PostgreSQL schema holding an alembic_version table and
+    what `statements` make (another program's database)."""
     with scratch_schema(POSTGRES_URL, prefix="cce_test") as url:
         engine = make_engine(url)
         with engine.begin() as connection:
             connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
-            connection.execute(text("INSERT INTO alembic_version VALUES ('a1'), ('b2')"))
+            for statement in statements:
+                connection.execute(text(statement))
         engine.dispose()
         with make_client(url) as foreign:
-            response = foreign.get("/readyz")
+            return foreign.get("/readyz")
+
+
+@pytest.mark.postgres
+def test_readyz_names_an_alembic_version_of_several_rows() -> None:
+    """Another program's alembic_version of several rows, in the PostgreSQL schema a replica
+    serves (it never migrates one), was 'database unreachable: CommandError'."""
+    response = _readyz_of_a_database_made_by("INSERT INTO alembic_version VALUES ('a1'), ('b2')")
     assert response.status_code == 503
     assert "several revisions" in response.json()["detail"]
 
@@ -129,15 +134,8 @@ def test_readyz_is_503_until_a_postgres_schema_is_upgraded(postgres_schema_url: 
 def test_readyz_is_503_on_another_projects_database_at_this_revision(postgres_schema_url: str) -> None:
     """Another Alembic project's database whose revision id is this code's head: /readyz said
     ready (it compared only the revision) while every lookup answered 503."""
-    with scratch_schema(POSTGRES_URL, prefix="cce_test") as url:
-        engine = make_engine(url)
-        with engine.begin() as connection:
-            connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)"))
-            connection.execute(text("INSERT INTO alembic_version VALUES (:head)"), {"head": head_revision()})
-            connection.execute(text("CREATE TABLE users (id INTEGER PRIMARY KEY)"))
-        engine.dispose()
-        with make_client(url) as foreign:
-            response = foreign.get("/readyz")
+    response = _readyz_of_a_database_made_by(f"INSERT INTO alembic_version VALUES ('{head_revision()}')",
+                                             "CREATE TABLE users (id INTEGER PRIMARY KEY)")
     assert response.status_code == 503
     assert "has no table gpus" in response.json()["detail"]
 

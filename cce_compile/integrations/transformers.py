@@ -483,8 +483,14 @@ def unpatch(model_or_class: Patchable) -> Patchable:
         replaced = types.MethodType(type(model_or_class).forward, model_or_class)
     delattr(model_or_class, _REPLACED_FORWARD)
     delattr(model_or_class, _PATCHED_FORWARD)
-    if replaced is None:
-        delattr(model_or_class, slot)
-    else:
-        setattr(model_or_class, slot, replaced)
+    restore_forward(model_or_class, slot, replaced)
     return model_or_class
+
+
+def restore_forward(target: object, slot: str, replaced: Callable[..., Any] | None) -> None:
+    """Put back in `slot` the forward a patch replaced there (None: none of the target's own,
+    so the class's forward shows again)."""
+    if replaced is None:
+        delattr(target, slot)
+    else:
+        setattr(target, slot, replaced)

@@ -38,7 +38,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import declares_softcap, forward_slot, replaced_forward, through_head
+from .transformers import declares_softcap, forward_slot, replaced_forward, restore_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
@@ -206,7 +206,4 @@ def _remove_fused_lm_head(model: PreTrainedModel) -> None:
     original = vars(model)[_REPLACED_FORWARD]
     delattr(model, _REPLACED_FORWARD)
     delattr(model, _FUSED_FORWARD)
-    if original is None:
-        delattr(model, slot)
-    else:
-        setattr(model, slot, original)
+    restore_forward(model, slot, original)
