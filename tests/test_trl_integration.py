@@ -287,6 +287,35 @@ def test_adding_the_head_again_takes_the_new_settings() -> None:
     torch.testing.assert_close(log_probs.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_adding_the_head_again_after_an_accelerate_hook_keeps_the_hook() -> None:
+    """Head added, then an accelerate hook (which keeps the head in `_old_forward`), then the head
+    again: the first head's removal deleted `_old_forward`, so the hook called a forward that was
+    no longer there (AttributeError) and the new head went around the hook, not beneath it."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class CountingHook(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module: nn.Module, *args, **kwargs) -> tuple:
+            self.calls += 1
+            return args, kwargs
+
+    torch.manual_seed(0)
+    model, hook = tiny_llama(), CountingHook()
+    input_ids = torch.randint(0, 211, (2, 12))
+    expected = model(input_ids=input_ids).logits.detach()
+    add_fused_lm_head(model)
+    hooks.add_hook_to_module(model, hook)
+    add_fused_lm_head(model, temperature=2.0)
+    torch.testing.assert_close(model(input_ids=input_ids).logits, expected)
+    assert hook.calls == 1
+    log_probs = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
+    assert hook.calls == 2
+    logits = expected[:, :-1].double() / 2.0
+    reference = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(log_probs.double(), reference, rtol=1e-5, atol=1e-5)
+
+
 def test_an_adapter_on_the_head_is_refused() -> None:
     """LoRA on lm_head: the fused head reads lm_head.weight, the base layer's, so it refuses
     rather than score without the adapter; without the flag the model runs as PEFT's."""

@@ -479,8 +479,6 @@ def unpatch(model_or_class: Patchable) -> Patchable:
             "fused LM head?), which unpatch() would drop along with the patch; undo that first"
         )
     replaced = vars(model_or_class)[_REPLACED_FORWARD]
-    if replaced is None and slot == "_old_forward":  # hooked since: the hook is to call the class's forward
-        replaced = types.MethodType(type(model_or_class).forward, model_or_class)
     delattr(model_or_class, _REPLACED_FORWARD)
     delattr(model_or_class, _PATCHED_FORWARD)
     restore_forward(model_or_class, slot, replaced)
@@ -489,8 +487,11 @@ def unpatch(model_or_class: Patchable) -> Patchable:
 
 def restore_forward(target: object, slot: str, replaced: Callable[..., Any] | None) -> None:
     """Put back in `slot` the forward a patch replaced there (None: none of the target's own,
-    so the class's forward shows again)."""
-    if replaced is None:
+    so the class's forward shows again; beneath an accelerate hook added since, the hook is to
+    call the class's forward)."""
+    if replaced is None and slot == "_old_forward":
+        setattr(target, slot, types.MethodType(type(target).forward, target))
+    elif replaced is None:
         delattr(target, slot)
     else:
         setattr(target, slot, replaced)
