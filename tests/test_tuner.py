@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -527,6 +528,103 @@ def test_ctrl_c_ends_the_search_and_keeps_what_it_measured(tmp_path: Path) -> No
     report = json.loads(out.read_text())
     assert report["stopped"] and report["elapsed_s"] < 300, report["elapsed_s"]
     assert report["measurements"][0]["kernel"] == KERNEL_NAME
+
+
+class _SignalledTuner:
+    """A stand-in for Tuner in _run_with_progress: its run() calls `during` (which signals the
+    process) and returns the stand-in result."""
+
+    spaces: list = []
+    default_config = None
+    on_trial = None
+
+    def __init__(self, during) -> None:
+        self.during, self.stopped = during, False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def run(self):
+        self.during(self)
+        return SimpleNamespace(stopped=self.stopped, elapsed_s=0.0)
+
+
+class _Aborted(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _own_signal_handlers(sigint: Any = None, sigterm: Any = None) -> Iterator[list[int]]:
+    """SIGINT and SIGTERM handled by this test (a handler that records and raises _Aborted,
+    unless given), put back afterwards."""
+    seen: list[int] = []
+
+    def aborting(number: int, _frame: object) -> None:
+        seen.append(number)
+        raise _Aborted
+
+    installed = {signal.SIGINT: sigint or aborting, signal.SIGTERM: sigterm or aborting}
+    old = {number: signal.signal(number, handler) for number, handler in installed.items()}
+    try:
+        yield seen
+    finally:
+        for number, handler in old.items():
+            signal.signal(number, handler)
+
+
+def _signal(number: int) -> None:
+    os.kill(os.getpid(), number)
+    time.sleep(0.01)  # the Python handler runs here at the latest
+
+
+def test_a_second_signal_of_the_other_kind_aborts() -> None:
+    """Ctrl-C, then SIGTERM (a scheduler, or `kill`): the first handler put back only its own
+    signal's previous handler, so the SIGTERM stopped the stopped run again instead of aborting."""
+    from cce_compile.cli.tune import _run_with_progress
+
+    def during(tuner: _SignalledTuner) -> None:
+        _signal(signal.SIGINT)
+        assert tuner.stopped
+        _signal(signal.SIGTERM)
+
+    with _own_signal_handlers() as seen:
+        with pytest.raises(_Aborted):
+            _run_with_progress(_SignalledTuner(during))
+        assert seen == [signal.SIGTERM]
+
+
+def test_an_ignored_signal_stays_ignored() -> None:
+    """A shell runs a script's background job with SIGINT ignored (so that a Ctrl-C meant for the
+    script leaves it running): cce tune's handler replaced that, and such a Ctrl-C ended its search."""
+    from cce_compile.cli.tune import _run_with_progress
+
+    def during(tuner: _SignalledTuner) -> None:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        _signal(signal.SIGINT)
+
+    with _own_signal_handlers(sigint=signal.SIG_IGN):
+        assert not _run_with_progress(_SignalledTuner(during)).stopped
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_a_signal_while_the_handlers_are_being_installed_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between installing the SIGINT handler and the dict of previous handlers being bound
+    raised NameError ('previous') out of cce tune, and left its handler installed."""
+    from cce_compile.cli.tune import _run_with_progress
+
+    real = signal.signal
+
+    def signalling(number: int, handler: Any) -> Any:
+        old = real(number, handler)
+        if number == signal.SIGINT and getattr(handler, "__name__", "") == "stop":
+            _signal(signal.SIGINT)
+        return old
+
+    with _own_signal_handlers() as seen:
+        monkeypatch.setattr(signal, "signal", signalling)
+        assert _run_with_progress(_SignalledTuner(lambda tuner: None)).stopped
+        monkeypatch.undo()
+        assert seen == [] and getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "aborting"
 
 
 def test_a_bundle_broken_during_the_run_loses_no_published_measurement(service_url: str, tmp_path: Path) -> None:

@@ -231,14 +231,21 @@ def _run_with_progress(tuner: Tuner) -> TuneResult:
             )
 
         def stop(signal_number: int, _frame: object) -> None:
-            """The first Ctrl-C (or SIGTERM) ends the search and keeps its results; the next is the default's."""
-            signal.signal(signal_number, previous[signal_number])
+            """The first Ctrl-C (or SIGTERM) ends the search and keeps its results; the next, of
+            either kind, is the previous handler's."""
+            for number, handler in previous.items():
+                signal.signal(number, handler)
             tuner.stop()
             progress.update(task, description="stopping after this candidate (again to abort)")
 
         tuner.on_trial = on_trial
-        previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
+        # Bound before any handler is installed; an ignored signal stays ignored (a script's
+        # background job), and one whose handler Python cannot put back (None) is left alone.
+        previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        previous = {number: handler for number, handler in previous.items() if handler not in (signal.SIG_IGN, None)}
         try:
+            for number in previous:
+                signal.signal(number, stop)
             result = tuner.run()
         finally:
             for number, handler in previous.items():
