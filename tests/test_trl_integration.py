@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -287,10 +288,8 @@ def test_adding_the_head_again_takes_the_new_settings() -> None:
     torch.testing.assert_close(log_probs.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_adding_the_head_again_after_an_accelerate_hook_keeps_the_hook() -> None:
-    """Head added, then an accelerate hook (which keeps the head in `_old_forward`), then the head
-    again: the first head's removal deleted `_old_forward`, so the hook called a forward that was
-    no longer there (AttributeError) and the new head went around the hook, not beneath it."""
+def counting_hook() -> tuple[Any, Any]:
+    """accelerate.hooks and a ModelHook that counts the calls it runs around (skips without accelerate)."""
     hooks = pytest.importorskip("accelerate.hooks")
 
     class CountingHook(hooks.ModelHook):
@@ -300,8 +299,16 @@ def test_adding_the_head_again_after_an_accelerate_hook_keeps_the_hook() -> None
             self.calls += 1
             return args, kwargs
 
+    return hooks, CountingHook()
+
+
+def test_adding_the_head_again_after_an_accelerate_hook_keeps_the_hook() -> None:
+    """Head added, then an accelerate hook (which keeps the head in `_old_forward`), then the head
+    again: the first head's removal deleted `_old_forward`, so the hook called a forward that was
+    no longer there (AttributeError) and the new head went around the hook, not beneath it."""
+    hooks, hook = counting_hook()
     torch.manual_seed(0)
-    model, hook = tiny_llama(), CountingHook()
+    model = tiny_llama()
     input_ids = torch.randint(0, 211, (2, 12))
     expected = model(input_ids=input_ids).logits.detach()
     add_fused_lm_head(model)
@@ -343,17 +350,9 @@ def test_the_head_goes_beneath_the_models_accelerate_hook() -> None:
     """A device_map model's root hook moves the outputs back to the inputs' device: the head once
     replaced the hooked forward, so its log-probs skipped the hook (and stayed on the head's GPU),
     as patch()'s loss once did. Installed beneath it, the hook runs around both kinds of call."""
-    hooks = pytest.importorskip("accelerate.hooks")
-
-    class CountingHook(hooks.ModelHook):
-        calls = 0
-
-        def pre_forward(self, module: nn.Module, *args, **kwargs) -> tuple:
-            self.calls += 1
-            return args, kwargs
-
+    hooks, hook = counting_hook()
     torch.manual_seed(0)
-    model, hook = tiny_llama(), CountingHook()
+    model = tiny_llama()
     ref_model = copy.deepcopy(model).double()
     add_fused_lm_head(hooks.add_hook_to_module(model, hook))
     input_ids = torch.randint(0, 211, (2, 12))
