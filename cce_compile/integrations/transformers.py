@@ -471,24 +471,27 @@ def unpatch(model_or_class: Patchable) -> Patchable:
         raise TypeError(f"unpatch() takes a model or model class that patch() patched, got {_name(model_or_class)}")
     if _REPLACED_FORWARD not in vars(model_or_class):
         raise ValueError(f"{_name(model_or_class)} is not patched")
-    slot = forward_slot(model_or_class)
-    current = vars(model_or_class).get(slot)
-    if getattr(current, "__func__", current) is not vars(model_or_class)[_PATCHED_FORWARD]:
-        raise ValueError(
-            f"{_name(model_or_class)}: its forward was replaced after patch() (by accelerate's autocast wrapper, a "
-            "fused LM head?), which unpatch() would drop along with the patch; undo that first"
-        )
-    replaced = vars(model_or_class)[_REPLACED_FORWARD]
-    delattr(model_or_class, _REPLACED_FORWARD)
-    delattr(model_or_class, _PATCHED_FORWARD)
-    restore_forward(model_or_class, slot, replaced)
+    take_back_forward(
+        model_or_class, _REPLACED_FORWARD, _PATCHED_FORWARD,
+        f"{_name(model_or_class)}: its forward was replaced after patch() (by accelerate's autocast wrapper, a "
+        "fused LM head?), which unpatch() would drop along with the patch; undo that first",
+    )
     return model_or_class
 
 
-def restore_forward(target: object, slot: str, replaced: Callable[..., Any] | None) -> None:
-    """Put back in `slot` the forward a patch replaced there (None: none of the target's own,
-    so the class's forward shows again; beneath an accelerate hook added since, the hook is to
-    call the class's forward)."""
+def take_back_forward(target: object, replaced_attribute: str, installed_attribute: str, wrapped_since: str) -> None:
+    """Put back the forward a patch replaced on `target` (kept under `replaced_attribute`) where the
+    one it installed (under `installed_attribute`) still is, and forget both; ValueError(`wrapped_since`)
+    where another forward has replaced it since (giving back the older one would drop that too)."""
+    slot = forward_slot(target)
+    current = vars(target).get(slot)
+    if getattr(current, "__func__", current) is not vars(target)[installed_attribute]:
+        raise ValueError(wrapped_since)
+    replaced = vars(target)[replaced_attribute]
+    delattr(target, replaced_attribute)
+    delattr(target, installed_attribute)
+    # None: none of the target's own, so the class's shows again; beneath an accelerate hook
+    # added since, the hook is to call the class's forward.
     if replaced is None and slot == "_old_forward":
         setattr(target, slot, types.MethodType(type(target).forward, target))
     elif replaced is None:

@@ -38,7 +38,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import declares_softcap, forward_slot, replaced_forward, restore_forward, through_head
+from .transformers import declares_softcap, forward_slot, replaced_forward, take_back_forward, through_head
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
@@ -137,7 +137,10 @@ def add_fused_lm_head(
     _check_supported(model, outputs)
     _check_plain_head(model)
     if _REPLACED_FORWARD in vars(model):  # a second trainer on the same model (a notebook's re-run): the new
-        _remove_fused_lm_head(model)      # settings replace the first's, as TRL's own head, wrapped again, does
+        take_back_forward(                # settings replace the first's, as TRL's own head, wrapped again, does
+            model, _REPLACED_FORWARD, _FUSED_FORWARD,
+            "model already has cce_compile's fused LM head, and its forward was wrapped since: "
+            "load the model again to add the head with other settings")
     slot = forward_slot(model)  # beneath an accelerate hook, which then runs around the head too
     setattr(model, _REPLACED_FORWARD, vars(model).get(slot))  # for the flag-less calls: replaced_forward
     text_config = model.config.get_text_config()
@@ -194,16 +197,3 @@ def add_fused_lm_head(
 
     setattr(model, slot, types.MethodType(fused_forward, model))
     setattr(model, _FUSED_FORWARD, fused_forward)
-
-
-def _remove_fused_lm_head(model: PreTrainedModel) -> None:
-    """Put back the forward add_fused_lm_head replaced; refused where the head's forward was wrapped
-    since (the wrapper would be lost, or call the head it wraps without the flag)."""
-    slot = forward_slot(model)
-    if getattr(vars(model).get(slot), "__func__", None) is not vars(model)[_FUSED_FORWARD]:
-        raise ValueError("model already has cce_compile's fused LM head, and its forward was wrapped since: "
-                         "load the model again to add the head with other settings")
-    original = vars(model)[_REPLACED_FORWARD]
-    delattr(model, _REPLACED_FORWARD)
-    delattr(model, _FUSED_FORWARD)
-    restore_forward(model, slot, original)
