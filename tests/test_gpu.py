@@ -848,3 +848,33 @@ def test_training_loop_replays_the_fused_chunk_loop(monkeypatch: pytest.MonkeyPa
     assert loops.replays >= 4, (loops.captures, loops.replays)
     assert loops.captures <= 2, (loops.captures, loops.replays)
     assert torch.equal(e.grad, eager[0]) and torch.equal(c.grad, eager[1])
+
+
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_a_loop_that_keeps_small_tensors_still_replays(memory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop keeps small tensors across steps (here each step's loss, logged, and fresh
+    targets as a shifted batch makes them), so the allocator's small blocks come back elsewhere
+    each step: the loops' keys name only large blocks (ops/graphs.carve, staged), and the loop
+    still replays from the third step or so, with the ungraphed gradients bit for bit."""
+    name = "CHUNK_LOOPS" if memory == "workspace" else "SLAB_LOOPS"
+    loops = graphs.LoopGraphs("a loop")
+    monkeypatch.setattr(graphs, name, loops)
+    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
+    e.requires_grad_()
+    c.requires_grad_()
+    logged: list[torch.Tensor] = []
+
+    def step(cuda_graphs: bool) -> None:
+        e.grad = c.grad = None
+        with override_policy(Policy(cuda_graphs=cuda_graphs)):
+            loss = cce_compile.linear_cross_entropy(e, c, targets.clone(), memory=memory)
+            loss.backward()
+        logged.append(loss.detach())
+
+    step(False)
+    eager = [e.grad.clone(), c.grad.clone()]
+    for _ in range(8):
+        step(True)
+    assert loops.replays >= 4, (loops.captures, loops.replays)
+    assert loops.captures <= 2, (loops.captures, loops.replays)
+    assert torch.equal(e.grad, eager[0]) and torch.equal(c.grad, eager[1])

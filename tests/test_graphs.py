@@ -3,7 +3,9 @@ CUDA calls go through the graphs (tests/test_gpu.py captures and replays them on
 
 from __future__ import annotations
 
+import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 import cce_compile
 from cce_compile.ops import graphs
 
-from .op_cases import make_inputs
+from .op_cases import SMALL_TILES, make_inputs
 
 
 def test_tensor_key_names_address_layout_and_dtype() -> None:
@@ -60,3 +62,71 @@ def test_calls_off_cuda_never_reach_the_graphs(monkeypatch: pytest.MonkeyPatch) 
     for _ in range(2):
         cce_compile.linear_cross_entropy(e, c, targets).backward()
     assert list(loops.seen) == [] and loops.captures == 0
+
+
+def in_large_pool(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > graphs.SMALL_POOL_BYTES
+
+
+def test_carve_makes_aligned_disjoint_views_of_one_block_from_the_large_pool() -> None:
+    layouts = (((3, 5), torch.bfloat16), ((), torch.float32), ((0, 4), torch.float32), ((7,), torch.int64))
+    tensors = graphs.carve(torch.device("cpu"), *layouts)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == [(shape, dtype) for shape, dtype in layouts]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.is_contiguous() and in_large_pool(t) for t in tensors)
+    assert all((t.data_ptr() - t.untyped_storage().data_ptr()) % graphs.ALIGNMENT == 0 for t in tensors if t.numel())
+    for value, t in enumerate(tensors):
+        t.fill_(value + 1)
+    assert [t.unique().tolist() for t in tensors] == [[1.0], [2.0], [], [4]]  # no view wrote another's bytes
+
+
+def test_staged_copies_only_the_small_tensors_into_the_large_pool() -> None:
+    small = torch.arange(12, dtype=torch.float32).reshape(3, 4).T  # not contiguous
+    scalar, large = torch.tensor(2.5), torch.ones(graphs.SMALL_POOL_BYTES // 4 + 1)
+    staged_small, staged_scalar, staged_large, staged_none = graphs.staged(small, scalar, large, None)
+    assert staged_large is large and staged_none is None
+    for staged, original in ((staged_small, small), (staged_scalar, scalar)):
+        assert torch.equal(staged, original) and staged.dtype == original.dtype and in_large_pool(staged)
+        assert staged.data_ptr() != original.data_ptr()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop keeps small tensors alive across steps, so the allocator's small blocks come
+    back elsewhere each step and a key naming one never repeats: a graphed loop reads and writes
+    only the caller's large tensors, its outputs, and carved or staged blocks. Graphs forced here
+    off CUDA, with a loop table that runs each loop as it is: the loss and gradients are the
+    ungraphed plan's to the bit (class weights, label smoothing, several chunks and slabs)."""
+    from cce_compile.plan.launch import plan_launch
+
+    class Recording(graphs.LoopGraphs):
+        def run(self, key, loop, device, side_streams=()) -> None:
+            runners.append(loop.__self__)
+            loop()
+
+    def results() -> list[torch.Tensor]:
+        leaves = [e.clone().requires_grad_(), c.clone().requires_grad_()]
+        with cce_compile.override_config(replace(SMALL_TILES, workspace_rows=128)):
+            loss = cce_compile.linear_cross_entropy(*leaves, targets.clone(), weight=weight.clone(), reduction="sum",
+                                                    label_smoothing=0.1, memory=memory)
+        loss.backward()
+        return [loss, *(t.grad for t in leaves)]
+
+    runners: list = []
+    for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
+        monkeypatch.setattr(graphs, name, Recording(name))
+    e, c, targets = make_inputs("zipf", (300,), 300, 32, torch.bfloat16, seed=5)
+    weight = torch.rand(300) + 0.5
+    ungraphed = results()
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("cce_compile.") and getattr(module, "plan_launch", None) is plan_launch:
+            monkeypatch.setattr(module, "plan_launch", lambda *args: replace(plan_launch(*args), cuda_graphs=True))
+    graphed = results()
+    assert all(torch.equal(a, b) for a, b in zip(ungraphed, graphed))
+    (runner,) = runners
+    outputs = (runner.grad_e, runner.grad_c) if memory == "workspace" else (runner.gradients.grad_e,
+                                                                            runner.gradients.grad_c)
+    touched = [t for t in runner.graph_tensors() if t is not None and t.numel() and not any(t is o for o in outputs)]
+    assert len(touched) > 8 and all(in_large_pool(t) for t in touched)

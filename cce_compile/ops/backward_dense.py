@@ -6,6 +6,8 @@ CUDA graph (ops/graphs.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -16,14 +18,20 @@ from .problem import cdiv
 from .recompute import Recompute
 
 
+STAGED = ("e", "c", "targets", "weight", "lse", "coef_softmax", "coef_target", "coef_smooth", "coef_entropy", "scale")
+"""The call's tensors the slab loop reads (staged where it is graphed: ops/graphs.py)."""
+
+
 class DenseBackward:
     """`DenseBackward(call, gradients).run()` fills the gradients and returns dbias (or None)."""
 
     def __init__(self, call: BackwardCall, gradients: Gradients) -> None:
+        if call.plan.cuda_graphs:  # what the graphed slab loop reads, where the next step finds it (ops/graphs.py)
+            call = replace(call, **dict(zip(STAGED, graphs.staged(*(getattr(call, name) for name in STAGED)))))
         self.call = call
         self.gradients = gradients
         steps = call.steps
-        self.grad_logits = torch.empty((call.chunk_rows, steps.slab_v), dtype=call.e.dtype, device=call.e.device)
+        (self.grad_logits,) = graphs.carve(call.e.device, ((call.chunk_rows, steps.slab_v), call.e.dtype))
         self.recompute = Recompute(call, self.grad_logits)
         self.cublas = call.plan.gradient_gemms == "cublas"
         # Views made once, not per step: each costs host time that small slabs lack.
@@ -42,14 +50,17 @@ class DenseBackward:
             return None
         return torch.stack(self.bias_chunks).sum(dim=0)
 
-    def graph_key(self) -> tuple:
-        """Everything the slab loop's launches read: where each tensor is, and the settings."""
+    def graph_tensors(self) -> tuple[Tensor | None, ...]:
+        """Every tensor the slab loop's launches read or write."""
         call, gradients = self.call, self.gradients
-        tensors = (call.e, call.c, call.targets, call.weight, call.lse, call.coef_softmax, call.coef_target,
-                   call.coef_smooth, call.coef_entropy, call.scale, gradients.grad_e, gradients.grad_c, gradients.acc,
-                   self.grad_logits)
-        return (*map(graphs.tensor_key, tensors), call.plan, call.config, call.softcap, call.label_smoothing,
-                call.need_grad_e, call.need_grad_c)
+        return (*(getattr(call, name) for name in STAGED), gradients.grad_e, gradients.grad_c, gradients.acc,
+                self.grad_logits)
+
+    def graph_key(self) -> tuple:
+        """Where each tensor the slab loop touches is, and the settings."""
+        call = self.call
+        return (*map(graphs.tensor_key, self.graph_tensors()), call.plan, call.config, call.softcap,
+                call.label_smoothing, call.need_grad_e, call.need_grad_c)
 
     def slab_loop(self) -> None:
         """Every token chunk's recompute and gradient GEMMs, slab by slab."""

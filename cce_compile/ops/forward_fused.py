@@ -116,14 +116,13 @@ class FusedForward:
                  bias: Tensor | None, weight: Tensor | None, ignore_index: int, label_smoothing: float,
                  softcap: float, z_loss: float, reduction: str, need_grad_e: bool, need_grad_c: bool) -> None:
         self.plan, self.config = plan, config
-        self.e, self.c, self.targets, self.bias, self.weight = e, c, targets, bias, weight
         self.ignore_index, self.label_smoothing, self.softcap, self.z_loss = ignore_index, label_smoothing, softcap, z_loss
         self.need_grad_e, self.need_grad_c = need_grad_e, need_grad_c
         n, d = e.shape
         v = c.shape[0]
-        self.scale = reduction_scale(targets, weight, v, ignore_index, reduction)
-        self.grad_scale = gradient_scale(self.scale, plan.logit_scale, targets, v, ignore_index)
-        self.losses = torch.empty(n, dtype=torch.float32, device=e.device)  # per token, summed by finish()
+        scale = reduction_scale(targets, weight, v, ignore_index, reduction)
+        grad_scale = gradient_scale(scale, plan.logit_scale, targets, v, ignore_index)
+        (self.losses,) = graphs.carve(e.device, ((n,), torch.float32))  # per token, summed by finish()
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
         # the plain-PyTorch path sums dC over the token chunks in fp32 and rounds once (finish):
@@ -133,13 +132,16 @@ class FusedForward:
         self.grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
         self.smoothing = label_smoothing > 0.0
         # label smoothing's -coef_smooth * w share: w @ c for dE, sum of coef_smooth * e for dC
-        self.smoothing_weights = (weight.to(torch.float32) if weight is not None
-                                  else torch.ones(v, dtype=torch.float32, device=e.device)) if self.smoothing else None
-        self.smoothing_of_c = (self.smoothing_weights.to(c.dtype) @ c).float() if self.smoothing and need_grad_e else None
-        self.smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
+        smoothing_weights = (weight.to(torch.float32) if weight is not None
+                             else torch.ones(v, dtype=torch.float32, device=e.device)) if self.smoothing else None
+        smoothing_of_c = (smoothing_weights.to(c.dtype) @ c).float() if self.smoothing and need_grad_e else None
+        smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
+        read = (e, c, targets, bias, weight, scale, grad_scale, smoothing_weights, smoothing_of_c, smoothing_of_e)
+        (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.grad_scale, self.smoothing_weights,
+         self.smoothing_of_c, self.smoothing_of_e) = graphs.staged(*read) if plan.cuda_graphs else read
         if plan.fused != "cpu":
-            self.kernels = FusedKernels(plan, config, e, c, bias, weight, targets, softcap, label_smoothing,
-                                        ignore_index, z_loss, need_grad_e, need_grad_c)
+            self.kernels = FusedKernels(plan, config, self.e, self.c, self.bias, self.weight, self.targets, softcap,
+                                        label_smoothing, ignore_index, z_loss, need_grad_e, need_grad_c)
         # dE's GEMM on its own stream where dC's runs beside it
         self.grad_e_stream = (streams.grad_e_stream(e.device)
                               if plan.grad_e_side_stream and need_grad_e and need_grad_c else None)
@@ -169,15 +171,15 @@ class FusedForward:
         for row_start in range(0, n, rows):
             self.chunk(row_start, min(rows, n - row_start))
 
+    def graph_tensors(self) -> tuple[Tensor | None, ...]:
+        """Every tensor the chunk loop's launches read or write (the kernels' buffers on CUDA)."""
+        return (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.grad_scale, self.losses,
+                self.grad_e, self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c,
+                self.smoothing_of_e, *self.kernels.buffers())
+
     def graph_key(self) -> tuple:
-        """Everything the chunk loop's launches read or write: where each tensor is, and the
-        settings (the kernels' buffers on CUDA)."""
-        kernels = self.kernels
-        tensors = (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.grad_scale, self.losses,
-                   self.grad_e,
-                   self.grad_c, self.grad_bias, self.smoothing_weights, self.smoothing_of_c, self.smoothing_of_e,
-                   *kernels.buffers())
-        return (*map(graphs.tensor_key, tensors), self.plan, self.config, self.ignore_index,
+        """Where each tensor the chunk loop touches is, and the settings."""
+        return (*map(graphs.tensor_key, self.graph_tensors()), self.plan, self.config, self.ignore_index,
                 self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c)
 
     def chunk(self, row_start: int, rows: int) -> None:
@@ -305,28 +307,30 @@ class FusedKernels:
         v, d = c.shape
         rows = plan.workspace_rows
         padded_v = -(-v // 8) * 8
-        self.workspace = torch.empty((rows, padded_v), dtype=e.dtype, device=e.device)[:, :v]
         self.tile = plan.gluon_tile if plan.fused == "gluon" else config.grad_logits
         self.vocab_tiles = cdiv(v, self.tile.block_n)
         self.stats_count = 3 if self.smoothing else 2
-        self.stats_buffer = torch.empty(self.stats_count * self.vocab_tiles * rows, dtype=torch.float32,
-                                        device=e.device)
-        self.target_logit = torch.empty(rows, dtype=torch.float32, device=e.device)
-        self.redo_rows = torch.empty(rows, dtype=torch.int32, device=e.device)
-        self.lse = torch.empty(rows, dtype=torch.float32, device=e.device)
-        self.weighted_sum = torch.empty(rows if self.smoothing else 0, dtype=torch.float32, device=e.device)
-        self.row_scale = torch.empty(rows, dtype=torch.float32, device=e.device)
-        self.coef_smooth = torch.empty(rows if self.smoothing else 0, dtype=torch.float32, device=e.device)
-        self.scaled_e = torch.empty((rows, d) if need_grad_c else (0, d), dtype=e.dtype, device=e.device)
-        # dE's fp32 product, made here as everything the chunk loop writes (on either stream)
-        self.grad_e_sum = torch.empty((rows, d) if need_grad_e else (0, d), dtype=torch.float32, device=e.device)
-        self.total_weight = (weight.to(torch.float32).sum() if weight is not None
-                             else torch.full((), float(v), dtype=torch.float32, device=e.device))
+        f32 = torch.float32
+        # One block (ops/graphs.carve) for every buffer the launches read or write: the workspace,
+        # the statistics, per-row results, dE's fp32 product (made here as everything the chunk
+        # loop writes, on either stream), the weights' total and c's mean row (the shift's GEMV).
+        (workspace, self.stats_buffer, self.target_logit, self.redo_rows, self.lse, self.weighted_sum, self.row_scale,
+         self.coef_smooth, self.scaled_e, self.grad_e_sum, self.total_weight, mean_c) = graphs.carve(
+            e.device, ((rows, padded_v), e.dtype), ((self.stats_count * self.vocab_tiles * rows,), f32), ((rows,), f32),
+            ((rows,), torch.int32), ((rows,), f32), ((rows if self.smoothing else 0,), f32), ((rows,), f32),
+            ((rows if self.smoothing else 0,), f32), ((rows, d) if need_grad_c else (0, d), e.dtype),
+            ((rows, d) if need_grad_e else (0, d), f32), ((), f32), ((d,), c.dtype))
+        self.workspace = workspace[:, :v]
+        if weight is not None:
+            torch.sum(weight, dim=0, dtype=f32, out=self.total_weight)
+        else:
+            self.total_weight.fill_(float(v))
         # Any shift at most the rows' largest logits serves: their mean over a sample of the vocabulary
         # (plan.shift_stride), in c's own dtype, with no fp32 copy of c.
         sample = c[::plan.shift_stride]
-        self.mean_c = torch.mv(sample.T, torch.full((sample.shape[0],), 1.0 / sample.shape[0], dtype=c.dtype,
-                                                   device=c.device))[:, None]
+        torch.mv(sample.T, torch.full((sample.shape[0],), 1.0 / sample.shape[0], dtype=c.dtype, device=c.device),
+                 out=mean_c)
+        self.mean_c = mean_c[:, None]
         self.mean_bias = bias[::plan.shift_stride].float().mean() if bias is not None else None
         self.flags = kernel_flags(e)
         if plan.fused == "gluon":

@@ -11,10 +11,17 @@ launches into a graph, and every later one replays it in one launch. Any other c
 loop as before. A graph reads its tensors when it runs, so new values at the same addresses are
 what it computes on; what the loop writes lives in the call's own tensors. Which calls take this
 path is the launch plan's `cuda_graphs`.
+
+Same addresses hold for the allocator's large pool (blocks above 1 MiB), not its small one: a
+training loop keeps small tensors alive across steps (the last step's loss, logged scalars), so
+its small blocks come back elsewhere each step (an HF Llama under AdamW never replayed in 8 steps,
+docs/notes/cuda-graph-slab-loop.md). So the loops make their buffers with `carve` and copy the
+small tensors they read with `staged`: every address in a key then lies in the large pool.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -33,6 +40,37 @@ addresses it cycles through, usually one or two."""
 def tensor_key(t: Tensor | None) -> Hashable:
     """What a captured launch depends on of a tensor: where it is and how it is laid out."""
     return None if t is None else (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
+
+
+SMALL_POOL_BYTES = 1 << 20
+"""The caching allocator's small pool: blocks of at most this many bytes."""
+ALIGNMENT = 256
+"""Byte alignment of each carved tensor: what cuBLAS, TMA descriptors and vector loads take."""
+
+
+def carve(device: torch.device, *layouts: tuple[tuple[int, ...], torch.dtype]) -> tuple[Tensor, ...]:
+    """Empty tensors of these (shape, dtype) layouts, views of one allocation from the large
+    pool (padded above SMALL_POOL_BYTES where they are smaller)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
+    starts = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(len(sizes))]
+    total = (starts[-1] + sizes[-1]) if layouts else 0
+    block = torch.empty(max(total, SMALL_POOL_BYTES + 1), dtype=torch.uint8, device=device)
+    return tuple(block[start:start + size].view(dtype).view(shape)
+                 for (shape, dtype), start, size in zip(layouts, starts, sizes))
+
+
+def staged(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """`tensors` with each small one (SMALL_POOL_BYTES or less) copied into one carved block, the
+    others (None too) as they are: what a graphed loop reads, at addresses a training loop's
+    next step finds again."""
+    small = [i for i, t in enumerate(tensors) if t is not None and t.numel() * t.element_size() <= SMALL_POOL_BYTES]
+    if not small:
+        return tensors
+    copies = carve(tensors[small[0]].device, *((tuple(tensors[i].shape), tensors[i].dtype) for i in small))
+    result = list(tensors)
+    for i, copy in zip(small, copies):
+        result[i] = copy.copy_(tensors[i])
+    return tuple(result)
 
 
 CAPTURING = threading.Lock()
