@@ -13,7 +13,7 @@ import torch
 import cce_compile
 from cce_compile.ops import graphs
 
-from .op_cases import SMALL_TILES, make_inputs
+from .op_cases import SMALL_TILES, make_inputs, with_row_stride
 
 
 def test_tensor_key_names_address_layout_and_dtype() -> None:
@@ -70,7 +70,7 @@ def in_large_pool(t: torch.Tensor) -> bool:
 
 def test_carve_makes_aligned_disjoint_views_of_one_block_from_the_large_pool() -> None:
     layouts = (((3, 5), torch.bfloat16), ((), torch.float32), ((0, 4), torch.float32), ((7,), torch.int64))
-    tensors = graphs.carve(torch.device("cpu"), *layouts)
+    tensors = graphs.carve(torch.device("cpu"), *layouts, large_pool=True)
     assert [(tuple(t.shape), t.dtype) for t in tensors] == [(shape, dtype) for shape, dtype in layouts]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert all(t.is_contiguous() and in_large_pool(t) for t in tensors)
@@ -81,24 +81,31 @@ def test_carve_makes_aligned_disjoint_views_of_one_block_from_the_large_pool() -
 
 
 def test_staged_copies_only_the_small_tensors_into_the_large_pool() -> None:
+    """Padded rows stay padded (tensor descriptors were planned on the row stride); a tensor
+    given twice is copied once."""
     small = torch.arange(12, dtype=torch.float32).reshape(3, 4).T  # not contiguous
+    padded = with_row_stride(torch.randn(5, 6).to(torch.bfloat16), 8)
     scalar, large = torch.tensor(2.5), torch.ones(graphs.SMALL_POOL_BYTES // 4 + 1)
-    staged_small, staged_scalar, staged_large, staged_none = graphs.staged(small, scalar, large, None)
-    assert staged_large is large and staged_none is None
-    for staged, original in ((staged_small, small), (staged_scalar, scalar)):
-        assert torch.equal(staged, original) and staged.dtype == original.dtype and in_large_pool(staged)
-        assert staged.data_ptr() != original.data_ptr()
+    staged = graphs.staged(small, padded, scalar, large, None, scalar)
+    assert staged[3] is large and staged[4] is None and staged[5] is staged[2]
+    for copy, original in zip(staged[:3], (small, padded, scalar)):
+        assert torch.equal(copy, original) and copy.dtype == original.dtype and in_large_pool(copy)
+        assert copy.data_ptr() != original.data_ptr()
+    assert staged[1].stride() == (8, 1)
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rows", ["contiguous", "padded"])
 @pytest.mark.parametrize("memory", ["workspace", "low"])
-def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: str,
+def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: str, rows: str, use_policy,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A training loop keeps small tensors alive across steps, so the allocator's small blocks come
     back elsewhere each step and a key naming one never repeats: a graphed loop reads and writes
     only the caller's large tensors, its outputs, and carved or staged blocks. Graphs forced here
     off CUDA, with a loop table that runs each loop as it is: the loss and gradients are the
-    ungraphed plan's to the bit (class weights, label smoothing, several chunks and slabs)."""
+    ungraphed plan's to the bit (class weights, label smoothing, several chunks and slabs; and
+    e and c in padded rows that tensor descriptors take, D = 100 not, where a staged copy
+    without the padding failed the descriptors)."""
     from cce_compile.plan.launch import plan_launch
 
     class Recording(graphs.LoopGraphs):
@@ -107,7 +114,7 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
             loop()
 
     def results() -> list[torch.Tensor]:
-        leaves = [e.clone().requires_grad_(), c.clone().requires_grad_()]
+        leaves = [(with_row_stride(t, 104) if rows == "padded" else t.clone()).requires_grad_() for t in (e, c)]
         with cce_compile.override_config(replace(SMALL_TILES, workspace_rows=128)):
             loss = cce_compile.linear_cross_entropy(*leaves, targets.clone(), weight=weight.clone(), reduction="sum",
                                                     label_smoothing=0.1, memory=memory)
@@ -118,6 +125,9 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
         monkeypatch.setattr(graphs, name, Recording(name))
     e, c, targets = make_inputs("zipf", (300,), 300, 32, torch.bfloat16, seed=5)
+    if rows == "padded":
+        use_policy(recompute_tma_min_k_steps=1)
+        e, c = (t[:, :25].repeat(1, 4) for t in (e, c))
     weight = torch.rand(300) + 0.5
     ungraphed = results()
     for module in list(sys.modules.values()):
@@ -126,7 +136,8 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     graphed = results()
     assert all(torch.equal(a, b) for a, b in zip(ungraphed, graphed))
     (runner,) = runners
-    outputs = (runner.grad_e, runner.grad_c) if memory == "workspace" else (runner.gradients.grad_e,
-                                                                            runner.gradients.grad_c)
-    touched = [t for t in runner.graph_tensors() if t is not None and t.numel() and not any(t is o for o in outputs)]
+    tensors, outputs = ((runner, runner) if memory == "workspace" else (runner.call, runner.gradients))
+    touched = [t for t in runner.graph_tensors()
+               if t is not None and t.numel() and t is not outputs.grad_e and t is not outputs.grad_c]
     assert len(touched) > 8 and all(in_large_pool(t) for t in touched)
+    assert tensors.e.stride() == tensors.c.stride() == ((104, 1) if rows == "padded" else (32, 1))

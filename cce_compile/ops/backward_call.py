@@ -105,7 +105,7 @@ class Gradients:
         e, c = call.e, call.c
         grad_e = torch.empty(e.shape if call.need_grad_e else (0,), dtype=e.dtype, device=e.device)
         grad_c = torch.empty(c.shape if call.need_grad_c else (0,), dtype=c.dtype, device=c.device)
-        acc = (graphs.carve(e.device, ((call.chunk_rows, call.d), torch.float32))[0]
+        acc = (graphs.carve(e.device, ((call.chunk_rows, call.d), torch.float32), large_pool=call.plan.cuda_graphs)[0]
                if call.steps.fp32_accumulator and call.need_grad_e else grad_e)
         return Gradients(grad_e, grad_c, acc)
 

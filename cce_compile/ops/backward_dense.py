@@ -31,7 +31,8 @@ class DenseBackward:
         self.call = call
         self.gradients = gradients
         steps = call.steps
-        (self.grad_logits,) = graphs.carve(call.e.device, ((call.chunk_rows, steps.slab_v), call.e.dtype))
+        (self.grad_logits,) = graphs.carve(call.e.device, ((call.chunk_rows, steps.slab_v), call.e.dtype),
+                                            large_pool=call.plan.cuda_graphs)
         self.recompute = Recompute(call, self.grad_logits)
         self.cublas = call.plan.gradient_gemms == "cublas"
         # Views made once, not per step: each costs host time that small slabs lack.

@@ -122,7 +122,8 @@ class FusedForward:
         v = c.shape[0]
         scale = reduction_scale(targets, weight, v, ignore_index, reduction)
         grad_scale = gradient_scale(scale, plan.logit_scale, targets, v, ignore_index)
-        (self.losses,) = graphs.carve(e.device, ((n,), torch.float32))  # per token, summed by finish()
+        # per token, summed by finish()
+        (self.losses,) = graphs.carve(e.device, ((n,), torch.float32), large_pool=plan.cuda_graphs)
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
         # the plain-PyTorch path sums dC over the token chunks in fp32 and rounds once (finish):
@@ -319,7 +320,7 @@ class FusedKernels:
             e.device, ((rows, padded_v), e.dtype), ((self.stats_count * self.vocab_tiles * rows,), f32), ((rows,), f32),
             ((rows,), torch.int32), ((rows,), f32), ((rows if self.smoothing else 0,), f32), ((rows,), f32),
             ((rows if self.smoothing else 0,), f32), ((rows, d) if need_grad_c else (0, d), e.dtype),
-            ((rows, d) if need_grad_e else (0, d), f32), ((), f32), ((d,), c.dtype))
+            ((rows, d) if need_grad_e else (0, d), f32), ((), f32), ((d,), c.dtype), large_pool=plan.cuda_graphs)
         self.workspace = workspace[:, :v]
         if weight is not None:
             torch.sum(weight, dim=0, dtype=f32, out=self.total_weight)

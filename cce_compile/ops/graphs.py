@@ -15,8 +15,9 @@ path is the launch plan's `cuda_graphs`.
 Same addresses hold for the allocator's large pool (blocks above 1 MiB), not its small one: a
 training loop keeps small tensors alive across steps (the last step's loss, logged scalars), so
 its small blocks come back elsewhere each step (an HF Llama under AdamW never replayed in 8 steps,
-docs/notes/cuda-graph-slab-loop.md). So the loops make their buffers with `carve` and copy the
-small tensors they read with `staged`: every address in a key then lies in the large pool.
+docs/notes/cuda-graph-slab-loop.md). So a graphed loop makes its buffers with `carve` and copies
+the small tensors it reads with `staged`: every address in its key then lies in the large pool
+but its outputs' (dE, dC), which lie in the small one only for heads of 1 MiB or less.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
+from ..plan.launch import SMALL_POOL_BYTES
 from .streams import warm_streams
 
 CAPACITY = 8
@@ -42,35 +44,40 @@ def tensor_key(t: Tensor | None) -> Hashable:
     return None if t is None else (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
 
 
-SMALL_POOL_BYTES = 1 << 20
-"""The caching allocator's small pool: blocks of at most this many bytes."""
 ALIGNMENT = 256
 """Byte alignment of each carved tensor: what cuBLAS, TMA descriptors and vector loads take."""
 
 
-def carve(device: torch.device, *layouts: tuple[tuple[int, ...], torch.dtype]) -> tuple[Tensor, ...]:
-    """Empty tensors of these (shape, dtype) layouts, views of one allocation from the large
-    pool (padded above SMALL_POOL_BYTES where they are smaller)."""
+def carve(device: torch.device, *layouts: tuple[tuple[int, ...], torch.dtype], large_pool: bool) -> tuple[Tensor, ...]:
+    """Empty tensors of these (shape, dtype) layouts, views of one allocation; `large_pool`
+    (a graphed loop's buffers) pads it above SMALL_POOL_BYTES where they are smaller."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in layouts]
     starts = [sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes[:i]) for i in range(len(sizes))]
     total = (starts[-1] + sizes[-1]) if layouts else 0
-    block = torch.empty(max(total, SMALL_POOL_BYTES + 1), dtype=torch.uint8, device=device)
+    block = torch.empty(max(total, SMALL_POOL_BYTES + 1) if large_pool else total, dtype=torch.uint8, device=device)
     return tuple(block[start:start + size].view(dtype).view(shape)
                  for (shape, dtype), start, size in zip(layouts, starts, sizes))
 
 
 def staged(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """`tensors` with each small one (SMALL_POOL_BYTES or less) copied into one carved block, the
-    others (None too) as they are: what a graphed loop reads, at addresses a training loop's
-    next step finds again."""
-    small = [i for i, t in enumerate(tensors) if t is not None and t.numel() * t.element_size() <= SMALL_POOL_BYTES]
+    """`tensors` with each small one (SMALL_POOL_BYTES or less) copied into one carved block of
+    the large pool, the others (None too) as they are: what a graphed loop reads, at addresses
+    a training loop's next step finds again. A tensor given twice is copied once; a matrix
+    keeps its padded rows (tensor descriptors were planned on its row stride)."""
+    small = {id(t): t for t in tensors if t is not None and t.numel() * t.element_size() <= SMALL_POOL_BYTES}
     if not small:
         return tensors
-    copies = carve(tensors[small[0]].device, *((tuple(tensors[i].shape), tensors[i].dtype) for i in small))
-    result = list(tensors)
-    for i, copy in zip(small, copies):
-        result[i] = copy.copy_(tensors[i])
-    return tuple(result)
+    blocks = carve(next(iter(small.values())).device, *map(_padded_layout, small.values()), large_pool=True)
+    copies = {key: block[:, :t.shape[1]].copy_(t) if block.shape != t.shape else block.copy_(t)
+              for (key, t), block in zip(small.items(), blocks)}
+    return tuple(copies.get(id(t), t) for t in tensors)
+
+
+def _padded_layout(t: Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """A row-major matrix with padded rows: (rows, row stride); any other tensor its shape."""
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) > t.shape[1]:
+        return (t.shape[0], t.stride(0)), t.dtype
+    return tuple(t.shape), t.dtype
 
 
 CAPTURING = threading.Lock()

@@ -72,12 +72,12 @@ class BackwardPlan:
 
 def plan_backward(
     n: int, v: int, d: int, element_bytes: int, config: KernelConfig, filtered: bool = False,
-    policy: Policy = Policy(), row_buffers: int = 0,
+    policy: Policy = Policy(), row_buffers: int = 0, held_bytes: int = 0,
 ) -> BackwardPlan:
     """The plan for n tokens (planned for planning_tokens(n)) whose scratch fits the policy's
     share of the gradients (or its floor) with the least accumulator traffic among those of
     at most policy.max_dc_roundings token chunks (any number where none fits), less `row_buffers`
-    fp32 vectors per token that the call holds beside the scratch; slabs within
+    fp32 vectors per token and `held_bytes` that the call holds beside the scratch; slabs within
     config.slab_v and at least 512 wide. Filtered mode plans within its own share, and its
     slots fill what the accumulator leaves (up to policy.max_slots; never fewer than a slab's
     tiles).
@@ -91,7 +91,7 @@ def plan_backward(
     grad_bytes = (n * d + v * d + v) * element_bytes
     fraction = (policy.filtered_scratch_fraction if filtered
                 else policy.scratch_fraction - policy.other_buffers_fraction)
-    budget = max(fraction * grad_bytes - row_buffers * 4 * n, policy.scratch_floor_bytes)
+    budget = max(fraction * grad_bytes - row_buffers * 4 * n - held_bytes, policy.scratch_floor_bytes)
     tile = config.grad_logits
     fp32_acc = element_bytes < 4
     widest = min(config.slab_v, next_pow2(v))

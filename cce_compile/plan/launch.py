@@ -14,6 +14,12 @@ from ..config.kernel_config import KernelConfig, TileConfig
 from .backward import BackwardPlan, plan_backward
 from .policy import Policy
 
+SMALL_POOL_BYTES = 1 << 20
+"""The CUDA caching allocator's small pool: blocks of at most this many bytes (ops/graphs.py)."""
+STAGED_ROW_BUFFERS = 7
+"""fp32 vectors per token that a graphed slab loop's staged copies hold beside the originals (ops/backward_dense.STAGED:
+targets as two, lse, three coefficients, the entropy's), in a block of more than SMALL_POOL_BYTES."""
+
 ForwardKernel = Literal["gluon", "tma", "split", "cpu"]
 """lse_forward_ws_kernel (Gluon, warp-specialized), lse_forward_tma_kernel (persistent, tensor
 descriptors), lse_forward_kernel (pointers, vocab splits), or the plain-PyTorch path."""
@@ -201,6 +207,7 @@ def gradient_gemms(problem: Problem, policy: Policy) -> GradientGemms:
 def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> LaunchPlan:
     """The launch of one call (forward and backward alike: both ops plan the same)."""
     triton = runs_triton(problem, policy)
+    cuda_graphs = policy.cuda_graphs and problem.on_cuda and not options.has_bias and not problem.capturing
     return LaunchPlan(
         forward=forward_kernel(problem, options, policy),
         fused=fused_kernel(problem, options, policy),
@@ -209,8 +216,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         gradient_gemms=gradient_gemms(problem, policy),
         filtered=options.filtered,
         read_back_steps=options.filtered and policy.filtered_read_back and not problem.capturing,
-        cuda_graphs=(policy.cuda_graphs and problem.on_cuda and not options.has_bias
-                     and not problem.capturing),
+        cuda_graphs=cuda_graphs,
         direct_launch=problem.on_cuda,
         compile_ahead=policy.compile_ahead and problem.on_cuda,
         forward_chunk_rows=policy.forward_chunk_rows,
@@ -224,6 +230,7 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
         backward=(policy.backward_plan or plan_backward(
             problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,
             row_buffers=(0 if options.filtered else policy.loss_row_buffers)
-            + (policy.entropy_row_buffers if options.has_entropy else 0),
+            + (policy.entropy_row_buffers if options.has_entropy else 0) + (STAGED_ROW_BUFFERS if cuda_graphs else 0),
+            held_bytes=SMALL_POOL_BYTES if cuda_graphs else 0,
         )) if triton else None,
     )
