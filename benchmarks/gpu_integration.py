@@ -10,8 +10,8 @@ Checks (a table on stdout; JSON to --out, rewritten after each check):
   cudagraphs    mode="reduce-overhead" tracks eager, with no CUDA graph skipped;
   autocast      fp32 weights under torch.autocast(bf16), compiled, tracks eager HF under autocast;
   graphs        eager training replays the op's loop as a CUDA graph (ops/graphs.py: the fused forward's chunk
-                loop on the default path, the backward's slab loop with memory="low") from its
-                second step, with the losses of eager training without graphs (within GRAPHS_RTOL: the
+                loop on the default path, the backward's slab loop with memory="low") from about its
+                third step, with the losses of eager training without graphs (within GRAPHS_RTOL: the
                 model's attention makes eager steps not bit-reproducible run to run, graphs or not);
   dynamic       sequence lengths --seqs marked dynamic (N = batch x seq in one power-of-two bucket):
                 the op adds no recompile among them and at most one at --next-bucket-seq (the next
