@@ -823,42 +823,20 @@ def test_fused_first_call_compiles_its_kernels_ahead(options: dict, monkeypatch:
         assert torch.equal(value, reference)
 
 
-def test_training_loop_replays_the_fused_chunk_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """linear_cross_entropy's default (workspace) path in a loop of forward+backward steps, as a
-    training loop calls it (the last step's gradients dropped before the next): the chunk loop
-    replays from the third step or so, with the eager loop's gradients bit for bit. (A loop that
-    keeps the last step's gradients while it runs the next cycles between two sets of addresses,
-    a graph each; the allocator's state from earlier work may add a set, so the count of replays
-    is checked over a few more steps than the fewest that could replay.)"""
-    loops = graphs.LoopGraphs("a loop")
-    monkeypatch.setattr(graphs, "CHUNK_LOOPS", loops)
-    e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
-    e.requires_grad_()
-    c.requires_grad_()
-
-    def step(cuda_graphs: bool) -> None:
-        e.grad = c.grad = None
-        with override_policy(Policy(cuda_graphs=cuda_graphs)):
-            cce_compile.linear_cross_entropy(e, c, targets).backward()
-
-    step(False)
-    eager = [e.grad.clone(), c.grad.clone()]
-    for _ in range(8):
-        step(True)
-    assert loops.replays >= 4, (loops.captures, loops.replays)
-    assert loops.captures <= 2, (loops.captures, loops.replays)
-    assert torch.equal(e.grad, eager[0]) and torch.equal(c.grad, eager[1])
-
-
+@pytest.mark.parametrize("keeps", [False, True], ids=["drops-small-tensors", "keeps-small-tensors"])
 @pytest.mark.parametrize("memory", ["workspace", "low"])
-def test_a_loop_that_keeps_small_tensors_still_replays(memory: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A training loop keeps small tensors across steps (here each step's loss, logged, and fresh
-    targets as a shifted batch makes them), so the allocator's small blocks come back elsewhere
-    each step: the loops' keys name only large blocks (ops/graphs.carve, staged), and the loop
-    still replays from the third step or so, with the ungraphed gradients bit for bit."""
-    name = "CHUNK_LOOPS" if memory == "workspace" else "SLAB_LOOPS"
+def test_training_loop_replays_the_op_loops(memory: str, keeps: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_cross_entropy in a loop of forward+backward steps, as a training loop calls it (the
+    last step's gradients dropped before the next): the chunk loop (memory="low": the slab loop)
+    replays from the third step or so, with the eager loop's gradients bit for bit. A loop that
+    keeps small tensors across steps (`keeps`: each step's loss, logged, and fresh targets as a
+    shifted batch makes them) gets the allocator's small blocks elsewhere each step, so the
+    loops' keys name only large blocks (ops/graphs.carve, staged). (A loop that keeps the last
+    step's gradients while it runs the next cycles between two sets of addresses, a graph each;
+    the allocator's state from earlier work may add a set, so the count of replays is checked
+    over a few more steps than the fewest that could replay.)"""
     loops = graphs.LoopGraphs("a loop")
-    monkeypatch.setattr(graphs, name, loops)
+    monkeypatch.setattr(graphs, "CHUNK_LOOPS" if memory == "workspace" else "SLAB_LOOPS", loops)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
     e.requires_grad_()
     c.requires_grad_()
@@ -867,9 +845,10 @@ def test_a_loop_that_keeps_small_tensors_still_replays(memory: str, monkeypatch:
     def step(cuda_graphs: bool) -> None:
         e.grad = c.grad = None
         with override_policy(Policy(cuda_graphs=cuda_graphs)):
-            loss = cce_compile.linear_cross_entropy(e, c, targets.clone(), memory=memory)
+            loss = cce_compile.linear_cross_entropy(e, c, targets.clone() if keeps else targets, memory=memory)
             loss.backward()
-        logged.append(loss.detach())
+        if keeps:
+            logged.append(loss.detach())
 
     step(False)
     eager = [e.grad.clone(), c.grad.clone()]
