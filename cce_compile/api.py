@@ -92,7 +92,10 @@ def _check_inputs(
     if c.dtype != e.dtype:
         raise TypeError(f"c must have e's dtype {e.dtype}, got {c.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{targets_name} must be an integer tensor (any integer dtype, e.g. int64 or int32), got {targets.dtype}")
+        raise TypeError(f"{targets_name} must be an integer tensor (an integer dtype that fits int64, e.g. int64 or int32), got {targets.dtype}")
+    if targets.dtype == torch.uint64:  # read as int64, values from 2**63 would wrap to negative ones (ignore_index too)
+        raise TypeError(f"{targets_name} must be an integer tensor that fits int64 (e.g. int64, int32 or uint32), "
+                        "got torch.uint64")
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"{targets_name} must have shape {tuple(e.shape[:-1])} (e's leading dims), "
                          f"got {tuple(targets.shape)}")

@@ -407,6 +407,8 @@ def test_bad_tensors_raise() -> None:
     e, c, tokens, _, _ = _case(19, torch.float32, {})
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         cce_compile.linear_log_probs(e, c, tokens.float())
+    with pytest.raises(TypeError, match="tokens must be an integer tensor that fits int64"):
+        cce_compile.linear_log_probs(e, c, tokens.to(torch.uint64))
     with pytest.raises(ValueError, match=r"tokens must have shape \(3, 29\)"):
         cce_compile.linear_log_probs(e, c, tokens[:, :5])
     with pytest.raises(TypeError, match="c must have e's dtype"):

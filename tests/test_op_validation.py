@@ -30,7 +30,10 @@ def good():
         (lambda e, c, t: (e, c.to("meta"), t), ValueError, r"c is on meta but e is on cpu"),
         (lambda e, c, t: ([1.0], c, t), TypeError, r"e must be a torch.Tensor"),
         (lambda e, c, t: (e.to("meta"), c.to("meta"), t.to("meta")), ValueError, r"e is on the meta device"),
-        (lambda e, c, t: (e, c, t.bool()), TypeError, r"integer dtype, e.g. int64 or int32"),
+        (lambda e, c, t: (e, c, t.bool()), TypeError, r"integer dtype that fits int64, e.g. int64 or int32"),
+        # 2**64 - 100 read as int64 is -100, ignore_index: the token was silently ignored
+        (lambda e, c, t: (e, c, torch.tensor([1, 2, 3, 4, 5, 2**64 - 100], dtype=torch.uint64)), TypeError,
+         r"targets must be an integer tensor that fits int64 .* got torch.uint64"),
         (lambda e, c, t: (e[:, :0], c[:, :0], t), ValueError, r"hidden size D >= 1, got D = 0"),
         (lambda e, c, t: (e, c[:0], t), ValueError, r"c must have at least one row \(a vocabulary V >= 1\), got V = 0"),
     ],
