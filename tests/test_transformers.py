@@ -190,6 +190,13 @@ def test_logits_to_keep_scores_each_kept_position_against_its_next_label(family:
     assert_close(patched(input_ids, labels=labels, logits_to_keep=keep_mask).loss, expected_mask_loss, rtol=1e-5)
     expected_last_loss = hf_shifted_loss(logits[:, -9:], labels[:, -9:])
     assert_close(patched(input_ids, labels=labels, logits_to_keep=9).loss, expected_last_loss, rtol=1e-5)
+    # HF's own loss takes the kept positions' labels alone; any other length was scored misaligned, silently
+    assert_close(patched(input_ids, labels=labels[:, -9:], logits_to_keep=9).loss,
+                 reference(input_ids, labels=labels[:, -9:], logits_to_keep=9).loss, rtol=1e-5)
+    for wrong in (labels[:, 1:], torch.cat([labels, labels[:, :3]], dim=1)):
+        for keyword in ("labels", "shift_labels"):
+            with pytest.raises(ValueError, match=rf"{keyword}: expected .* = \(2, 24\) or \(2, 9\) .* got shape"):
+                patched(input_ids, logits_to_keep=9, **{"labels": labels, keyword: wrong})
 
 
 @parametrize_families

@@ -246,10 +246,11 @@ def causal_lm_loss(
     positions are not contiguous. With num_items_in_batch the summed loss is divided by it, as
     HF does for gradient accumulation; otherwise it is the mean over non-ignored tokens.
     """
+    kept = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
     if shift_labels is None:
-        shift_labels = shift_targets(batched("labels", labels, hidden_states, shifted=False), options.ignore_index)
+        shift_labels = shift_targets(batched("labels", labels, hidden_states, False, kept), options.ignore_index)
     else:
-        shift_labels = batched("shift_labels", shift_labels, hidden_states, shifted=True)
+        shift_labels = batched("shift_labels", shift_labels, hidden_states, True, kept)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
 
@@ -283,16 +284,22 @@ def causal_lm_loss(
     return loss / num_items_in_batch
 
 
-def batched(name: str, labels: Tensor, hidden_states: Tensor, shifted: bool) -> Tensor:
-    """Labels as (batch, sequence). HF's loss flattens them, so it takes one sample's labels 1-D
-    and `shifted` ones (shift_labels: nothing crosses a sample's end) flat at any batch; other
-    shapes are refused by `name` rather than failing in an index deep below."""
+def batched(name: str, labels: Tensor, hidden_states: Tensor, shifted: bool, kept: int | None) -> Tensor:
+    """Labels as (batch, length): the hidden states' sequence, or with an int logits_to_keep
+    `kept` that many (HF's own loss takes the kept positions' labels alone). HF's loss flattens
+    them, so it takes one sample's labels 1-D and `shifted` ones (shift_labels: nothing crosses a
+    sample's end) flat at any batch; other shapes are refused by `name` rather than scored
+    against the wrong positions or failing in an index deep below."""
     batch, sequence = hidden_states.shape[:-1]
-    if labels.ndim == 1 and (batch == 1 or shifted) and labels.shape[0] == batch * sequence:
-        return labels.reshape(batch, sequence)
-    if labels.ndim != 2 or labels.shape[0] != batch:
-        raise ValueError(f"{name}: expected (batch, sequence) = {(batch, sequence)} as the hidden states', "
-                         f"got shape {tuple(labels.shape)}")
+    lengths = [sequence] if kept is None or kept == sequence else [sequence, kept]
+    if labels.ndim == 1 and (batch == 1 or shifted):
+        for length in lengths:
+            if labels.shape[0] == batch * length:
+                return labels.reshape(batch, length)
+    if labels.ndim != 2 or labels.shape[0] != batch or labels.shape[1] not in lengths:
+        expected = " or ".join(str((batch, length)) for length in lengths)
+        raise ValueError(f"{name}: expected (batch, sequence) = {expected} (the hidden states' sequence"
+                         f"{', or logits_to_keep' if len(lengths) > 1 else ''}), got shape {tuple(labels.shape)}")
     return labels
 
 
