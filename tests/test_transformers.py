@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.utils.prune
 import torch._dynamo.testing
 from torch import Tensor, nn
 
@@ -167,6 +168,27 @@ def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fuse
     assert_close(patched.get_parameter("model.layers.1.mlp.down_proj.weight").grad,
                  reference.get_parameter("model.layers.1.mlp.down_proj.weight").grad)
     assert fused_outputs and all(grad_c == 0 < grad_e for grad_e, grad_c in fused_outputs)
+
+
+@pytest.mark.parametrize("hooked", ["pre-hook", "prune", "weight_norm"])
+def test_a_head_with_forward_hooks_is_refused(hooked: str) -> None:
+    """The loss reads lm_head.weight without calling lm_head, so its forward hooks would never run:
+    a pre-hook's change to the input was silently lost, and pruning's or the legacy weight_norm's
+    weight, computed once when the hook was registered, failed the second step's backward. Refused
+    by name; the no-labels path (which calls lm_head) still runs them."""
+    _, patched = twins("llama")
+    head = patched.lm_head
+    if hooked == "pre-hook":
+        head.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    elif hooked == "prune":
+        torch.nn.utils.prune.l1_unstructured(head, "weight", amount=0.5)
+    else:
+        torch.nn.utils.weight_norm(head)
+    input_ids, labels = batch()
+    with pytest.raises(TypeError, match="lm_head has forward hooks"):
+        patched(input_ids, labels=labels)
+    with torch.no_grad():
+        assert patched(input_ids).logits.shape == (*input_ids.shape, VOCAB)
 
 
 @parametrize_families
@@ -753,6 +775,21 @@ def test_unpatch_refuses_to_drop_a_forward_installed_after_patch() -> None:
     model_class.forward = patched_forward
     unpatch(model_class)
     assert "forward" not in vars(model_class)
+
+
+def test_patch_refuses_an_instance_whose_forward_is_wrapped() -> None:
+    """Accelerator.prepare(mixed_precision="bf16") puts an autocast wrapper on the instance's
+    forward; patch() kept it for the no-labels fallback alone, so the training forward ran the
+    whole model outside autocast, silently. Refused, naming the way round (patch first)."""
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    model = tiny_model("llama")
+    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(type(model).forward), model)
+    with pytest.raises(ValueError, match=r"its forward is wrapped on the instance .* patch\(\) the model before"):
+        patch(model)
+    assert "_cce_replaced_forward" not in vars(model)
+    model.forward = types.MethodType(type(model).forward, model)  # its own forward, bound: nothing to lose
+    input_ids, labels = batch(seed=15)
+    assert patch(model)(input_ids, labels=labels).logits is None
 
 
 def test_an_accelerate_hooked_instance_is_patched_beneath_its_hook() -> None:

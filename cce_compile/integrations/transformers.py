@@ -106,6 +106,8 @@ FAMILIES = {
 _REPLACED_FORWARD = "_cce_replaced_forward"
 # and the forward it installed, which unpatch() expects to find there still
 _PATCHED_FORWARD = "_cce_patched_forward"
+# the forward the TRL head (integrations/trl.add_fused_lm_head) installed on an instance, which patch() wraps
+FUSED_HEAD_FORWARD = "_cce_trl_fused_forward"
 
 Patchable = TypeVar("Patchable", PreTrainedModel, type)
 
@@ -169,8 +171,9 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     """The weight and bias of a head that computes x @ weight.T + bias, which the fused loss
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
-    target_modules: `.weight` is the base layer's), or an nn.Linear with its own forward (a
-    quantized layer). Disabled adapters, or active ones all merged into the weight or absent from
+    target_modules: `.weight` is the base layer's), an nn.Linear with its own forward (a
+    quantized layer), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
+    own, which gather a weight the loss takes sharded, pass). Disabled adapters, or active ones all merged into the weight or absent from
     the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
     weight is refused too: ZeRO-3 gathers it only when the head runs."""
     if _adapter_layers_in_use(head):
@@ -182,6 +185,10 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
         raise TypeError(f"lm_head: a {type(head).__name__} with its own forward (a quantized layer?), which the "
                         "fused loss, reading lm_head.weight, would bypass")
+    if (head._forward_pre_hooks or head._forward_hooks) and not _fsdp_sharded(head):
+        raise TypeError("lm_head has forward hooks (pruning, weight_norm or spectral_norm, a hook of yours), which "
+                        "the fused loss, reading lm_head.weight without calling lm_head, would skip; remove them "
+                        "(torch.nn.utils.parametrize's weights are read through)")
     if hasattr(head.weight, "ds_id"):  # the mark ZeRO-3 puts on the parameters it partitions
         raise ValueError("lm_head: its weight is partitioned by DeepSpeed ZeRO-3, which gathers it only when lm_head "
                          "itself runs, and cce_compile reads lm_head.weight without calling it; use ZeRO stage 1 or 2, "
@@ -190,6 +197,16 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)
     return head.weight, bias
+
+
+def _fsdp_sharded(head: nn.Module) -> bool:
+    """Whether FSDP2's fully_shard manages `head`: its hooks gather the weight, which the loss,
+    given the DTensor, handles itself (docs/integrations.md, FSDP2)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(head, FSDPModule)
 
 
 def _adapter_layers_in_use(head: nn.Module) -> bool:
@@ -455,6 +472,13 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     _check_patchable(model_class, model_or_class)
     softcapped = declares_softcap(model_class.config_class)
     slot = forward_slot(model_or_class)
+    own = vars(model_or_class).get(slot) if not isinstance(model_or_class, type) else None
+    if own is not None and getattr(own, "__func__", None) not in (model_class.forward,
+                                                                   vars(model_or_class).get(FUSED_HEAD_FORWARD)):
+        raise ValueError(
+            f"{_name(model_or_class)}: its forward is wrapped on the instance ({getattr(own, '__qualname__', own)}: "
+            "accelerate.prepare's mixed-precision wrapper?), which the patched forward would call only without "
+            "labels, so training would run outside it; patch() the model before wrapping it")
     # for unpatch(); an instance's own forward (e.g. the one beneath a hook) is also called on fallback
     setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get(slot))
     if isinstance(model_or_class, type):

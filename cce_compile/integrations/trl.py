@@ -38,7 +38,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
-from .transformers import declares_softcap, forward_slot, replaced_forward, take_back_forward, through_head
+from .transformers import (
+    FUSED_HEAD_FORWARD, declares_softcap, forward_slot, replaced_forward, take_back_forward, through_head,
+)
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
 LOGIT_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
@@ -49,7 +51,6 @@ OTHER_SOFTCAP_FIELDS = ("logits_soft_cap", "output_logit_soft_cap")
 """Soft-caps some forwards apply by a field other than final_logit_softcapping (RecurrentGemma's,
 xLSTM's), which declares_softcap does not read: refused."""
 _REPLACED_FORWARD = "_cce_trl_replaced_forward"
-_FUSED_FORWARD = "_cce_trl_fused_forward"  # the forward add_fused_lm_head installed, which a second call replaces
 
 
 @dataclass
@@ -138,7 +139,7 @@ def add_fused_lm_head(
     _check_plain_head(model)
     if _REPLACED_FORWARD in vars(model):  # a second trainer on the same model (a notebook's re-run): the new
         take_back_forward(                # settings replace the first's, as TRL's own head, wrapped again, does
-            model, _REPLACED_FORWARD, _FUSED_FORWARD,
+            model, _REPLACED_FORWARD, FUSED_HEAD_FORWARD,
             "model already has cce_compile's fused LM head, and its forward was wrapped since: "
             "load the model again to add the head with other settings")
     slot = forward_slot(model)  # beneath an accelerate hook, which then runs around the head too
@@ -196,4 +197,4 @@ def add_fused_lm_head(
                                    label_mask=mask)
 
     setattr(model, slot, types.MethodType(fused_forward, model))
-    setattr(model, _FUSED_FORWARD, fused_forward)
+    setattr(model, FUSED_HEAD_FORWARD, fused_forward)
