@@ -472,15 +472,15 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     _check_patchable(model_class, model_or_class)
     softcapped = declares_softcap(model_class.config_class)
     slot = forward_slot(model_or_class)
-    own = vars(model_or_class).get(slot) if not isinstance(model_or_class, type) else None
-    if own is not None and getattr(own, "__func__", None) not in (model_class.forward,
-                                                                   vars(model_or_class).get(FUSED_HEAD_FORWARD)):
+    own = vars(model_or_class).get(slot)
+    if (not isinstance(model_or_class, type) and own is not None
+            and getattr(own, "__func__", None) not in (model_class.forward, vars(model_or_class).get(FUSED_HEAD_FORWARD))):
         raise ValueError(
             f"{_name(model_or_class)}: its forward is wrapped on the instance ({getattr(own, '__qualname__', own)}: "
             "accelerate.prepare's mixed-precision wrapper?), which the patched forward would call only without "
             "labels, so training would run outside it; patch() the model before wrapping it")
     # for unpatch(); an instance's own forward (e.g. the one beneath a hook) is also called on fallback
-    setattr(model_or_class, _REPLACED_FORWARD, vars(model_or_class).get(slot))
+    setattr(model_or_class, _REPLACED_FORWARD, own)
     if isinstance(model_or_class, type):
         original = model_or_class.forward
         forward = _patched_forward(original, options, softcapped, inspect.signature(original))
