@@ -392,6 +392,82 @@ def test_whatever_breaks_in_the_lookup_is_a_miss_not_the_callers_exception(
     assert "CCE_TUNING_TOKEN is not ASCII" in client._service_down
 
 
+def test_a_token_that_cannot_be_a_header_is_refused_unquoted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A line break in CCE_TUNING_TOKEN made the HTTP client refuse the header, and its error,
+    which the op logged (and `cce lookup --url` printed), quoted 'Bearer <token>' whole. A
+    secret file's trailing newline is stripped, as the service strips its own tokens."""
+    _bundle(tmp_path / "bundled", KEY, {"slab_v": 2048})
+    with fake_service(200, _answer({"slab_v": 8192})) as (url, fake):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        monkeypatch.setenv(sources.TOKEN_ENV, "secret-token\r\nX-Injected: 1")
+        assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=2048), "bundled", "exact")
+        assert fake.requests == [], "refused before a request"
+        assert "secret-token" not in caplog.text and "secret-token" not in client._service_down
+        assert "CCE_TUNING_TOKEN holds a space or a control character" in client._service_down
+
+        resolve.reset()
+        monkeypatch.setenv(sources.TOKEN_ENV, "secret-token\n")
+        assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=8192), "service", "exact")
+        assert fake.requests == ["Bearer secret-token"]
+
+
+def test_the_cache_dir_expands_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CCE_CONFIG_CACHE_DIR written as the README writes its default (~/.cache/...) made a
+    directory named '~' under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(sources.CACHE_DIR_ENV, "~/configs")
+    assert sources.Settings.from_env().cache_dir == tmp_path / "configs"
+
+
+@contextmanager
+def closing_after_500_service() -> Iterator[tuple[str, list[float]]]:
+    """An HTTP/1.1 server that answers 500 as uvicorn does for an unhandled exception: a
+    complete answer that keeps the connection open (no Connection: close), closed a moment
+    later (once the traceback is logged); records each request it reads."""
+    requests: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            requests.append(time.monotonic())
+            body = b"Internal Server Error"
+            self.send_response(500)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            time.sleep(0.3)
+            self.close_connection = True
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_500_is_retried_on_a_new_connection_and_named() -> None:
+    """The retry after a 500 went out on the connection the server was closing: it failed at
+    once (ReadError), never reached the service, and the breaker's reason (the op's warning,
+    `cce lookup --url`'s error) read 'ReadError: ' instead of the 500."""
+    with closing_after_500_service() as (url, requests):
+        settings = sources.Settings(url, None, False, Path("unused"), 0.0)
+        with pytest.raises(client.ServiceUnusable) as refused:
+            client.ask_service(settings, H100, KEY)
+    assert len(requests) == 2
+    assert str(refused.value) == "HTTP 500: Internal Server Error"
+
+
 def test_a_hung_name_lookup_keeps_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """asyncio.run waits for the resolver's thread after the deadline cancels the request: a
     host whose DNS lookup hangs (an unreachable resolver) once held the op 8 s, not 1.5."""
@@ -483,6 +559,22 @@ def test_a_served_config_that_fails_to_launch_is_not_launched_again_from_its_cac
         monkeypatch.setenv(sources.URL_ENV, url)
         assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, launched)) == "ran with slab_v=512"
     assert [config.slab_v for config in launched] == [256, 512]
+    assert not sources.cache_path(_settings(), H100, key).exists()
+
+
+def test_a_cached_config_that_fails_to_launch_is_not_launched_again_as_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk cache holds the service's answer: once the cached config failed, the ladder
+    asked the service, which answered the same config, and it failed a second time (a traced
+    call raised twice, each wanting a torch._dynamo.reset())."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[KernelConfig] = []
+    with fake_service(200, _answer({"slab_v": 256})) as (url, fake), override_policy(policy):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, launched)) == "ran with slab_v=512"
+    assert [config.slab_v for config in launched] == [256, 512]
+    assert resolved()[key].source == "bundled"
     assert not sources.cache_path(_settings(), H100, key).exists()
 
 
@@ -646,6 +738,22 @@ def test_the_cache_is_written_atomically_and_survives_an_unwritable_directory(tm
     settings = sources.Settings(None, None, False, blocked, 60.0)
     sources.write_cache(settings, H100, KEY, sources.Found(TUNED, "exact"))  # logged, not raised
     assert sources.read_cache(settings, H100, KEY) is None
+
+
+def test_a_cache_path_that_is_no_regular_file_is_a_miss_at_once(tmp_path: Path) -> None:
+    """A FIFO at the cache file's path held the op's first call for the key forever."""
+    path = sources.cache_path(_settings(), H100, KEY)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    answers: list[Resolution] = []
+    looking = threading.Thread(target=lambda: answers.append(resolution_for(KEY)), daemon=True)
+    looking.start()
+    looking.join(10)
+    if looking.is_alive():  # let the thread go: a writer that opens the FIFO unblocks its read
+        with open(path, "wb"):
+            pass
+        pytest.fail("reading a FIFO at the cache path blocked")
+    assert answers == [_heuristic(KEY)]
 
 
 # (5) offline --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, one_line, refuse_empty, service_url
-from cce_compile.resolve.sources import TOKEN_ENV
+from cce_compile.resolve.sources import TOKEN_ENV, token_problem
 from tuning_db.records import ImportMode
 
 if TYPE_CHECKING:
@@ -207,8 +207,10 @@ def _service_request(
     written every line, which a large file on a busy database takes minutes to."""
     import httpx
 
-    if token and not token.isascii():
-        fail("--token: a token is ASCII (URL-safe characters, as `cce token` makes them)", status=2)
+    token = token.strip() if token else token  # as the op and the service take it (a secret file's newline)
+    problem = token_problem(token) if token else None
+    if problem is not None:  # never quoted: the HTTP client's error quotes the header whole
+        fail(f"--token {problem}", status=2)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = httpx.Timeout(HTTP_TIMEOUT_S, read=None if wait_for_answer else HTTP_TIMEOUT_S)
     try:

@@ -12,7 +12,7 @@ from typing import Any
 from ..config.keys import KERNEL_NAME, ProblemKey
 from ..redact import redact_urls
 from .platform import Platform
-from .sources import TOKEN_ENV, Found, Settings, match_level_of, parse_json
+from .sources import TOKEN_ENV, Found, Settings, match_level_of, parse_json, token_problem
 
 log = logging.getLogger("cce_compile.config")
 
@@ -118,32 +118,38 @@ async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> byt
     import httpx
 
     assert settings.url is not None
-    if settings.token and not settings.token.isascii():
-        return f"{TOKEN_ENV} is not ASCII (a token is URL-safe characters, as `cce token` makes them)"
+    problem = token_problem(settings.token) if settings.token else None
+    if problem is not None:
+        return f"{TOKEN_ENV} {problem}"
     url = settings.url.rstrip("/") + "/v1/configs/best"
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
-    failure = "no attempt"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(SERVICE_TIMEOUT_S), headers=headers) as http:
-        for _attempt in range(2):
+    failures: list[str] = []
+    for _attempt in range(2):
+        # A client (a connection) per attempt: uvicorn closes the connection it answered a 500 on, and
+        # a retry on that one once failed at once (ReadError), never reaching the service, and named
+        # the ReadError, not the 500, as the reason.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(SERVICE_TIMEOUT_S), headers=headers) as http:
             try:
                 async with http.stream("GET", url, params=_query(platform, key)) as response:
                     body = await _read_capped(response)
                     status = response.status_code
             except httpx.TimeoutException as error:
-                return f"no answer within {SERVICE_TIMEOUT_S}s ({type(error).__name__})"
+                return "; then ".join([*failures, f"no answer within {SERVICE_TIMEOUT_S}s ({type(error).__name__})"])
             except (httpx.TransportError, httpx.InvalidURL) as error:
-                failure = f"{type(error).__name__}: {error}"
+                failures.append(f"{type(error).__name__}: {error}")
                 continue
-            if body is None:
-                return f"an answer over {MAX_ANSWER_BYTES} bytes"
-            if status == 200:
-                return body
-            failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
-            if status == 422 and _refuses_key_values(body):  # a miss for this key alone (2^63 tokens): the
-                return UnreadableAnswer(f"refused the query ({failure})")  # breaker stays closed for the others
-            if status < 500:
-                break
-    return failure
+        if body is None:
+            return f"an answer over {MAX_ANSWER_BYTES} bytes"
+        if status == 200:
+            return body
+        failure = f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}"
+        if status == 422 and _refuses_key_values(body):  # a miss for this key alone (2^63 tokens): the
+            return UnreadableAnswer(f"refused the query ({failure})")  # breaker stays closed for the others
+        failures.append(failure)
+        if status < 500:
+            break
+    # Both attempts' reasons where they differ (a 500, then a dropped connection).
+    return "; then ".join(dict.fromkeys(failures)) or "no attempt"
 
 
 async def _read_capped(response: Any) -> bytes | None:

@@ -79,6 +79,9 @@ class Resolution:
 _memo: dict[ProblemKey, Resolution] = {}
 _failed_sources: dict[ProblemKey, frozenset[str]] = {}
 """Per key, the sources whose config failed to launch in this process: the ladder skips them."""
+_failed_configs: dict[ProblemKey, frozenset[KernelConfig]] = {}
+"""Per key, the configs that failed to launch in this process: no source's copy of one is taken
+again (the disk cache holds the service's answer: a cached config that failed was served again)."""
 _override_uses: dict[ProblemKey, int] = {}
 """Per key, how many times an override was exchanged between ranks (names its store entry)."""
 _memo_lock = threading.Lock()
@@ -106,13 +109,15 @@ def resolution_for(key: ProblemKey) -> Resolution:
         if resolution is not None:
             return resolution
         skip = _failed_sources.get(key, frozenset())
+        refused = _failed_configs.get(key, frozenset())
         if _distributed():
             # Every rank fails the same config alike, so the ladder after a failure is exchanged
             # under a name of its own.
             purpose = "ladder" + "".join(f"-without-{source}" for source in sorted(skip))
-            resolution = _from_rank0(key, lambda: look_up(key, local_platform(key.device), skip=skip), purpose)
+            resolution = _from_rank0(
+                key, lambda: look_up(key, local_platform(key.device), skip=skip, refused=refused), purpose)
         else:
-            resolution = look_up(key, local_platform(key.device), skip=skip)
+            resolution = look_up(key, local_platform(key.device), skip=skip, refused=refused)
         _memo[key] = resolution
     log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
     return resolution
@@ -139,6 +144,7 @@ def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig) -> bo
         # there too (it once launched again from the copy look_up had just written).
         skipped = {failed.source, "disk"} if failed.source == "service" else {failed.source}
         _failed_sources[key] = _failed_sources.get(key, frozenset()) | skipped
+        _failed_configs[key] = _failed_configs.get(key, frozenset()) | {config}
     log.warning("the %s config for %s failed to launch (%s: %s); trying the next source",
                 failed.source, key, type(error).__name__, error)
     if "disk" in skipped:
@@ -157,40 +163,44 @@ def reset() -> None:
     with _memo_lock:
         _memo.clear()
         _failed_sources.clear()
+        _failed_configs.clear()
         _override_uses.clear()
     client.reset_breaker()
 
 
 def look_up(
     key: ProblemKey, platform: Platform, settings: sources.Settings | None = None, skip: frozenset[str] = frozenset(),
-    write_cache: bool = True, service_required: bool = False,
+    write_cache: bool = True, service_required: bool = False, refused: frozenset[KernelConfig] = frozenset(),
 ) -> Resolution:
     """The ladder below the memo, unmemoized: disk cache, service, bundled, heuristic, less
-    the sources in `skip`. A served config is written to the disk cache unless `write_cache`
+    the sources in `skip` and any source's answer that is one of the `refused` configs (they failed
+    to launch). A served config is written to the disk cache unless `write_cache`
     is False (`cce lookup`: a look must not change what the op launches). With
     `service_required` (`cce lookup --url`: the user named the service), a service that
     cannot be asked raises client.ServiceUnusable instead of passing to the next source."""
     settings = settings or sources.Settings.from_env()
     if "disk" not in skip:
-        cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key)
+        cached = _accept("disk", sources.read_cache(settings, platform, key), platform, key, refused=refused)
         if cached is not None:
             return cached
     if "service" not in skip:
         ask = client.ask_service if service_required else client.fetch_from_service
-        served = _accept("service", ask(settings, platform, key), platform, key, required=service_required)
+        served = _accept("service", ask(settings, platform, key), platform, key, required=service_required,
+                         refused=refused)
         if served is not None:
             if write_cache and "disk" not in skip:
                 sources.write_cache(settings, platform, key, sources.Found(served.config.to_dict(), served.match_level))
             return served
     if "bundled" not in skip:
-        bundled = _accept("bundled", sources.bundled_config(platform, key), platform, key)
+        bundled = _accept("bundled", sources.bundled_config(platform, key), platform, key, refused=refused)
         if bundled is not None:
             return bundled
     return Resolution(heuristic_config(key), "heuristic", "none")
 
 
 def _accept(
-    source: str, found: sources.Found | None, platform: Platform, key: ProblemKey, required: bool = False
+    source: str, found: sources.Found | None, platform: Platform, key: ProblemKey, required: bool = False,
+    refused: frozenset[KernelConfig] = frozenset(),
 ) -> Resolution | None:
     """`found` as a Resolution if it is a valid config that fits the GPU; None otherwise, or
     with `required` (the service `cce lookup --url` names) client.UnreadableAnswer: the
@@ -205,6 +215,9 @@ def _accept(
         if required:
             raise client.UnreadableAnswer(f"answered a config ({found.match_level} match) this client refuses: {error}") from None
         log.warning("rejected the %s config for %s: %s", source, key, error)
+        return None
+    if config in refused:
+        log.info("the %s config for %s failed to launch already in this process; skipping it", source, key)
         return None
     return Resolution(config, source, found.match_level)
 

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -65,9 +66,10 @@ class Settings:
             cache_dir = str(Path(platformdirs.user_cache_dir("cce_compile")) / "configs")
         return cls(
             url=os.environ.get(URL_ENV) or None,
-            token=os.environ.get(TOKEN_ENV) or None,
+            # Stripped as the service strips its own (a secret mounted from a file ends in a newline).
+            token=os.environ.get(TOKEN_ENV, "").strip() or None,
             offline=os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on"),
-            cache_dir=Path(cache_dir),
+            cache_dir=Path(cache_dir).expanduser(),  # the README's default is written ~/.cache/...
             ttl_s=_ttl_from_env(),
         )
 
@@ -75,6 +77,18 @@ class Settings:
         """These settings with a service named explicitly (a command's --url): it is asked
         under CCE_TUNING_OFFLINE too, as the option outranks the environment."""
         return self if url is None else replace(self, url=url, offline=False)
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as a bearer token, or None. Never quotes the token: a line
+    break or a control character in it once reached the log and the command's error inside the
+    HTTP client's 'Illegal header value b'Bearer <token>''. Which tokens the service accepts is
+    the service's to say (a 401 that quotes nothing)."""
+    if not token.isascii():
+        return "is not ASCII (a token is URL-safe characters, as `cce token` makes them)"
+    if not token.isprintable() or " " in token:
+        return "holds a space or a control character (a token is URL-safe characters, as `cce token` makes them)"
+    return None
 
 
 def service_url_problem(url: str) -> str | None:
@@ -149,7 +163,12 @@ def read_cache(settings: Settings, platform: Platform, key: ProblemKey) -> Found
     than the TTL."""
     path = cache_path(settings, platform, key)
     try:
-        with path.open("rb") as file:
+        # Non-blocking, and a regular file only: a FIFO at the path once held the op's first call forever.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                log.warning("config cache %s is not a regular file; ignoring it", path)
+                return None
             content = file.read(MAX_CACHE_FILE_BYTES + 1)
     except FileNotFoundError:
         return None

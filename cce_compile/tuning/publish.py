@@ -172,12 +172,12 @@ class ServicePublisher:
 
     def __init__(self, url: str, token: str | None) -> None:
         """PublishError where the URL or the token cannot be right, whatever the service says."""
+        token = token.strip() if token else token  # as the op and the service take it (a secret file's newline)
         if not token:
             raise PublishError(f"publishing needs a write token in ${sources.TOKEN_ENV}")
-        if not token.isascii():
-            raise PublishError(
-                f"${sources.TOKEN_ENV}: a token is ASCII (URL-safe characters, as `cce token` makes them)"
-            )
+        problem = sources.token_problem(token)
+        if problem is not None:  # never quoted: the HTTP client's error quotes the header whole
+            raise PublishError(f"${sources.TOKEN_ENV} {problem}")
         problem = sources.service_url_problem(url)
         if problem is not None:
             raise PublishError(problem)
