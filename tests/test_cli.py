@@ -737,3 +737,54 @@ def test_redaction_splits_names_at_brackets_as_web_frameworks_nest_them() -> Non
         assert redact_urls(f"http://h/v1?gpu=x&{name}=abc&V=8") == f"http://h/v1?gpu=x&{name}=***&V=8", name
     for name in ("tokens[]", "user[name]", "monkey[0]"):
         assert redact_urls(f"http://h/v1?{name}=abc") == f"http://h/v1?{name}=abc", name
+
+
+def test_tune_refuses_a_publish_or_db_url_that_cannot_be_one_on_a_dry_run_and_without_a_gpu() -> None:
+    """`--publish ftp://...` passed a dry run, and on a machine without a GPU the GPU's absence was
+    all it said (the URL was checked only once a real run began); a --db-url SQLAlchemy cannot
+    use passed a dry run too. Each is a misused option, refused as `cce export` refuses it."""
+    problem = ["tune", "--vocab", "64", "--hidden", "16", "--tokens", "16"]
+    bad = (("--publish", "ftp://127.0.0.1", "--publish ftp://127.0.0.1: not an http:// or https:// URL"),
+           ("--publish", "http://127.0.0.1:99999", "--publish http://127.0.0.1:99999: its port '99999' is not a number"),
+           ("--db-url", "sqlte:///tuning.db", "Invalid value for --db-url: Can't load plugin"),
+           ("--db-url", "sqlite://", "Invalid value for --db-url: an in-memory SQLite database"))
+    for run in ([], ["--dry-run"]):
+        for option, value, fragment in bad:
+            done = cce(*problem, *run, option, value, env={"TRITON_INTERPRET": "0"})  # as without a GPU
+            assert_one_line_failure(done, fragment)
+            assert done.returncode == 2 and "GPU" not in done.stderr and done.stdout == ""
+
+
+def _read_only(url: str) -> str:
+    """`url`'s database opened read-only: an SQLite file with mode=ro, a PostgreSQL session whose
+    transactions are read-only (as on a standby)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return f"sqlite:///file:{parsed.database}?mode=ro&uri=true"
+    options = f"{parsed.query.get('options', '')} -cdefault_transaction_read_only=on".strip()
+    return parsed.update_query_dict({"options": options}).render_as_string(hide_password=False)
+
+
+def test_tune_db_url_checks_the_database_takes_writes_before_tuning(db_url: str) -> None:
+    """A read-only database (an SQLite file opened mode=ro, a PostgreSQL standby or read-only
+    session) refused every measurement only after the whole run, as a read token once did with
+    --publish; the check stores nothing in a database that takes writes."""
+    from sqlalchemy import func, select
+
+    from cce_compile.tuning.publish import DatabasePublisher
+    from tuning_db.engine import make_engine
+    from tuning_db.models import Gpu
+
+    done = cce("tune", "--vocab", "64", "--hidden", "16", "--tokens", "16", "--budget-s", "0", "--input-sets", "1",
+               "--db-url", _read_only(db_url), env={"TRITON_INTERPRET": "1"})
+    assert_one_line_failure(done, "--db-url", "the database takes no writes")
+    assert done.returncode == 1 and done.stdout == ""
+    engine = make_engine(db_url)
+    try:
+        DatabasePublisher(engine).check()
+        with engine.connect() as connection:
+            assert connection.scalar(select(func.count()).select_from(Gpu)) == 0
+    finally:
+        engine.dispose()

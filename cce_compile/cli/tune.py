@@ -72,6 +72,8 @@ def tune(
     _check_writable(out, "--out")
     _check_writable(bundle, "--bundle")
     _check_bundle(bundle)
+    _check_publish_url(publish)
+    _check_db_url(db_url)
     import torch
 
     device = "cuda" if torch.cuda.is_available() or not active_policy().triton_on_cpu else "interpreter"
@@ -142,6 +144,29 @@ def _check_writable(path: Path | None, option: str) -> None:
         raise typer.BadParameter(f"cannot write in {path.parent}: {error.strerror}", param_hint=option) from None
 
 
+def _check_publish_url(url: str | None) -> None:
+    """A --publish URL that cannot be a service's (another scheme, no host, a port out of range) is
+    a misused option on a dry run and on a machine without a GPU too: it was checked only once a
+    real run began, so a dry run passed it and a CPU machine said only that it has no GPU."""
+    from cce_compile.resolve.sources import service_url_problem
+
+    problem = None if url is None else service_url_problem(url)
+    if problem is not None:
+        fail(f"--publish {url}: {problem}", status=2)
+
+
+def _check_db_url(db_url: str | None) -> None:
+    """A --db-url that cannot name a tuning database (no dialect, a missing driver, in memory)
+    is refused as `cce export` refuses it, on a dry run and on a machine without a GPU too: only
+    the database itself waits for a real run (_publisher)."""
+    if db_url is None:
+        return
+    from cce_compile.cli.db import new_engine  # loads the database stack, which --db-url needs anyway
+    from tuning_db.engine import resolve_db_url
+
+    new_engine(resolve_db_url(db_url)).dispose()
+
+
 def _check_bundle(path: Path | None) -> None:
     """An existing --bundle file gets the best config added after the whole run: one that is
     not a bundled-configs file must stop the command first."""
@@ -163,8 +188,15 @@ def _publisher(url: str | None, db_url: str | None) -> Publisher | None:
 
     if db_url:
         from cce_compile.cli.db import store_engine  # loads the database stack
+        from tuning_db.engine import resolve_db_url, shown_url
 
-        return results.DatabasePublisher(store_engine(db_url))
+        database = results.DatabasePublisher(store_engine(db_url))
+        try:
+            database.check()
+        except results.PublishError as error:
+            database.engine.dispose()
+            fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}")
+        return database
     if not url:
         return None
     try:

@@ -292,6 +292,26 @@ class DatabasePublisher:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
+    def check(self) -> None:
+        """PublishError unless the database takes writes: a read-only one (an SQLite file opened
+        mode=ro, a PostgreSQL standby or read-only session, a role without INSERT) refused every
+        measurement only after the whole run, as a read token did with --publish. The check
+        registers a GPU under a name no tuner sends and rolls it back: nothing is stored."""
+        from sqlalchemy import insert
+        from sqlalchemy.exc import DBAPIError
+
+        from tuning_db.engine import write_session
+        from tuning_db.models import Gpu
+
+        probe = {"name": f"cce-tune-write-check-{uuid.uuid4().hex}", "compute_capability": "0.0", "sm_count": 1,
+                 "memory_bytes": 0}
+        try:
+            with write_session(self.engine) as session:
+                session.execute(insert(Gpu).values(**probe))
+                session.rollback()
+        except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
+            raise PublishError(f"the database takes no writes: {' '.join(str(error.orig).split())[:300]}") from None
+
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
         """One outcome a measurement. A database error (a lock held past its timeout, a lost
         connection) refuses that measurement with the error and the rest unsent, as each would
