@@ -29,11 +29,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from cce_compile import linear_cross_entropy, override_config
+from cce_compile import linear_cross_entropy, linear_log_probs, override_config
 from cce_compile.cli.main import app as cce
 from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
+from cce_compile.ops import log_probs as log_probs_ops
 from cce_compile.ops.problem import encode_settings, launch_with_config, problem_key
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
@@ -545,6 +546,30 @@ def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: P
     assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
 
 
+def test_linear_log_probs_falls_back_from_a_config_that_fails_to_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """linear_log_probs' forward launches through launch_with_config as the loss's does: a
+    cached config that fails to launch is dropped for the bundled one, not raised."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    tokens = _small_inputs()[2]
+    real = log_probs_ops.row_and_filter_stats
+    launched: list[int] = []
+
+    def refusing(plan, config, *args):
+        launched.append(config.slab_v)
+        if config.slab_v == 256:
+            raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
+        return real(plan, config, *args)
+
+    monkeypatch.setattr(log_probs_ops, "row_and_filter_stats", refusing)
+    with override_policy(policy):
+        log_probs = linear_log_probs(e, c, tokens)
+    assert launched == [256, 512]
+    assert resolved()[key].source == "bundled"
+    torch.testing.assert_close(log_probs, torch.log_softmax(e @ c.T, dim=-1).gather(1, tokens[:, None])[:, 0])
+
+
 def test_a_served_config_that_fails_to_launch_is_not_launched_again_from_its_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -929,9 +954,11 @@ def _unordered_rank_main(rank: int, root: str) -> None:
 
 def _unordered_rank_main_body(rank: int, root: str) -> None:
     """The ranks meet the keys in opposite orders, and rank 1 also meets a bucket rank 0
-    never runs: nobody hangs, shared keys get rank 0's config, the lone key rank 1's own."""
+    never runs: nobody hangs, shared keys get rank 0's config, the lone key rank 1's own. The
+    wait is long enough for rank 0 on a loaded 2-core machine (at 2 s rank 1 once gave up on a
+    shared key and took its own config); the lone key costs rank 1 all of it."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1",
-                       resolve.WAIT_ENV: "2"})
+                       resolve.WAIT_ENV: "8"})
     resolve.local_platform = lambda device: H100
     keys = [SMALL_KEY, replace(SMALL_KEY, n_bucket=512)]
     for use, key in enumerate(keys):

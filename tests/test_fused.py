@@ -149,6 +149,42 @@ def test_a_shift_from_an_unrepresentative_sample_of_the_vocabulary_stays_exact(s
         assert relative_error(got.grad, want.grad) < 1e-5
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("masked", ["one sampled", "every sampled"])
+def test_a_minus_inf_bias_in_the_shift_sample_redoes_no_row(masked: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens a -inf bias masks (padding rows of the vocabulary) are left out of the shift's
+    mean: in it, one would make every shift -inf and every row of every chunk run its logits
+    pass again. Where the whole sample is masked the rows are redone: exact either way."""
+    from cce_compile.ops import forward_fused
+
+    stride = Policy().fused_shift_stride
+    e, c, targets = make_inputs("signed", (150,), 300, 32, torch.float32, seed=9)
+    bias = torch.randn(300) * 0.5
+    if masked == "one sampled":
+        bias[stride * 3] = float("-inf")
+    else:
+        bias[::stride] = float("-inf")
+    targets = torch.where(torch.isinf(bias[targets]), 1, targets)  # no target is masked
+    redone = []
+    run = forward_fused.FusedKernels.run
+
+    def counting(self, row_start, rows, scale, losses):
+        run(self, row_start, rows, scale, losses)
+        redone.append(int(self.redo_rows[:rows].sum()))
+
+    monkeypatch.setattr(forward_fused.FusedKernels, "run", counting)
+    ours, ref = leaves(e, c, bias), leaves(e.double(), c.double(), bias.double())
+    with cce_compile.override_config(SMALL_CHUNKS):
+        loss = cce_compile.linear_cross_entropy(*ours[:2], targets, bias=ours[2])
+    expected = reference_loss(*ref[:2], targets, bias=ref[2])
+    loss.backward()
+    expected.backward()
+    assert sum(redone) == (0 if masked == "one sampled" else 150)
+    assert torch.isfinite(loss) and relative_error(loss, expected) < 1e-6
+    for got, want in zip(ours, ref):
+        assert relative_error(got.grad, want.grad) < 1e-5
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_retain_graph_accumulation_and_checkpointing(path: bool) -> None:
     """A second backward through a retained graph, gradient accumulation over two calls, and

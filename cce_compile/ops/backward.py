@@ -108,12 +108,11 @@ def _scaled(coefficients: Coefficients, logit_scale: float) -> Coefficients:
 
 FP16_HEADROOM = 2.0**15
 """The largest |d logit| fp16's stored d-logits take: about half fp16's largest (65504), so a bound
-off by fp32's rounding cannot overflow. Dividing by the bound alone (d-logits <= 1) left the 15
-binades above 1 unused: with per-token upstream gradients spanning 8 decades (reduction="none"
-weights, a loss scale, linear_log_probs' advantages) most stored d-logits sank to fp16's
-subnormals or 0, and dE rows whose fp16 values are normal erred by up to 0.22 relative where
-fp32 d-logits (the plain-PyTorch path) err by 3e-4; now within 6e-4 (interpreter, LM-like
-96 x 512 x 32)."""
+off by fp32's rounding cannot overflow, and the 15 binades above 1 are used: with per-token
+upstream gradients spanning 8 decades (reduction="none" weights, a loss scale, linear_log_probs'
+advantages), scaled to at most 1 most stored d-logits sink to fp16's subnormals or 0 and dE
+rows err by up to 0.22 relative; scaled to this, within 6e-4, where fp32 d-logits (the
+plain-PyTorch path) err by 3e-4 (interpreter, LM-like 96 x 512 x 32)."""
 
 
 def _d_logits_scale(coefficients: Coefficients, weight: Tensor | None, label_smoothing: float) -> Tensor:
@@ -121,7 +120,7 @@ def _d_logits_scale(coefficients: Coefficients, weight: Tensor | None, label_smo
     return (_d_logits_bound(coefficients, weight, label_smoothing).clamp_min(1e-30) / FP16_HEADROOM).reshape(1)
 
 
-def _d_logits_bound(coefficients: Coefficients, weight: Tensor | None = None, label_smoothing: float = 0.0) -> Tensor:
+def _d_logits_bound(coefficients: Coefficients, weight: Tensor | None, label_smoothing: float) -> Tensor:
     """A bound on every |d logit| of the call, so the stored d-logits neither overflow nor sink
     below fp16's normal range. Without entropy, d_j = a p_j - b [j == y] - s w_j (a, b, s the
     softmax, target and smoothing coefficients; s read only with label smoothing), so with

@@ -132,11 +132,13 @@ class FusedForward:
                            if plan.fused == "cpu" and need_grad_c and c.dtype != torch.float32 else None)
         self.grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
         self.smoothing = label_smoothing > 0.0
-        # label smoothing's -coef_smooth * w share: w @ c for dE, sum of coef_smooth * e for dC
+        # label smoothing's -coef_smooth * w share on the kernels' path: w @ c for dE, sum of
+        # coef_smooth * e for dC (the plain-PyTorch path's chunks take it in backward_cpu)
+        kernels_smoothing = self.smoothing and plan.fused != "cpu"
         smoothing_weights = (weight.to(torch.float32) if weight is not None
-                             else torch.ones(v, dtype=torch.float32, device=e.device)) if self.smoothing else None
-        smoothing_of_c = (smoothing_weights.to(c.dtype) @ c).float() if self.smoothing and need_grad_e else None
-        smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if self.smoothing else None
+                             else torch.ones(v, dtype=torch.float32, device=e.device)) if kernels_smoothing else None
+        smoothing_of_c = (smoothing_weights.to(c.dtype) @ c).float() if kernels_smoothing and need_grad_e else None
+        smoothing_of_e = torch.zeros(d, dtype=torch.float32, device=e.device) if kernels_smoothing else None
         read = (e, c, targets, bias, weight, scale, grad_scale, smoothing_weights, smoothing_of_c, smoothing_of_e)
         (self.e, self.c, self.targets, self.bias, self.weight, self.scale, self.grad_scale, self.smoothing_weights,
          self.smoothing_of_c, self.smoothing_of_e) = graphs.staged(*read) if plan.cuda_graphs else read
@@ -276,6 +278,26 @@ class FusedForward:
         return (self.losses * self.scale).sum(), self.grad_e, self.grad_c, grad_bias
 
 
+def shift_sample_weights(rows: int, bias_sample: Tensor | None, dtype: torch.dtype,
+                         device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """(weights of the sampled rows of c in the shift's GEMV, in `dtype`; the sampled bias's
+    mean, fp32 0-d, or None without a bias). A row a -inf (or NaN) bias rules out, a masked or
+    padding token, is left out of both: the mean of the other sampled logits is still at most
+    each row's largest, and one -inf in the mean would make every shift -inf and every row of
+    the chunk run its logits pass twice (row_shift_kernel's redo). Where every sampled bias is
+    -inf the shift is -inf and the rows are redone: any finite stand-in could lie above every
+    logit and underflow the row's sum."""
+    if bias_sample is None:
+        return torch.full((rows,), 1.0 / rows, dtype=dtype, device=device), None
+    finite = torch.isfinite(bias_sample)
+    count = finite.sum(dtype=torch.float32)
+    any_finite = count > 0
+    weights = torch.where(any_finite, finite.to(torch.float32) / count.clamp_min(1.0), 1.0 / rows).to(dtype)
+    finite_sum = torch.where(finite, bias_sample.float(), 0.0).sum()
+    mean_bias = torch.where(any_finite, finite_sum / count.clamp_min(1.0), float("-inf"))
+    return weights, mean_bias
+
+
 class FusedLaunches(NamedTuple):
     """How a chunk's four kernels are launched (KernelLaunchers, or AheadCompilers): its pass
     over the vocabulary, the redo of its rows shifted too far, and the two per-row kernels."""
@@ -329,10 +351,10 @@ class FusedKernels:
         # Any shift at most the rows' largest logits serves: their mean over a sample of the vocabulary
         # (plan.shift_stride), in c's own dtype, with no fp32 copy of c.
         sample = c[::plan.shift_stride]
-        torch.mv(sample.T, torch.full((sample.shape[0],), 1.0 / sample.shape[0], dtype=c.dtype, device=c.device),
-                 out=mean_c)
+        sample_weights, self.mean_bias = shift_sample_weights(
+            sample.shape[0], None if bias is None else bias[::plan.shift_stride], c.dtype, c.device)
+        torch.mv(sample.T, sample_weights, out=mean_c)
         self.mean_c = mean_c[:, None]
-        self.mean_bias = bias[::plan.shift_stride].float().mean() if bias is not None else None
         self.flags = kernel_flags(e)
         if plan.fused == "gluon":
             self.descriptors = (*operand_descriptors(e, c, self.tile),

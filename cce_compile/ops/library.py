@@ -107,23 +107,34 @@ def linear_cross_entropy_backward(
         kernel_config, launch_policy = decode_settings(settings)
         options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
         plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
-        grad_e, grad_c, grad_bias = run_backward(
+        return gradient_outputs(c, *run_backward(
             plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
             vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
-        )
-        if grad_bias is None:
-            return grad_e, grad_c, c.new_empty((0,))
-        return grad_e, grad_c, grad_bias.to(c.dtype)
+        ))
 
 
-@linear_cross_entropy_backward.register_fake
-def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
-                   ignore_index, label_smoothing, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c, settings):
+def gradient_outputs(c: Tensor, grad_e: Tensor, grad_c: Tensor,
+                     grad_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """A backward op's (grad_e, grad_c, grad_bias) from a runner's: dbias in c's dtype, and
+    empty without a bias (an op's output cannot be None)."""
+    return grad_e, grad_c, c.new_empty((0,)) if grad_bias is None else grad_bias.to(c.dtype)
+
+
+def fake_gradients(e: Tensor, c: Tensor, bias: Tensor | None, need_grad_e: bool,
+                   need_grad_c: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The shapes gradient_outputs gives, for the fake functions: a gradient not needed, or
+    dbias without a bias, empty."""
     return (
         e.new_empty(e.shape if need_grad_e else (0,)),
         c.new_empty(c.shape if need_grad_c else (0,)),
         c.new_empty(c.shape[:1] if bias is not None else (0,)),
     )
+
+
+@linear_cross_entropy_backward.register_fake
+def _backward_fake(grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse, vocab_order,
+                   ignore_index, label_smoothing, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c, settings):
+    return fake_gradients(e, c, bias, need_grad_e, need_grad_c)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -191,12 +202,7 @@ def linear_cross_entropy_fused(
 @linear_cross_entropy_fused.register_fake
 def _fused_fake(e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, z_loss, reduction, need_grad_e,
                 need_grad_c, logit_scale=1.0, settings=""):
-    return (
-        e.new_empty((), dtype=torch.float32),
-        e.new_empty(e.shape if need_grad_e else (0,)),
-        c.new_empty(c.shape if need_grad_c else (0,)),
-        c.new_empty(c.shape[:1] if bias is not None else (0,)),
-    )
+    return e.new_empty((), dtype=torch.float32), *fake_gradients(e, c, bias, need_grad_e, need_grad_c)
 
 
 def _fused_setup_context(ctx, inputs, output) -> None:

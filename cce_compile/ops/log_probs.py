@@ -19,15 +19,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from ..config.kernel_config import KernelConfig
 from ..plan.launch import Options, plan_launch
+from ..plan.policy import Policy
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_and_filter_stats
 from .launch import on_device_of
-from .library import fake_filter_stats, no_double_backward
+from .library import fake_filter_stats, fake_gradients, gradient_outputs, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
-from .problem import backward_settings, decode_settings, launch_settings, options_of, problem_of
+from .problem import backward_settings, decode_settings, launch_with_config, options_of, problem_of
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -54,18 +56,21 @@ def linear_log_probs_forward(
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
     with on_device_of(e):
-        config, policy = launch_settings(settings, e, c, filter_eps > 0.0)
         entropy_backward = entropy and entropy_backward
         options = _options(bias, softcap, entropy, filter_eps, logit_scale, entropy_backward)
-        plan = plan_launch(problem_of(e, c), options, config, policy)
-        stats, filter_stats = row_and_filter_stats(
-            plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps, entropy_backward)
-        log_probs, entropies = log_prob_terms(stats.lse, stats.target_logit, stats.entropy, tokens, c.shape[0],
-                                              ignore_index)
-        lse_minus_mean = stats.lse_minus_mean
-        # empties where absent, two of them: a custom op's outputs may not alias
-        return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
-                stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
+
+        def launch(config: KernelConfig, policy: Policy) -> LogProbOutputs:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            stats, filter_stats = row_and_filter_stats(
+                plan, config, e, c, tokens, bias, None, softcap, False, entropy, filter_eps, entropy_backward)
+            log_probs, entropies = log_prob_terms(stats.lse, stats.target_logit, stats.entropy, tokens, c.shape[0],
+                                                  ignore_index)
+            lse_minus_mean = stats.lse_minus_mean
+            # empties where absent, two of them: a custom op's outputs may not alias
+            return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
+                    stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
+
+        return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
 @linear_log_probs_forward.register_fake
@@ -97,27 +102,20 @@ def linear_log_probs_backward(
         row_lse_minus_mean = lse_minus_mean if entropy else None
         coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
             grad_log_probs, grad_entropy, row_lse_minus_mean, tokens, c.shape[0], ignore_index)
-        grad_e, grad_c, grad_bias = backward_from_coefficients(
+        return gradient_outputs(c, *backward_from_coefficients(
             plan, kernel_config,
             Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
             e, c, tokens, bias,
             None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
             need_grad_e, need_grad_c,
-        )
-        if grad_bias is None:
-            return grad_e, grad_c, c.new_empty((0,))
-        return grad_e, grad_c, grad_bias.to(c.dtype)
+        ))
 
 
 @linear_log_probs_backward.register_fake
 def _backward_fake(grad_log_probs, grad_entropy, e, c, tokens, bias, lse, lse_minus_mean, kept_tiles, tile_lse,
                    tile_mean_logit, vocab_order, ignore_index, softcap, filter_eps, logit_scale, need_grad_e, need_grad_c,
                    settings):
-    return (
-        e.new_empty(e.shape if need_grad_e else (0,)),
-        c.new_empty(c.shape if need_grad_c else (0,)),
-        c.new_empty(c.shape[:1] if bias is not None else (0,)),
-    )
+    return fake_gradients(e, c, bias, need_grad_e, need_grad_c)
 
 
 def _setup_context(ctx, inputs, output) -> None:

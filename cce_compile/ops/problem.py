@@ -181,17 +181,18 @@ def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, fi
 
 
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
-                       launch: Callable[[KernelConfig, Policy], T]) -> T:
+                       launch: Callable[[KernelConfig, Policy], T], key_v: int | None = None) -> T:
     """`launch(config, policy)` with the call's settings: `settings` where they hold a config
-    (traced_settings), else the active Policy and the config resolved now. A resolved config
+    (traced_settings), else the active Policy and the config resolved now (for `key_v` as
+    problem_key takes it). Every forward op launches through here. A resolved config
     from outside the process that fails to launch (Triton refusing it) costs this call one
     failed launch per source: the ladder drops that source for the key and the next rung's
     config launches instead. A traced call cannot take another (the graph's sizes and its
     backward were made for its config): its failure is raised, with its source dropped for
     the next trace where that config is still the one the ladder gives for the key. Running
     out of memory says nothing about the config and is raised as it is."""
-    config, policy = launch_settings(settings, e, c, filtered)
-    key = problem_key(e, c, filtered, policy)
+    config, policy = launch_settings(settings, e, c, filtered, key_v)
+    key = problem_key(e, c, filtered, policy, key_v)
     while True:
         try:
             return launch(config, policy)

@@ -20,13 +20,16 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from ..config.kernel_config import KernelConfig
 from ..plan.launch import plan_launch
+from ..plan.policy import Policy
 from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_stats
 from .launch import on_device_of
+from .library import fake_gradients, gradient_outputs
 from .precision import without_autocast
-from .problem import backward_settings, decode_settings, launch_settings, options_of, problem_of
+from .problem import backward_settings, decode_settings, launch_with_config, options_of, problem_of
 
 # the label smoothing the plans and runners are told of: they read only whether it is on
 _SMOOTHING_ON = 1.0
@@ -48,14 +51,17 @@ def shard_row_stats(
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
     with on_device_of(e):
-        config, policy = launch_settings(settings, e, c, False, config_v)
         options = options_of(bias, weight, softcap, _SMOOTHING_ON if need_weighted_sum else 0.0, 0.0, logit_scale)
-        plan = plan_launch(problem_of(e, c), options, config, policy)
-        none = targets.new_empty((0,))
-        lse, target_logit, weighted_sum, *_ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
-                                                       need_weighted_sum, False, none,
-                                                       none.new_empty((0, 0), dtype=torch.float32))
-        return lse, target_logit, weighted_sum if weighted_sum is not None else lse.new_empty((0,))
+
+        def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor]:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            none = targets.new_empty((0,))
+            lse, target_logit, weighted_sum, *_ = row_stats(plan, config, e, c, targets, bias, weight, softcap,
+                                                           need_weighted_sum, False, none,
+                                                           none.new_empty((0, 0), dtype=torch.float32))
+            return lse, target_logit, weighted_sum if weighted_sum is not None else lse.new_empty((0,))
+
+        return launch_with_config(e, c, False, settings, launch, config_v)
 
 
 @shard_row_stats.register_fake
@@ -86,20 +92,16 @@ def shard_row_stats_backward(
         # A shard whose every logit of a row is -inf (a sampler's mask on its whole slice) has lse
         # -inf there and no share of the softmax: a finite stand-in keeps exp(l - lse) at 0, not NaN.
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
-        grad_e, grad_c, grad_bias = backward_from_coefficients(
+        return gradient_outputs(c, *backward_from_coefficients(
             plan, kernel_config, Coefficients(coef_softmax, coef_target, coef_smooth), e, c, targets, bias, weight, lse,
             FilterStats.empty(e.device), 1.0 if has_smoothing else 0.0, softcap, 0.0, need_grad_e, need_grad_c,
-        )
-        if grad_bias is None:
-            return grad_e, grad_c, c.new_empty((0,))
-        return grad_e, grad_c, grad_bias.to(c.dtype)
+        ))
 
 
 @shard_row_stats_backward.register_fake
 def _row_stats_backward_fake(grad_lse, grad_target_logit, grad_weighted_sum, e, c, targets, bias, weight, lse, softcap,
                              has_smoothing, logit_scale, need_grad_e, need_grad_c, settings):
-    return (e.new_empty(e.shape if need_grad_e else (0,)), c.new_empty(c.shape if need_grad_c else (0,)),
-            c.new_empty(c.shape[:1] if bias is not None else (0,)))
+    return fake_gradients(e, c, bias, need_grad_e, need_grad_c)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -78,9 +78,9 @@ def plan_backward(
     share of the gradients (or its floor) with the least accumulator traffic among those of
     at most policy.max_dc_roundings token chunks (any number where none fits), less `row_buffers`
     fp32 vectors per token and `held_bytes` that the call holds beside the scratch; slabs within
-    config.slab_v and at least 512 wide. Filtered mode plans within its own share, and its
-    slots fill what the accumulator leaves (up to policy.max_slots; never fewer than a slab's
-    tiles).
+    config.slab_v and V's next power of two, halved while over budget down to 512 wide. Filtered
+    mode plans within its own share, and its slots fill what the accumulator leaves (up to
+    policy.max_slots; never fewer than a slab's tiles).
 
     The two gradient GEMMs sum over short K: dE over a slab's columns (each slab re-reads and
     re-writes the fp32 dE accumulator), dC over a chunk's rows (each chunk re-reads and
