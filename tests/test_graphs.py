@@ -103,7 +103,8 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     back elsewhere each step and a key naming one never repeats: a graphed loop reads and writes
     only the caller's large tensors, its outputs, and carved or staged blocks. Graphs forced here
     off CUDA, with a loop table that runs each loop as it is: the loss and gradients are the
-    ungraphed plan's to the bit (class weights, label smoothing, several chunks and slabs; and
+    ungraphed plan's to the bit (a bias, whose sampled mean the shift reads, class weights,
+    label smoothing, several chunks and slabs; and
     e and c in padded rows that tensor descriptors take, D = 100 not, where a staged copy
     without the padding failed the descriptors)."""
     from cce_compile.plan.launch import plan_launch
@@ -116,8 +117,8 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     def results() -> list[torch.Tensor]:
         leaves = [(with_row_stride(t, 104) if rows == "padded" else t.clone()).requires_grad_() for t in (e, c)]
         with cce_compile.override_config(replace(SMALL_TILES, workspace_rows=128)):
-            loss = cce_compile.linear_cross_entropy(*leaves, targets.clone(), weight=weight.clone(), reduction="sum",
-                                                    label_smoothing=0.1, memory=memory)
+            loss = cce_compile.linear_cross_entropy(*leaves, targets.clone(), bias=bias.clone(), weight=weight.clone(),
+                                                    reduction="sum", label_smoothing=0.1, memory=memory)
         loss.backward()
         return [loss, *(t.grad for t in leaves)]
 
@@ -129,6 +130,7 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
         use_policy(recompute_tma_min_k_steps=1)
         e, c = (t[:, :25].repeat(1, 4) for t in (e, c))
     weight = torch.rand(300) + 0.5
+    bias = torch.randn(300).to(torch.bfloat16)
     ungraphed = results()
     for module in list(sys.modules.values()):
         if module.__name__.startswith("cce_compile.") and getattr(module, "plan_launch", None) is plan_launch:

@@ -122,15 +122,17 @@ class FusedForward:
         v = c.shape[0]
         scale = reduction_scale(targets, weight, v, ignore_index, reduction)
         grad_scale = gradient_scale(scale, plan.logit_scale, targets, v, ignore_index)
-        # per token, summed by finish()
-        (self.losses,) = graphs.carve(e.device, ((n,), torch.float32), large_pool=plan.cuda_graphs)
+        # per token, summed by finish(); and dbias's fp32 sum (under 1 MiB at 128k classes: carved
+        # with the losses, out of the small pool a graphed loop's key must not name)
+        self.losses, grad_bias = graphs.carve(e.device, ((n,), torch.float32),
+                                              ((v if bias is not None else 0,), torch.float32), large_pool=plan.cuda_graphs)
+        self.grad_bias = grad_bias.zero_() if bias is not None else None
         self.grad_e = torch.empty(e.shape if need_grad_e else (0,), dtype=e.dtype, device=e.device)
         self.grad_c = torch.empty(c.shape if need_grad_c else (0,), dtype=c.dtype, device=c.device)
         # the plain-PyTorch path sums dC over the token chunks in fp32 and rounds once (finish):
         # summed in bf16, each chunk's rounding added to the last, 64 chunks doubled its error
         self.grad_c_sum = (torch.zeros(c.shape, dtype=torch.float32, device=c.device)
                            if plan.fused == "cpu" and need_grad_c and c.dtype != torch.float32 else None)
-        self.grad_bias = torch.zeros(v, dtype=torch.float32, device=e.device) if bias is not None else None
         self.smoothing = label_smoothing > 0.0
         # label smoothing's -coef_smooth * w share on the kernels' path: w @ c for dE, sum of
         # coef_smooth * e for dC (the plain-PyTorch path's chunks take it in backward_cpu)
@@ -336,13 +338,15 @@ class FusedKernels:
         f32 = torch.float32
         # One block (ops/graphs.carve) for every buffer the launches read or write: the workspace,
         # the statistics, per-row results, dE's fp32 product (made here as everything the chunk
-        # loop writes, on either stream), the weights' total and c's mean row (the shift's GEMV).
+        # loop writes, on either stream), the weights' total, c's mean row (the shift's GEMV) and the
+        # sampled bias's mean.
         (workspace, self.stats_buffer, self.target_logit, self.redo_rows, self.lse, self.weighted_sum, self.row_scale,
-         self.coef_smooth, self.scaled_e, self.grad_e_sum, self.total_weight, mean_c) = graphs.carve(
+         self.coef_smooth, self.scaled_e, self.grad_e_sum, self.total_weight, mean_c, mean_bias) = graphs.carve(
             e.device, ((rows, padded_v), e.dtype), ((self.stats_count * self.vocab_tiles * rows,), f32), ((rows,), f32),
             ((rows,), torch.int32), ((rows,), f32), ((rows if self.smoothing else 0,), f32), ((rows,), f32),
             ((rows if self.smoothing else 0,), f32), ((rows, d) if need_grad_c else (0, d), e.dtype),
-            ((rows, d) if need_grad_e else (0, d), f32), ((), f32), ((d,), c.dtype), large_pool=plan.cuda_graphs)
+            ((rows, d) if need_grad_e else (0, d), f32), ((), f32), ((d,), c.dtype),
+            ((() if bias is not None else (0,)), f32), large_pool=plan.cuda_graphs)
         self.workspace = workspace[:, :v]
         if weight is not None:
             torch.sum(weight, dim=0, dtype=f32, out=self.total_weight)
@@ -351,10 +355,11 @@ class FusedKernels:
         # Any shift at most the rows' largest logits serves: their mean over a sample of the vocabulary
         # (plan.shift_stride), in c's own dtype, with no fp32 copy of c.
         sample = c[::plan.shift_stride]
-        sample_weights, self.mean_bias = shift_sample_weights(
+        sample_weights, sampled_bias_mean = shift_sample_weights(
             sample.shape[0], None if bias is None else bias[::plan.shift_stride], c.dtype, c.device)
         torch.mv(sample.T, sample_weights, out=mean_c)
         self.mean_c = mean_c[:, None]
+        self.mean_bias = None if sampled_bias_mean is None else mean_bias.copy_(sampled_bias_mean)
         self.flags = kernel_flags(e)
         if plan.fused == "gluon":
             self.descriptors = (*operand_descriptors(e, c, self.tile),
