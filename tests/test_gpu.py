@@ -838,22 +838,23 @@ def test_training_loop_replays_the_op_loops(memory: str, keeps: bool, monkeypatc
     loops = graphs.LoopGraphs("a loop")
     monkeypatch.setattr(graphs, "CHUNK_LOOPS" if memory == "workspace" else "SLAB_LOOPS", loops)
     e, c, targets = lm_like_inputs(3000, 896, 20000, torch.bfloat16, "cuda", seed=13)
-    e.requires_grad_()
-    c.requires_grad_()
+    bias = (torch.randn(20000, device="cuda") * 0.1).bfloat16()  # dbias and the shift's bias mean: small tensors
+    leaves = [t.requires_grad_() for t in (e, c, bias)]
     logged: list[torch.Tensor] = []
 
     def step(cuda_graphs: bool) -> None:
-        e.grad = c.grad = None
+        e.grad = c.grad = bias.grad = None
         with override_policy(Policy(cuda_graphs=cuda_graphs)):
-            loss = cce_compile.linear_cross_entropy(e, c, targets.clone() if keeps else targets, memory=memory)
+            loss = cce_compile.linear_cross_entropy(e, c, targets.clone() if keeps else targets, bias=bias,
+                                                    memory=memory)
             loss.backward()
         if keeps:
             logged.append(loss.detach())
 
     step(False)
-    eager = [e.grad.clone(), c.grad.clone()]
+    eager = [t.grad.clone() for t in leaves]
     for _ in range(8):
         step(True)
     assert loops.replays >= 4, (loops.captures, loops.replays)
     assert loops.captures <= 2, (loops.captures, loops.replays)
-    assert torch.equal(e.grad, eager[0]) and torch.equal(c.grad, eager[1])
+    assert all(torch.equal(t.grad, expected) for t, expected in zip(leaves, eager))
