@@ -18,7 +18,8 @@ from .problem import cdiv
 from .recompute import Recompute
 
 
-STAGED = ("e", "c", "targets", "weight", "lse", "coef_softmax", "coef_target", "coef_smooth", "coef_entropy", "scale")
+STAGED = ("e", "c", "bias", "targets", "weight", "lse", "coef_softmax", "coef_target", "coef_smooth", "coef_entropy",
+          "scale")
 """The call's tensors the slab loop reads (staged where it is graphed: ops/graphs.py)."""
 
 
@@ -33,13 +34,16 @@ class DenseBackward:
         steps = call.steps
         (self.grad_logits,) = graphs.carve(call.e.device, ((call.chunk_rows, steps.slab_v), call.e.dtype),
                                             large_pool=call.plan.cuda_graphs)
+        # dbias's fp32 sum, a block of its own: the caller may keep it (fp32 c) without the scratch
+        (self.grad_bias,) = graphs.carve(call.e.device, ((call.v if call.bias is not None else 0,), torch.float32),
+                                         large_pool=call.plan.cuda_graphs)
+        self.grad_bias.zero_()
         self.recompute = Recompute(call, self.grad_logits)
         self.cublas = call.plan.gradient_gemms == "cublas"
         # Views made once, not per step: each costs host time that small slabs lack.
         self.c_slabs = call.c.split(steps.slab_v)
         self.grad_c_slabs = gradients.grad_c.split(steps.slab_v) if call.need_grad_c else ()
         self.last_slab = (call.v - 1) // steps.slab_v * steps.slab_v
-        self.bias_chunks: list[Tensor] = []
 
     def run(self) -> Tensor | None:
         call = self.call
@@ -47,15 +51,13 @@ class DenseBackward:
             graphs.SLAB_LOOPS.run(self.graph_key(), self.slab_loop, call.e.device)
         else:
             self.slab_loop()
-        if call.bias is None:
-            return None
-        return torch.stack(self.bias_chunks).sum(dim=0)
+        return self.grad_bias if call.bias is not None else None
 
     def graph_tensors(self) -> tuple[Tensor | None, ...]:
         """Every tensor the slab loop's launches read or write."""
         call, gradients = self.call, self.gradients
         return (*(getattr(call, name) for name in STAGED), gradients.grad_e, gradients.grad_c, gradients.acc,
-                self.grad_logits)
+                self.grad_logits, self.grad_bias)
 
     def graph_key(self) -> tuple:
         """Where each tensor the slab loop touches is, and the settings."""
@@ -68,7 +70,6 @@ class DenseBackward:
         call = self.call
         for chunk, row_start, rows, acc_offset in call.token_chunks():
             views = self.chunk_views(row_start, rows) if self.cublas else None
-            bias_slabs: list[Tensor] = []
             for slab, col_start in enumerate(range(0, call.v, call.steps.slab_v)):
                 cols = min(call.steps.slab_v, call.v - col_start)
                 self.recompute(row_start, rows, col_start, cols)
@@ -76,11 +77,9 @@ class DenseBackward:
                     self.cublas_gemms(chunk, slab, col_start, cols, *views)
                 else:
                     self.triton_gemms(chunk, row_start, rows, acc_offset, col_start, cols)
-                if call.bias is not None:
+                if call.bias is not None:  # in place, so a replayed loop adds into the same sum
                     slab_sum = self.grad_logits[:rows, :cols].sum(dim=0, dtype=torch.float32)
-                    bias_slabs.append(slab_sum * call.scale if call.scaled else slab_sum)
-            if call.bias is not None:
-                self.bias_chunks.append(torch.cat(bias_slabs))
+                    self.grad_bias[col_start:col_start + cols] += slab_sum * call.scale if call.scaled else slab_sum
 
     def chunk_views(self, row_start: int, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """A chunk's operands for cuBLAS, made once per chunk, not per step: (its rows of the

@@ -207,7 +207,7 @@ def gradient_gemms(problem: Problem, policy: Policy) -> GradientGemms:
 def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy: Policy) -> LaunchPlan:
     """The launch of one call (forward and backward alike: both ops plan the same)."""
     triton = runs_triton(problem, policy)
-    cuda_graphs = policy.cuda_graphs and problem.on_cuda and not options.has_bias and not problem.capturing
+    cuda_graphs = policy.cuda_graphs and problem.on_cuda and not problem.capturing
     return LaunchPlan(
         forward=forward_kernel(problem, options, policy),
         fused=fused_kernel(problem, options, policy),
@@ -231,6 +231,8 @@ def plan_launch(problem: Problem, options: Options, config: KernelConfig, policy
             problem.n, problem.v, problem.d, problem.element_bytes, config, options.filtered, policy,
             row_buffers=(0 if options.filtered else policy.loss_row_buffers)
             + (policy.entropy_row_buffers if options.has_entropy else 0) + (STAGED_ROW_BUFFERS if cuda_graphs else 0),
-            held_bytes=SMALL_POOL_BYTES if cuda_graphs else 0,
+            # staged copies of the small tensors (a bias's among them), and dbias's fp32 sum
+            held_bytes=((2 if options.has_bias else 1) * SMALL_POOL_BYTES if cuda_graphs else 0)
+            + (4 * problem.v if options.has_bias else 0),
         )) if triton else None,
     )
