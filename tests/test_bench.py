@@ -129,12 +129,16 @@ def test_cli_refuses_politely_without_cuda(monkeypatch: pytest.MonkeyPatch, caps
 
 @pytest.mark.parametrize(("args", "said"), [
     pytest.param(["--sync", "README.md"], "use it with --render", id="sync-without-render"),
-    pytest.param(["--shapes", "0x0x0"], "at least 1", id="empty-shape"),
-    pytest.param(["--shapes", "100x0x1000"], "at least 1", id="zero-hidden-size"),
+    pytest.param(["--shapes", "0x0x0"], "for --shapes: shape '0x0x0': N, D and V must each be at least 1",
+                 id="empty-shape"),
+    pytest.param(["--shapes", "100x0x1000"], "for --shapes: shape '100x0x1000'", id="zero-hidden-size"),
+    pytest.param(["--shapes", "llama"], "for --shapes: shape 'llama' is neither", id="unknown-shape"),
     pytest.param(["--shapes", ",,"], "names nothing", id="no-shape-named"),
     pytest.param(["--impls", " "], "names nothing", id="no-impl-named"),
     pytest.param(["--budget-s", "-5"], "greater than or equal to 0", id="negative-budget"),
-    pytest.param(["--impls", "nope"], "unknown impls", id="unknown-impl"),
+    pytest.param(["--impls", "nope"], "for --impls: unknown impls ['nope']", id="unknown-impl"),
+    pytest.param(["--kinds", "zeros"], "for --kinds: unknown input kinds ['zeros']", id="unknown-kind"),
+    pytest.param(["--compile", "max"], "for --compile: unknown compile modes ['max']", id="unknown-compile-mode"),
     pytest.param(["--out", "{tmp}/bench.csv"], "is not a folder", id="out-a-file"),
     pytest.param(["--out", "{tmp}/bench.csv/results"], "bench.csv is not a folder", id="out-below-a-file"),
     pytest.param(["--out", "{tmp}"], "bench.csv line 2: 2 cells", id="out-a-short-row"),
@@ -144,7 +148,8 @@ def test_cli_checks_its_arguments_before_asking_for_a_gpu(
 ) -> None:
     """Each was accepted (a shape of zeros went to the harness, `--shapes ,,` ran every model
     shape, --sync was dropped, an --out whose bench.csv cannot take rows failed after the first
-    shape's run) or, without a GPU, reported as the missing GPU instead."""
+    shape's run) or, without a GPU, reported as the missing GPU instead; an unknown shape, impl,
+    input kind or compile mode named no option."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     (tmp_path / "bench.csv").write_text(",".join(results.COLUMNS) + "\nNVIDIA H200,2.11\n")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
@@ -456,6 +461,50 @@ def test_cli_render_needs_no_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(doc)) == (0, "")
     assert (tmp_path / "latest.md").exists() and (tmp_path / "latest.png").exists()
     assert "stale" not in doc.read_text() and "| cce_exact |" in doc.read_text()
+
+
+def test_cli_render_reads_a_csv_beginning_with_a_byte_order_mark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An editor's UTF-8 byte order mark, which `cce import` takes, was read as part of the first
+    column's name and the file refused (header: ['\\ufeffgpu', ...])."""
+    path = tmp_path / "bench.csv"
+    results.append_rows(path, [_row()])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert _bench(capsys, "--render", "--out", str(tmp_path)) == (0, "")
+    results.append_rows(path, [_row(impl="torch")])
+    assert [row["impl"] for row in results.read_rows(path)] == ["cce_exact", "torch"]
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    pytest.param(None, "bench.csv: cannot read it: Is a directory", id="a-directory"),
+    pytest.param(b"a,b\n1,2\n", "bench.csv does not have the results columns", id="another-header"),
+    pytest.param(b"\xef\xbb\xbf" + ",".join(results.COLUMNS).encode() + b"\n\xff\n",  # the mark counted
+                 "bench.csv line 2: not UTF-8 (byte 145 of the file", id="not-utf-8"),
+    pytest.param({"fwd_ms": "fast"}, "bench.csv line 2: fwd_ms 'fast' is not a number", id="not-a-number"),
+    pytest.param({"shape": "huge"}, "bench.csv line 2: shape 'huge' is neither", id="not-a-shape"),
+])
+def test_cli_render_names_the_csv_and_the_line_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | dict[str, str] | None, said: str
+) -> None:
+    """Each came out as the exception's class and text (`IsADirectoryError: [Errno 21] ...`,
+    `ValueError: could not convert string to float: 'fast'`), the last two naming no file."""
+    path = tmp_path / "bench.csv"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        results.append_rows(path, [_row(**content)])
+    status, error = _bench(capsys, "--render", "--out", str(tmp_path))
+    assert status == 1 and error.startswith(f"cce: error: --render: {tmp_path}") and said in error, error
+    assert "Error" not in error and not (tmp_path / "latest.md").exists()
+
+
+def test_cli_render_names_a_file_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A latest.md that is a folder came out as `IsADirectoryError: [Errno 21] ...`."""
+    results.append_rows(tmp_path / "bench.csv", [_row()])
+    (tmp_path / "latest.md").mkdir()
+    status, error = _bench(capsys, "--render", "--out", str(tmp_path))
+    assert status == 1 and f"--render: cannot write {tmp_path / 'latest.md'}: Is a directory" in error, error
 
 
 @pytest.mark.parametrize(("content", "said"), [

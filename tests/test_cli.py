@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from cce_compile import __version__
 from service.auth import parse_token_spec
@@ -27,12 +28,14 @@ from tests.db_fixtures import bearer, measurement_data
 README = REPO_ROOT / "README.md"
 
 
-def cce(*args: str, env: dict[str, str] | None = None, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    """`cce ARGS` in a child process (after `prelude`, Python run first), in a scratch cache."""
+def cce(*args: str, env: dict[str, str] | None = None, prelude: str = "",
+        stdout_closed: bool = False) -> subprocess.CompletedProcess[str]:
+    """`cce ARGS` in a child process (after `prelude`, Python run first), in a scratch cache; with
+    `stdout_closed`, started without a stdout, as by the shell's `>&-`."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     code = f"{prelude}\nimport sys\nfrom cce_compile.cli.main import app\nsys.argv = ['cce', *{list(args)!r}]\napp()"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
-                          cwd=REPO_ROOT, timeout=120)
+                          cwd=REPO_ROOT, timeout=120, preexec_fn=(lambda: os.close(1)) if stdout_closed else None)
 
 
 def assert_one_line_failure(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -300,6 +303,43 @@ def test_export_and_import_name_a_database_without_schema_and_create_none(tmp_pa
         assert "SELECT" not in done.stderr and "INSERT" not in done.stderr
 
 
+def test_export_and_import_create_no_database_named_as_a_uri(tmp_path: Path) -> None:
+    """A mistyped path in a `file:` URI was created, empty, and then said to have no schema (the
+    missing-file check skipped every URI); mode=rwc is the driver's default, no request to create."""
+    typo = tmp_path / "typo.db"
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_text('{"format": "cce-tuning-db", "schema_version": 1, "entries": 0, "measurements": 0}\n')
+    for url in (f"sqlite:///file:{typo}?uri=true", f"sqlite:///file://localhost{typo}?mode=rwc&uri=true",
+                f"sqlite:///file:{typo}?mode=ro&uri=true"):
+        for args in (["export"], ["import", str(export_file)]):
+            assert_one_line_failure(cce(*args, "--db-url", url), "no such SQLite database", "cce db upgrade --db-url")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export.jsonl"]
+
+
+def test_sqlite_file_reads_uris_as_the_driver_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file each URL names is the one connecting creates: a `file:` URI's path after an empty
+    or localhost authority, without its query or fragment, percent-decoded; a URI without `file:`
+    is a plain name, the query SQLAlchemy passes on included."""
+    from tuning_db.engine import make_engine, sqlite_file
+
+    monkeypatch.chdir(tmp_path)
+    names = {f"sqlite:///file:{tmp_path}/typo.db?uri=true": "typo.db",
+             f"sqlite:///file://localhost{tmp_path}/a%2520b.db?uri=true": "a b.db",
+             f"sqlite:///file://{tmp_path}/f.db%23x?cache=shared&uri=true": "f.db",
+             "sqlite:///file:relative.db?mode=rwc&uri=1": "relative.db",
+             "sqlite:///plain.db?mode=rwc&uri=true": "plain.db?mode=rwc",
+             "sqlite:///file:no.db?uri=false": "file:no.db"}
+    for url, name in names.items():
+        path = sqlite_file(url)
+        assert path is not None and path.absolute() == tmp_path / name and not path.exists(), url
+        engine = make_engine(url)
+        engine.connect().close()
+        engine.dispose()
+        assert path.is_file(), url
+    assert sqlite_file(f"sqlite:///file://elsewhere{tmp_path}/x.db?uri=true") is None  # SQLite refuses it
+    assert sqlite_file("sqlite:///file::memory:?uri=true") is None
+
+
 def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> None:
     done = cce("export", "--db-url", "", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert_one_line_failure(done, "--db-url", "empty")
@@ -521,6 +561,19 @@ def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
     assert_one_line_failure(cce(*problem, "--out", str(tmp_path)), "--out", "is a directory")
 
 
+def test_bench_checks_its_shapes_and_out_before_importing_torch(tmp_path: Path) -> None:
+    """A shape or an --out that cannot be used is refused without torch (seconds to import, and
+    what a broken install fails on); the error names the option (it said `Invalid value: shape`)."""
+    no_torch = "import sys\nsys.modules['torch'] = None"
+    done = cce("bench", "--shapes", "0x1x1", prelude=no_torch)
+    assert_one_line_failure(done, "Invalid value for --shapes: shape '0x1x1': N, D and V must each be at least 1")
+    assert done.returncode == 2
+    (tmp_path / "file").touch()
+    done = cce("bench", "--out", str(tmp_path / "file"), prelude=no_torch)
+    assert_one_line_failure(done, "Invalid value for --out", "is not a folder")
+    assert done.returncode == 2
+
+
 def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:
     """`python -m cce_compile.cli.bench` and `...cli.tune` (what GPU machines run, docs/performance.md)
     fail in one line too: a misused option with status 2, an unforeseen error with status 1."""
@@ -536,8 +589,23 @@ def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:
     assert done.returncode == 2
     (tmp_path / "bench.csv").write_text("a,b\n1,2\n")
     done = alone("bench", "--render", "--out", str(tmp_path))
-    assert_one_line_failure(done, "ValueError", "results columns")
-    assert done.returncode == 1
+    assert_one_line_failure(done, f"--render: {tmp_path / 'bench.csv'} does not have the results columns")
+    assert done.returncode == 1 and "ValueError" not in done.stderr
+
+
+def test_export_and_lookup_with_stdout_closed_say_so_in_one_line(tmp_path: Path) -> None:
+    """`cce export >&-` failed as `AttributeError: 'NoneType' object has no attribute 'write'`, and
+    `cce lookup >&-` exited 0 having printed its answer nowhere; each now stops before it opens
+    a database or asks a service."""
+    database = tmp_path / "tuning.db"
+    assert cce("db", "upgrade", "--db-url", f"sqlite:///{database}").returncode == 0
+    for args in (["export", "--db-url", f"sqlite:///{database}"], ["export", "--url", f"http://127.0.0.1:{free_port()}"],
+                 ["lookup", "--vocab", "1000", "--hidden", "64", "--tokens", "100", "--gpu", "NVIDIA H100"],
+                 ["lookup", "--vocab", "1000", "--hidden", "64", "--tokens", "100", "--gpu", "NVIDIA H100", "--json"]):
+        done = cce(*args, stdout_closed=True)
+        assert_one_line_failure(done, "stdout is closed")
+        assert done.returncode == 1
+    assert cce("export", "--db-url", f"sqlite:///{database}").stdout.startswith('{"format":"cce-tuning-db"')
 
 
 def test_export_from_a_dead_service_is_one_line() -> None:

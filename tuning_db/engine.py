@@ -10,10 +10,12 @@ another writer commits in between, whatever the busy timeout.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
@@ -61,11 +63,31 @@ def shown_url(url: str | URL) -> str:
 
 def sqlite_file(url: str) -> Path | None:
     """The file an SQLite URL names, so a caller can tell a missing database from an empty one
-    (connecting creates the file); None for another database, an in-memory one or a URI."""
+    (connecting creates the file); None for another database or an in-memory one.
+
+    Read as a URI (uri=true), the name the driver is given is read as SQLite reads it: a `file:`
+    URI's path, after an authority that is empty or `localhost` (SQLite refuses any other: None,
+    and connecting says why), up to its query or fragment, percent-decoded; a name without
+    `file:` is a plain file name, the query SQLAlchemy appends to it included. The URI's mode
+    does not change the file: ro and rw open only an existing one, and rwc is the driver's own
+    default (it opens read-write and create, and SQLite takes no mode less restrictive than the
+    open flags), so a URI saying rwc asks for nothing a plain path does not: a caller refusing a
+    missing file refuses it whatever the mode."""
     parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or "uri" in parsed.query:
+    if parsed.get_backend_name() != "sqlite" or in_memory(url):
         return None
-    return Path(parsed.database)
+    if not asbool(parsed.query.get("uri", False)):
+        return Path(parsed.database or "")
+    (name,), _ = parsed.get_dialect()().create_connect_args(parsed)  # the name the driver opens
+    if not name.startswith("file:"):
+        return Path(name)
+    path = name.removeprefix("file:")
+    if path.startswith("//"):  # file://authority/path
+        authority, slash, path = path[2:].partition("/")
+        if authority not in ("", "localhost"):
+            return None
+        path = slash + path
+    return Path(unquote(re.split("[?#]", path, maxsplit=1)[0]))
 
 
 def in_memory(url: str) -> bool:

@@ -9,8 +9,10 @@ re-render anywhere.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import importlib.util
+import io
 import math
 import re
 import shlex
@@ -34,6 +36,7 @@ _KEY = ("gpu", "shape", "inputs", "impl", "compiled")
 _TABLE_START = re.compile(r"<!-- cce-bench-table(?P<filters>[^>]*?)-->")
 _TABLE_END = "<!-- /cce-bench-table -->"
 _FILTERS = ("gpu", "shape", "inputs", "impl", "compiled")
+_NUMBERS = COLUMNS[COLUMNS.index("fwd_ms"):]
 _RATIO_FLOOR = 0.5  # log-scale bars start here, so a 1.03 x memory bar still shows
 
 
@@ -77,13 +80,26 @@ def append_rows(csv_path: Path, rows: Iterable[Mapping[str, object]]) -> None:
 
 
 def read_rows(csv_path: Path) -> list[Row]:
-    """The CSV's rows, each with a cell per column. A row with fewer or more cells (a run cut
-    off mid-row, a hand edit) raises ValueError naming its line: rendering would otherwise
-    meet a missing cell as None far from its cause."""
+    """The CSV's rows, each with a cell per column; a UTF-8 byte order mark (an editor's, which
+    `cce import` takes too) is no part of the header. A file that cannot be read or is not UTF-8,
+    a row with fewer or more cells (a run cut off mid-row, a hand edit) and a cell rendering
+    cannot read raise ValueError naming the file and the line: rendering would otherwise meet a
+    missing cell as None, or a bad one as a bare ValueError, far from its cause."""
     csv_path = Path(csv_path)
+    try:
+        data = csv_path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{csv_path}: cannot read it: {error.strerror or error}") from None
+    mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[mark:].decode("utf-8")
+    except UnicodeDecodeError as error:
+        at = mark + error.start
+        line = data.count(b"\n", 0, at) + 1
+        raise ValueError(f"{csv_path} line {line}: not UTF-8 (byte {at} of the file, counted from 0)") from None
     rows: list[Row] = []
-    with csv_path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         _check_header(reader.fieldnames, csv_path)
         for row in reader:
             if None in row or None in row.values():
@@ -91,8 +107,28 @@ def read_rows(csv_path: Path) -> list[Row]:
                 cells += len(row.get(None) or ())
                 raise ValueError(f"{csv_path} line {reader.line_num}: {cells} cells where the results have "
                                  f"{len(COLUMNS)}")
+            problem = _cell_problem(row)
+            if problem is not None:
+                raise ValueError(f"{csv_path} line {reader.line_num}: {problem}")
             rows.append(row)
+    except csv.Error as error:  # a field past the csv module's size limit
+        raise ValueError(f"{csv_path} line {reader.line_num}: {error}") from None
     return rows
+
+
+def _cell_problem(row: Row) -> str | None:
+    """What in `row` rendering cannot read: a number column's cell that is no number, a shape
+    that is neither a shape's name nor NxDxV."""
+    for column in _NUMBERS:
+        try:
+            float(row[column] or 0)
+        except ValueError:
+            return f"{column} {row[column]!r} is not a number"
+    try:
+        parse_shape(row["shape"])
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def latest(rows: list[Row]) -> list[Row]:

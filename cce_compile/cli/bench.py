@@ -8,12 +8,14 @@ service's dependencies nor an installed package.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES
+from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES, parse_shape
 from cce_compile.cli.errors import fail, run_alone
 
 
@@ -26,6 +28,15 @@ def _split(values: list[str] | None, option: str) -> list[str]:
     return parts
 
 
+@contextmanager
+def _option(option: str) -> Iterator[None]:
+    """A ValueError while resolving `option`'s values is that option's misuse, named."""
+    try:
+        yield
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint=option) from None
+
+
 def _render(out: Path, sync: list[Path]) -> None:
     from cce_compile.bench import results
 
@@ -36,6 +47,10 @@ def _render(out: Path, sync: list[Path]) -> None:
         written = results.render(csv_path, sync)
     except results.SyncError as error:
         fail(f"--sync {error}")
+    except ValueError as error:  # the CSV's problem, naming it and the line
+        fail(f"--render: {error}")
+    except OSError as error:  # a rendered file that cannot be written
+        fail(f"--render: cannot write {error.filename or out}: {error.strerror or error}")
     for path in written:
         typer.echo(f"wrote {path}")
 
@@ -104,17 +119,21 @@ def bench(
         return
     if sync is not None:
         raise typer.BadParameter("rewrites tables from saved results: use it with --render", param_hint="--sync")
+    # The arguments first, each naming its option: a mistake is reported as one, on a machine
+    # without a GPU too, and those checked without torch before it is imported.
+    with _option("--shapes"):
+        shape_list = [parse_shape(spec) for spec in _split(shapes, "--shapes")] or list(
+            (QUICK_SHAPES if quick else SHAPES).values())
+    _check_out(out)
     from cce_compile.bench import harness, peers, report
 
-    try:  # the arguments first: a mistake is reported as one, on a machine without a GPU too
-        shape_list = [harness.parse_shape(spec) for spec in _split(shapes, "--shapes")] or list(
-            (QUICK_SHAPES if quick else SHAPES).values())
-        impl_list = peers.with_compile_modes(peers.resolve_impls(_split(impls, "--impls")),
-                                             peers.resolve_compile_modes(_split(compile_modes, "--compile")))
+    with _option("--impls"):
+        impl_list = peers.resolve_impls(_split(impls, "--impls"))
+    with _option("--compile"):
+        modes = peers.resolve_compile_modes(_split(compile_modes, "--compile"))
+    with _option("--kinds"):
         kind_list = harness.resolve_kinds(_split(kinds, "--kinds"))
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    _check_out(out)
+    impl_list = peers.with_compile_modes(impl_list, modes)
     try:
         harness.require_cuda()
     except harness.BenchmarkUnavailable as err:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, one_line, refuse_empty, service_url
+from cce_compile.cli.errors import fail, one_line, refuse_empty, require_stdout, service_url
 from cce_compile.resolve.sources import TOKEN_ENV, token_problem
 from tuning_db.records import ImportMode
 
@@ -272,6 +272,7 @@ def export_command(
 ) -> None:
     """Write the live best entries as JSON lines to stdout (first line: schema header)."""
     _refuse_two_targets(ctx, url)
+    require_stdout()
     if url:
         sys.stdout.write(_checked_export(url, _service_request("GET", url, "/v1/export", token)))
         return

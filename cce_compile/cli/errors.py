@@ -27,6 +27,15 @@ def fail(message: str, status: int = 1) -> NoReturn:
     raise typer.Exit(status)
 
 
+def require_stdout() -> None:
+    """Stop a command whose result is what it writes to stdout when stdout is closed (`cce export
+    >&-`): Python then has no sys.stdout, where click's echo drops the result without a word and
+    a write fails as an AttributeError. Called first, before a database is opened or a service
+    asked."""
+    if sys.stdout is None or sys.stdout.closed:
+        fail("stdout is closed, and this command writes its result there; redirect it (> FILE) instead")
+
+
 def _line(message: str) -> str:
     """`message` as the command's one error line, the credentials of its URLs hidden."""
     return f"cce: error: {redact_urls(' '.join(message.split()))}"

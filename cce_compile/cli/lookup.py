@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, service_url
+from cce_compile.cli.errors import fail, require_stdout, service_url
 from cce_compile.config.keys import KEY_MODES
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def lookup(
 
     dtype_name = checked_problem_options(dtype, mode)
     _check_as_the_service_does(gpu=gpu, vocab=vocab, hidden=hidden, tokens=tokens)
+    require_stdout()
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
     key = ProblemKey(device, vocab, hidden, dtype_name, n_bucket(tokens), mode)
