@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from . import ops
@@ -236,12 +237,21 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = 
     cannot be branched on, so there the op gives that token a NaN loss and NaN gradients
     (ops/loss_terms.py), for a grad scaler to skip the step."""
     if (torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0
-            or torch._C._functorch.is_functorch_wrapped_tensor(targets)):
+            or torch._C._functorch.is_functorch_wrapped_tensor(targets) or _without_values(targets)):
         return
     bad = out_of_range(targets, v, ignore_index)
     if bool(bad.any()):
         first = int(targets[bad][0])
         raise ValueError(f"{name} must be in [0, {v}) or ignore_index ({ignore_index}); found {first}")
+
+
+def _without_values(t: Tensor) -> bool:
+    """Whether `t` holds no values to branch on: a fake tensor (FakeTensorMode's shape
+    propagation) or any tensor while a fake or proxy dispatch mode traces (make_fx), where
+    reading one raises a data-dependent error from inside torch instead of a result."""
+    modes = torch._C._TorchDispatchModeKey
+    return (is_fake(t) or torch._C._get_dispatch_mode(modes.FAKE) is not None
+            or torch._C._get_dispatch_mode(modes.PROXY) is not None)
 
 
 def _temperature_scale(softcap: float | None, temperature: float) -> tuple[float, float]:

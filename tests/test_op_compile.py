@@ -745,3 +745,29 @@ def test_a_compiled_vmap_differentiates_its_batched_operands(call: str) -> None:
         (run(*leaves, t) * torch.tensor([1.0, 3.0])).sum().backward()
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize(("memory", "reduction"), [("low", "mean"), ("low", "sum"), ("workspace", "none")])
+def test_a_float64_default_dtype_keeps_the_loss_float32_eager_and_compiled(memory: str, reduction: str) -> None:
+    """Under torch.set_default_dtype(torch.float64) the loss is float32, as the op's fake
+    function says: a factor built from two Python floats came out float64, the per-token loss
+    with it, and a compiled graph that read those float64 losses as float32 gave a mean 3.8 off
+    (a sum 73) without an error."""
+    torch._dynamo.reset()
+    e, c, targets = make_inputs("zipf", (20,), 96, 16, torch.float32, seed=3)
+    targets[3] = -100
+    expected = torch.nn.functional.cross_entropy(e.double() @ c.double().T, targets, reduction=reduction)
+
+    def loss_of(e, c, targets):
+        return cce_compile.linear_cross_entropy(e, c, targets, memory=memory, reduction=reduction)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for fn in (loss_of, torch.compile(loss_of, fullgraph=True)):
+            loss = fn(e.clone().requires_grad_(), c, targets)
+            assert loss.dtype == torch.float32
+            torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_default_dtype(previous)
+        torch._dynamo.reset()

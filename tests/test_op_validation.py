@@ -334,3 +334,30 @@ def test_out_of_range_target_under_compile_makes_the_gradients_nan(name: str) ->
     outputs, grad_e, grad_c, _ = _out_of_range_step(compiled, e, c, targets, bias)
     assert torch.isnan(outputs[0]).all() if outputs[0].dim() == 0 else torch.isnan(outputs[0][2])
     assert torch.isnan(grad_c).all() and torch.isnan(grad_e[2]).all() and (grad_e[1] == 0).all()
+
+
+@pytest.mark.parametrize("trace", ["FakeTensorMode", "make_fx real", "make_fx fake"])
+def test_shape_propagation_with_fake_tensors_runs(trace: str) -> None:
+    """FakeTensorMode (shape propagation) and make_fx trace the ops through their fake
+    functions: the eager CPU range check, which reads the targets' values, once raised torch's
+    DataDependentOutputException from inside it there (targets a fake tensor holds no values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    e, c, t = good()
+
+    def calls(e, c, t):
+        loss = cce_compile.linear_cross_entropy(e, c, t, reduction="none")
+        return loss, cce_compile.linear_cross_entropy(e, c, t, memory="low"), cce_compile.linear_log_probs(e, c, t)
+
+    if trace == "FakeTensorMode":
+        with FakeTensorMode() as mode:
+            fake_e = mode.from_tensor(e).requires_grad_()
+            per_token, mean, log_probs = calls(fake_e, mode.from_tensor(c), mode.from_tensor(t))
+            (per_token.sum() + mean + log_probs.sum()).backward()
+            assert per_token.shape == (6,) and mean.shape == () and log_probs.shape == (6,)
+            assert per_token.dtype == torch.float32 and fake_e.grad.shape == e.shape
+    else:
+        graph = make_fx(calls, tracing_mode="real" if trace == "make_fx real" else "fake")(e, c, t)
+        for got, want in zip(graph(e, c, t), calls(e, c, t)):
+            torch.testing.assert_close(got, want)

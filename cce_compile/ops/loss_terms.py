@@ -83,8 +83,11 @@ def loss_of_terms(
         loss = loss + torch.where(valid, smooth, 0.0)
     loss = torch.where(valid, loss, 0.0)
     # NaN by a factor, not a select: autograd through it (the vocabulary-parallel loss) takes
-    # the NaN into that token's gradients too, where a select would give them 0
-    return loss * torch.where(valid & ~in_range, float("nan"), 1.0)
+    # the NaN into that token's gradients too, where a select would give them 0. The factor in
+    # the loss's own dtype: a select of two Python floats is in the default dtype, float64 under
+    # torch.set_default_dtype(torch.float64), which made the loss float64 where the op's fake
+    # function says float32, and a compiled graph read those float64 losses as float32.
+    return loss * torch.where(valid & ~in_range, float("nan"), loss.new_ones(()))
 
 
 def mean_scale(denominator: Tensor) -> Tensor:

@@ -267,5 +267,6 @@ def vocab_parallel_loss(
     loss = loss_of_terms(lse, summed[0], summed[1] if smoothing else None, valid, in_range, target_weight,
                          total_weight, v, label_smoothing)
     same_tokens = (shards[:, 0] == checksum).all()
-    loss = loss * torch.where(same_tokens, 1.0, float("nan"))  # NaN in the gradients too, for any grad scaler to see
+    # NaN in the gradients too, for any grad scaler to see; the factor in the loss's dtype (not the default one)
+    loss = loss * torch.where(same_tokens, loss.new_ones(()), float("nan"))
     return reduce_with_z_loss(loss, lse, z_loss, reduction, valid, target_weight if weight is not None else None), lse
