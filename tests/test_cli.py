@@ -13,7 +13,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from cce_compile import __version__
 from service.auth import parse_token_spec
 from service.process import REPO_ROOT, free_port, serving
 from tests.db_fixtures import bearer, measurement_data
+from tests.http_servers import loopback_server
 
 README = REPO_ROOT / "README.md"
 
@@ -444,14 +444,8 @@ def _answering(body: bytes = b"<html><body>Sign in</body></html>", content_type:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Page) as url:
+        yield url
 
 
 def test_lookup_of_a_named_service_it_cannot_ask_is_one_line_not_the_heuristic(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from cce_compile.resolve.heuristic import heuristic_config
 from cce_compile.resolve.ladder import Resolution, resolution_for, resolve_config, resolved
 from service.process import REPO_ROOT, serving
 from tests.db_fixtures import GPU_H100, H100_KEY, measurement_data
+from tests.http_servers import loopback_server
 
 READ_TOKEN, WRITE_TOKEN = "read-token-0003", "write-token-0003"
 TOKENS_ENV = {"CCE_SERVICE_TOKENS": f"{READ_TOKEN}:read;{WRITE_TOKEN}:write"}
@@ -154,15 +155,11 @@ def fake_service(status: int, body: bytes | None, headers: dict[str, str] | None
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", fake
-    finally:
-        fake.release.set()
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        try:
+            yield url, fake
+        finally:
+            fake.release.set()
 
 
 def _small_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -447,14 +444,8 @@ def closing_after_500_service() -> Iterator[tuple[str, list[float]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", requests
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        yield url, requests
 
 
 def test_a_500_is_retried_on_a_new_connection_and_named() -> None:

@@ -51,6 +51,7 @@ from cce_compile.tuning.publish import (
 from cce_compile.tuning.tuner import Timing, Tuner, TuneResult, WallClockTimer
 from service.process import REPO_ROOT, free_port, serving
 from tests.db_fixtures import measurement_count, measurement_data
+from tests.http_servers import loopback_server
 from tuning_db.records import MeasurementIn
 from tests.test_cli import assert_one_line_failure, cce as cce_process
 from tests.test_service_process import READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
@@ -228,14 +229,8 @@ def _gateway_losing_the_first_answer(
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", forwarded
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Gateway) as url:
+        yield url, forwarded
 
 
 @pytest.mark.parametrize("lost_as", ["503", "dropped"])
