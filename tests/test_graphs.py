@@ -107,24 +107,17 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     label smoothing, several chunks and slabs; and
     e and c in padded rows that tensor descriptors take, D = 100 not, where a staged copy
     without the padding failed the descriptors)."""
-    from cce_compile.plan.launch import plan_launch
-
-    class Recording(graphs.LoopGraphs):
-        def run(self, key, loop, device, side_streams=()) -> None:
-            runners.append(loop.__self__)
-            loop()
 
     def results() -> list[torch.Tensor]:
         leaves = [(with_row_stride(t, 104) if rows == "padded" else t.clone()).requires_grad_() for t in (e, c)]
+        leaves.append(bias.clone().requires_grad_())  # dbias, summed in place in the graphed loops, compared too
         with cce_compile.override_config(replace(SMALL_TILES, workspace_rows=128)):
-            loss = cce_compile.linear_cross_entropy(*leaves, targets.clone(), bias=bias.clone(), weight=weight.clone(),
+            loss = cce_compile.linear_cross_entropy(*leaves[:2], targets.clone(), bias=leaves[2], weight=weight.clone(),
                                                     reduction="sum", label_smoothing=0.1, memory=memory)
         loss.backward()
         return [loss, *(t.grad for t in leaves)]
 
-    runners: list = []
-    for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
-        monkeypatch.setattr(graphs, name, Recording(name))
+    runners = _recorded_loops(monkeypatch)
     e, c, targets = make_inputs("zipf", (300,), 300, 32, torch.bfloat16, seed=5)
     if rows == "padded":
         use_policy(recompute_tma_min_k_steps=1)
@@ -132,9 +125,7 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
     weight = torch.rand(300) + 0.5
     bias = torch.randn(300).to(torch.bfloat16)
     ungraphed = results()
-    for module in list(sys.modules.values()):
-        if module.__name__.startswith("cce_compile.") and getattr(module, "plan_launch", None) is plan_launch:
-            monkeypatch.setattr(module, "plan_launch", lambda *args: replace(plan_launch(*args), cuda_graphs=True))
+    _force_graphs(monkeypatch)
     graphed = results()
     assert all(torch.equal(a, b) for a, b in zip(ungraphed, graphed))
     (runner,) = runners
@@ -143,3 +134,40 @@ def test_graphed_loops_touch_only_the_large_pool_and_compute_the_same(memory: st
                if t is not None and t.numel() and t is not outputs.grad_e and t is not outputs.grad_c]
     assert len(touched) > 8 and all(in_large_pool(t) for t in touched)
     assert tensors.e.stride() == tensors.c.stride() == ((104, 1) if rows == "padded" else (32, 1))
+
+
+@pytest.mark.interpreter
+def test_a_graphed_slab_loop_without_a_bias_carves_no_dbias_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a bias dbias's sum is empty: carved from the large pool it was a block padded past
+    1 MiB, held through the slab loop beside the scratch and counted nowhere (plan held_bytes)."""
+    runners = _recorded_loops(monkeypatch)
+    _force_graphs(monkeypatch)
+    e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.bfloat16, seed=3)
+    e.requires_grad_()
+    with cce_compile.override_config(SMALL_TILES):
+        cce_compile.linear_cross_entropy(e, c, targets, memory="low").backward()
+    (runner,) = runners
+    assert runner.grad_bias.numel() == 0 and runner.grad_bias.untyped_storage().nbytes() == 0
+
+
+def _recorded_loops(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Loop tables that run each loop as it is (no capture off CUDA) and record its runner."""
+    runners: list = []
+
+    class Recording(graphs.LoopGraphs):
+        def run(self, key, loop, device, side_streams=()) -> None:
+            runners.append(loop.__self__)
+            loop()
+
+    for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
+        monkeypatch.setattr(graphs, name, Recording(name))
+    return runners
+
+
+def _force_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan made from here on says cuda_graphs, as an eager CUDA call's does."""
+    from cce_compile.plan.launch import plan_launch
+
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("cce_compile.") and getattr(module, "plan_launch", None) is plan_launch:
+            monkeypatch.setattr(module, "plan_launch", lambda *args: replace(plan_launch(*args), cuda_graphs=True))

@@ -34,9 +34,11 @@ class DenseBackward:
         steps = call.steps
         (self.grad_logits,) = graphs.carve(call.e.device, ((call.chunk_rows, steps.slab_v), call.e.dtype),
                                             large_pool=call.plan.cuda_graphs)
-        # dbias's fp32 sum, a block of its own: the caller may keep it (fp32 c) without the scratch
+        # dbias's fp32 sum, a block of its own: the caller may keep it (fp32 c) without the scratch.
+        # Without a bias nothing: a large-pool block padded above 1 MiB for an empty tensor is memory
+        # the plan does not count (held_bytes).
         (self.grad_bias,) = graphs.carve(call.e.device, ((call.v if call.bias is not None else 0,), torch.float32),
-                                         large_pool=call.plan.cuda_graphs)
+                                         large_pool=call.plan.cuda_graphs and call.bias is not None)
         self.grad_bias.zero_()
         self.recompute = Recompute(call, self.grad_logits)
         self.cublas = call.plan.gradient_gemms == "cublas"

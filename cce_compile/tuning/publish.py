@@ -310,7 +310,8 @@ class DatabasePublisher:
                 session.execute(insert(Gpu).values(**probe))
                 session.rollback()
         except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
-            raise PublishError(f"the database takes no writes: {' '.join(str(error.orig).split())[:300]}") from None
+            # the driver's reason says which: read-only, or locked past the busy timeout
+            raise PublishError(f"the database refused a test write: {' '.join(str(error.orig).split())[:300]}") from None
 
     def publish(self, bodies: list[dict[str, Any]]) -> list[Outcome]:
         """One outcome a measurement. A database error (a lock held past its timeout, a lost
