@@ -236,8 +236,7 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = 
     torch.compile that would cost a host sync, and targets that torch.func's vmap batches
     cannot be branched on, so there the op gives that token a NaN loss and NaN gradients
     (ops/loss_terms.py), for a grad scaler to skip the step."""
-    if (torch.compiler.is_compiling() or targets.device.type != "cpu" or targets.numel() == 0
-            or torch._C._functorch.is_functorch_wrapped_tensor(targets) or _without_values(targets)):
+    if _without_values(targets) or targets.device.type != "cpu" or targets.numel() == 0:
         return
     bad = out_of_range(targets, v, ignore_index)
     if bool(bad.any()):
@@ -246,11 +245,13 @@ def _check_target_range(targets: Tensor, v: int, ignore_index: int, name: str = 
 
 
 def _without_values(t: Tensor) -> bool:
-    """Whether `t` holds no values to branch on: a fake tensor (FakeTensorMode's shape
-    propagation) or any tensor while a fake or proxy dispatch mode traces (make_fx), where
-    reading one raises a data-dependent error from inside torch instead of a result."""
+    """Whether `t` holds no values to branch on: while torch.compile traces, a functorch wrapper
+    (vmap, grad), a fake tensor (FakeTensorMode's shape propagation) or any tensor while a fake
+    or proxy dispatch mode traces (make_fx), where reading one raises a data-dependent error
+    from inside torch instead of a result."""
     modes = torch._C._TorchDispatchModeKey
-    return (is_fake(t) or torch._C._get_dispatch_mode(modes.FAKE) is not None
+    return (torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t) or is_fake(t)
+            or torch._C._get_dispatch_mode(modes.FAKE) is not None
             or torch._C._get_dispatch_mode(modes.PROXY) is not None)
 
 

@@ -65,9 +65,8 @@ def sqlite_file(url: str) -> Path | None:
     """The file an SQLite URL names, so a caller can tell a missing database from an empty one
     (connecting creates the file); None for another database or an in-memory one.
 
-    Read as a URI (uri=true), the name the driver is given is read as SQLite reads it: a `file:`
-    URI's path, after an authority that is empty or `localhost` (SQLite refuses any other: None,
-    and connecting says why), up to its query or fragment, percent-decoded; a name without
+    Read as a URI (uri=true), the name the driver is given is read as SQLite reads it
+    (_uri_path; an authority SQLite refuses: None, and connecting says why); a name without
     `file:` is a plain file name, the query SQLAlchemy appends to it included. The URI's mode
     does not change the file: ro and rw open only an existing one, and rwc is the driver's own
     default (it opens read-write and create, and SQLite takes no mode less restrictive than the
@@ -79,15 +78,23 @@ def sqlite_file(url: str) -> Path | None:
     if not asbool(parsed.query.get("uri", False)):
         return Path(parsed.database or "")
     (name,), _ = parsed.get_dialect()().create_connect_args(parsed)  # the name the driver opens
+    path = _uri_path(name)
+    return None if path is None else Path(path)
+
+
+def _uri_path(name: str) -> str | None:
+    """The file SQLite opens for `name` read as a URI: a `file:` URI's path, after an authority
+    that is empty or `localhost` (None for any other, which SQLite refuses), up to its query or
+    fragment, percent-decoded; a name without `file:` as it is."""
     if not name.startswith("file:"):
-        return Path(name)
+        return name
     path = name.removeprefix("file:")
     if path.startswith("//"):  # file://authority/path
         authority, slash, path = path[2:].partition("/")
         if authority not in ("", "localhost"):
             return None
         path = slash + path
-    return Path(unquote(re.split("[?#]", path, maxsplit=1)[0]))
+    return unquote(re.split("[?#]", path, maxsplit=1)[0])
 
 
 def in_memory(url: str) -> bool:
@@ -100,10 +107,7 @@ def in_memory(url: str) -> bool:
     database = parsed.database or ""
     if not asbool(parsed.query.get("uri", False)):
         return database in ("", ":memory:")
-    path = database.removeprefix("file:")
-    if path.startswith("//"):  # file://authority/path
-        path = "/" + path[2:].partition("/")[2]
-    return path in ("", ":memory:") or parsed.query.get("mode") == "memory"
+    return _uri_path(database) in ("", ":memory:") or parsed.query.get("mode") == "memory"
 
 
 def make_engine(url: str | None = None) -> Engine:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, one_line, refuse_empty, require_stdout, service_url
-from cce_compile.resolve.sources import TOKEN_ENV, token_problem
+from cce_compile.resolve.sources import TOKEN_ENV, bearer_token, token_problem
 from tuning_db.records import ImportMode
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def _service_request(
     written every line, which a large file on a busy database takes minutes to."""
     import httpx
 
-    token = token.strip() if token else token  # as the op and the service take it (a secret file's newline)
+    token = bearer_token(token)
     problem = token_problem(token) if token else None
     if problem is not None:  # never quoted: the HTTP client's error quotes the header whole
         fail(f"--token {problem}", status=2)

@@ -293,10 +293,9 @@ def shift_sample_weights(rows: int, bias_sample: Tensor | None, dtype: torch.dty
         return torch.full((rows,), 1.0 / rows, dtype=dtype, device=device), None
     finite = torch.isfinite(bias_sample)
     count = finite.sum(dtype=torch.float32)
-    any_finite = count > 0
-    weights = torch.where(any_finite, finite.to(torch.float32) / count.clamp_min(1.0), 1.0 / rows).to(dtype)
-    finite_sum = torch.where(finite, bias_sample.float(), 0.0).sum()
-    mean_bias = torch.where(any_finite, finite_sum / count.clamp_min(1.0), float("-inf"))
+    any_finite, kept = count > 0, count.clamp_min(1.0)
+    weights = torch.where(any_finite, finite.to(torch.float32) / kept, 1.0 / rows).to(dtype)
+    mean_bias = torch.where(any_finite, torch.where(finite, bias_sample.float(), 0.0).sum() / kept, float("-inf"))
     return weights, mean_bias
 
 

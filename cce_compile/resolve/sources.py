@@ -66,8 +66,7 @@ class Settings:
             cache_dir = str(Path(platformdirs.user_cache_dir("cce_compile")) / "configs")
         return cls(
             url=os.environ.get(URL_ENV) or None,
-            # Stripped as the service strips its own (a secret mounted from a file ends in a newline).
-            token=os.environ.get(TOKEN_ENV, "").strip() or None,
+            token=bearer_token(os.environ.get(TOKEN_ENV)),
             offline=os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on"),
             cache_dir=Path(cache_dir).expanduser(),  # the README's default is written ~/.cache/...
             ttl_s=_ttl_from_env(),
@@ -77,6 +76,12 @@ class Settings:
         """These settings with a service named explicitly (a command's --url): it is asked
         under CCE_TUNING_OFFLINE too, as the option outranks the environment."""
         return self if url is None else replace(self, url=url, offline=False)
+
+
+def bearer_token(value: str | None) -> str | None:
+    """A token as given (CCE_TUNING_TOKEN, --token), stripped as the service strips its own (a
+    secret mounted from a file ends in a newline); None where nothing is left."""
+    return (value or "").strip() or None
 
 
 def token_problem(token: str) -> str | None:

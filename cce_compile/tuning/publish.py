@@ -172,7 +172,7 @@ class ServicePublisher:
 
     def __init__(self, url: str, token: str | None) -> None:
         """PublishError where the URL or the token cannot be right, whatever the service says."""
-        token = token.strip() if token else token  # as the op and the service take it (a secret file's newline)
+        token = sources.bearer_token(token)
         if not token:
             raise PublishError(f"publishing needs a write token in ${sources.TOKEN_ENV}")
         problem = sources.token_problem(token)
