@@ -7,7 +7,8 @@ state), first-step (compiling) time and loss agreement.
 
 The model (`--model`): `llama`, 2 decoder layers, hidden 2048, vocab 128256, untied head, batch
 4 x 2048 tokens; `qwen2`, Qwen2.5 0.5B's head (hidden 896, vocab 151936, tied to the embedding),
-2 layers, 4 x 4096 tokens; `gemma2`, Gemma-2 2B's (hidden 2304, vocab 256000, tied, the logits
+2 layers, 4 x 4096 tokens; `llama_bias`, the llama model with a bias on its head (as Phi-2's and
+GPT-J's heads have); `gemma2`, Gemma-2 2B's (hidden 2304, vocab 256000, tied, the logits
 soft-capped at 30), 2 layers, 4 x 2048 tokens. bf16 weights, AdamW. Each run is its own
 process with empty Inductor and Triton caches, so its first step pays the compile a user's
 first run pays, and no run reuses another's kernels.
@@ -61,6 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 MODELS = {
     "llama": {"layers": 2, "hidden": 2048, "vocab": 128256, "batch": 4, "seq": 2048},
+    "llama_bias": {"layers": 2, "hidden": 2048, "vocab": 128256, "batch": 4, "seq": 2048},
     "qwen2": {"layers": 2, "hidden": 896, "vocab": 151936, "batch": 4, "seq": 4096},
     "gemma2": {"layers": 2, "hidden": 2304, "vocab": 256000, "batch": 4, "seq": 2048},
 }
@@ -75,6 +77,7 @@ def model_shape(model: str, small: bool) -> dict[str, int]:
 
 def build_model(model: str, shape: dict[str, int]):
     """An untrained `model`-family causal LM of `shape`, as its HF class builds it."""
+    import torch
     import transformers
 
     common = dict(
@@ -83,8 +86,11 @@ def build_model(model: str, shape: dict[str, int]):
         vocab_size=shape["vocab"], max_position_embeddings=shape["seq"], use_cache=False,
         attn_implementation="eager" if model == "gemma2" else "sdpa",  # HF's Gemma-2 takes no SDPA
     )
-    if model == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    if model in ("llama", "llama_bias"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+        if model == "llama_bias":
+            llama.lm_head = torch.nn.Linear(shape["hidden"], shape["vocab"], bias=True)
+        return llama
     if model == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
     return transformers.Gemma2ForCausalLM(

@@ -40,15 +40,17 @@ def test_train_step_repeats_each_run_and_compares_with_hf(tmp_path: Path) -> Non
     assert float(patched_row[9]) > 0  # first step x HF's
 
 
-def test_train_step_trains_the_gemma2_family(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["gemma2", "llama_bias"])
+def test_train_step_trains_the_other_families(tmp_path: Path, model: str) -> None:
     """`--model gemma2` (a tied, soft-capped head; the step is judged on other models than the
-    Llama): it builds, and the patched model trains HF's losses. (At a tiny untrained model's
-    logits the soft-cap is nearly the identity: tests/test_transformers.py checks its routing.)"""
+    Llama) and `llama_bias` (a head with a bias): each builds, and the patched model trains HF's
+    losses. (At a tiny untrained model's logits the soft-cap is nearly the identity:
+    tests/test_transformers.py checks its routing.)"""
     out = tmp_path / "train-step.json"
-    run_script("benchmarks/train_step.py", "--model", "gemma2", "--small", "--steps", "2",
+    run_script("benchmarks/train_step.py", "--model", model, "--small", "--steps", "2",
                "--runs", "hf eager", "patched eager", "--out", str(out), interpreter=False)
     results = json.loads(out.read_text())
-    assert results["model"] == "gemma2"
+    assert results["model"] == model
     (hf,), (patched,) = results["repeats"]["hf eager"], results["repeats"]["patched eager"]
     assert "error" not in hf and "error" not in patched, (hf, patched)
     assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(patched["losses"], hf["losses"]))
