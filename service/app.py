@@ -14,11 +14,12 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.requests import ClientDisconnect
 
 from service.log_secrets import hide_secrets_in_uvicorn_logs
 from service.body_limit import BodySizeLimitMiddleware
-from service.database_errors import LOCK_RETRY_AFTER_S, database_error
+from service.database_errors import LOCK_RETRY_AFTER_S, connections_held, database_error
 from service.deps import single_valued_headers, single_valued_query
 from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
@@ -90,6 +91,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         app.add_exception_handler(error_type, store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(DBAPIError, database_error)
+    app.add_exception_handler(PoolTimeoutError, connections_held)
     app.add_exception_handler(ClientDisconnect, _client_left)
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,

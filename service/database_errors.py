@@ -51,3 +51,14 @@ async def database_error(_request: Request, error: Exception) -> JSONResponse:
         status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
         headers={"Retry-After": str(retry_after)},
     )
+
+
+async def connections_held(_request: Request, _error: Exception) -> JSONResponse:
+    """SQLAlchemy's pool timeout: every connection of this process is held by requests waiting
+    on the database (behind a lock), so this one waited 30 s for a connection and got none. No
+    database error, but the database busy all the same: 503 with Retry-After, not a bare 500."""
+    return JSONResponse(
+        {"detail": "the database is busy: all of this service's connections to it are in use; retry later"},
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": str(LOCK_RETRY_AFTER_S)},
+    )

@@ -15,9 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sqlalchemy import text
+
 from service.process import serving, serving_process
-from tests.db_fixtures import bearer, measurement_data
+from tests.db_fixtures import bearer, lookup_params, measurement_data
 from tests.test_service_process import ADMIN_TOKEN, READ_TOKEN, TOKENS_ENV, WRITE_TOKEN
+from tuning_db.engine import make_engine
 from tuning_db.records import ExportHeader
 from tuning_db.store import IMPORT_BATCH_LINES
 
@@ -141,3 +144,40 @@ def test_writers_are_not_locked_out_for_a_whole_import(tmp_path: Path) -> None:
     assert set(statuses) == {201}
     waits = [later - earlier for earlier, later in zip([started, *acknowledged_at], acknowledged_at)]
     assert max(waits) < duration / 2, (max(waits), duration)
+
+
+POOL_CONNECTIONS = 15
+"""SQLAlchemy's QueuePool: 5 connections kept, 10 more on demand, then a 30 s wait for one."""
+
+
+def test_a_request_finding_every_database_connection_held_is_503_not_500(tmp_path: Path, postgres_url: str) -> None:
+    """Lookups queued behind a table lock hold every connection of the worker's pool; the next
+    request waited 30 s for one and got a bare 500 (SQLAlchemy's pool TimeoutError, no database
+    error), its traceback in the log. It is the database being busy: 503 with Retry-After."""
+    locker = make_engine(postgres_url)
+    answers: list[httpx.Response] = []
+
+    def look_up(base_url: str) -> None:
+        answers.append(httpx.get(f"{base_url}/v1/configs/best", params=lookup_params(), headers=bearer(READ_TOKEN),
+                                 timeout=120))
+
+    try:
+        with serving(tmp_path / "serve.log", "--db-url", postgres_url, "--log-level", "warning",
+                     env=TOKENS_ENV) as base_url, locker.connect() as connection:
+            connection.execute(text("LOCK TABLE best_configs IN ACCESS EXCLUSIVE MODE"))
+            lookups = [threading.Thread(target=look_up, args=(base_url,)) for _ in range(POOL_CONNECTIONS + 1)]
+            for thread in lookups:
+                thread.start()
+            deadline = time.monotonic() + 90
+            while not answers and time.monotonic() < deadline:  # the one left without a connection
+                time.sleep(0.2)
+            connection.rollback()  # the lock goes: the queued lookups answer
+            for thread in lookups:
+                thread.join(timeout=60)
+    finally:
+        locker.dispose()
+    statuses = sorted(answer.status_code for answer in answers)
+    assert statuses == [200] * POOL_CONNECTIONS + [503], [answer.text for answer in answers]
+    refused = next(answer for answer in answers if answer.status_code == 503)
+    assert refused.headers["Retry-After"] == "1" and "connections" in refused.json()["detail"]
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
