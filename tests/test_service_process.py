@@ -51,6 +51,22 @@ def test_data_survives_a_restart_of_the_service(tmp_path: Path) -> None:
         assert _lookup(base_url) == first
 
 
+def test_a_database_file_removed_under_the_running_service_takes_no_more_writes(tmp_path: Path) -> None:
+    """Its pooled connections still had the removed file open: writes were acknowledged (201)
+    into a file no one could open again, lost for good at the next start, and /readyz said
+    ready. The service opens what the path names now (here nothing, so a database without
+    schema: 503 naming `cce db upgrade`)."""
+    database = tmp_path / "tuning.db"
+    with serving(tmp_path / "serve.log", "--db-url", f"sqlite:///{database}", env=TOKENS_ENV) as base_url:
+        post = {"url": f"{base_url}/v1/measurements", "json": measurement_data(), "headers": bearer(WRITE_TOKEN)}
+        assert httpx.post(**post).status_code == 201
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{database}{suffix}").unlink(missing_ok=True)
+        refused = httpx.post(**post)
+        assert refused.status_code == 503 and "cce db upgrade" in refused.json()["detail"], refused.text
+        assert httpx.get(f"{base_url}/readyz").status_code == 503
+
+
 @pytest.mark.parametrize(("stop", "workers"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
 def test_a_stopped_server_leaves_no_metrics_directory(tmp_path: Path, stop: signal.Signals, workers: int) -> None:
     scratch = tmp_path / "tmp"  # where the server makes its temporary directories

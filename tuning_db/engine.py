@@ -20,7 +20,7 @@ from urllib.parse import unquote
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InvalidatePoolError
 from sqlalchemy.util import asbool
 from sqlalchemy.orm import Session
 
@@ -114,14 +114,29 @@ def make_engine(url: str | None = None) -> Engine:
     url = resolve_db_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url)
-        _configure_sqlite(engine)
+        _configure_sqlite(engine, sqlite_file(url))
         return engine
     return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of the file at `path` now (None: no file there)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _configure_sqlite(engine: Engine, path: Path | None) -> None:
+    """`path`: the database's file (None in memory), checked at each checkout to be the file the
+    pooled connection opened: a connection keeps a removed or replaced file open, and writes
+    went on into it (acknowledged, and lost with the process), while the path named another
+    file or none. Such connections are dropped, and the next opens what the path names now (a
+    removed database is then a new file without schema: the service says to upgrade it)."""
+
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+    def _on_connect(dbapi_connection: Any, record: Any) -> None:
         # Let SQLAlchemy emit BEGIN itself (the sqlite3 module would skip it for reads).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -130,6 +145,15 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
+        if path is not None:
+            record.info["file"] = _file_identity(path)
+
+    if path is not None:
+
+        @event.listens_for(engine, "checkout")
+        def _on_checkout(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+            if record.info.get("file") != _file_identity(path):
+                raise InvalidatePoolError(f"the database file {path} was removed or replaced")
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
