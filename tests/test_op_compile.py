@@ -50,6 +50,15 @@ def test_opcheck_backward(need_grad_e: bool, need_grad_c: bool) -> None:
     torch.library.opcheck(ops.linear_cross_entropy_backward, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_fused_with_a_bias(dtype: torch.dtype) -> None:
+    """dbias is a tensor of its own, as the fake's (fp32's was a view past the losses in their block)."""
+    e, c, targets, bias, weight = _op_args(31, True)
+    e, c, bias = (t.detach().to(dtype).requires_grad_() for t in (e, c, bias))
+    args = (e, c, targets, bias, weight, -100, 0.1, 0.0, 1e-4, "mean", True, True)
+    torch.library.opcheck(ops.linear_cross_entropy_fused, args)
+
+
 class RMSNormHead(torch.nn.Module):
     """The end of a decoder: RMSNorm -> classifier + loss, as a training step sees it."""
 

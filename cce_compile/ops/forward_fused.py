@@ -275,7 +275,8 @@ class FusedForward:
         elif self.smoothing and self.need_grad_c and self.plan.fused != "cpu":
             self.grad_c.addr_(self.smoothing_weights.to(self.grad_c.dtype), self.smoothing_of_e.to(self.grad_c.dtype),
                               alpha=-1)
-        grad_bias = self.grad_bias.to(self.bias.dtype) if self.bias is not None else self.c.new_empty((0,))
+        # a tensor of its own, as the fake's: fp32 dbias is otherwise a view past the losses in their block
+        grad_bias = self.grad_bias.to(self.bias.dtype, copy=True) if self.bias is not None else self.c.new_empty((0,))
         # scaled before the sum, as loss_terms.reduce_token_loss: a mean that fits does not overflow in it
         return (self.losses * self.scale).sum(), self.grad_e, self.grad_c, grad_bias
 
