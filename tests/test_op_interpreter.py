@@ -229,6 +229,17 @@ def test_exact_mode_through_tensor_descriptors(seed: int, launch_plans: list) ->
     assert [(plan.forward, plan.recompute) for plan in launch_plans[:2]] == [("tma", "tma")] * 2
 
 
+@pytest.mark.parametrize("v", [1, 3])
+@pytest.mark.usefixtures("descriptor_kernels")
+def test_a_vocabulary_of_a_few_classes_through_tensor_descriptors(v: int, launch_plans: list) -> None:
+    """The recompute describes its slab's buffer: slabs as narrow as V's next power of two (1 to
+    4 columns, rows 2 to 8 bytes apart) failed Triton's descriptor ("strides must be 16-byte
+    aligned"); fp16 always takes the recompute."""
+    e, c, targets = make_inputs("zipf", (40,), v, 32, torch.float16, seed=7)
+    check_against_reference(e, c, targets, {})
+    assert launch_plans[1].recompute == "tma" and launch_plans[1].backward.slab_v == 8
+
+
 @pytest.mark.usefixtures("descriptor_kernels")
 @pytest.mark.parametrize(("label_smoothing", "softcap"), [(0.1, 0.0), (0.0, 20.0)])
 def test_filtered_forward_through_tensor_descriptors(label_smoothing: float, softcap: float, launch_plans: list) -> None:

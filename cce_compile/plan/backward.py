@@ -30,6 +30,12 @@ def next_pow2(value: int) -> int:
     return 1 << max(0, (int(value) - 1).bit_length())
 
 
+MIN_SLAB_V = 8
+"""The narrowest slab: rows of d-logits 16 bytes apart at 16-bit elements, the least row stride
+a tensor descriptor takes (the tma and Gluon recomputes describe the slab's buffer; a vocabulary
+of 4 or fewer once planned slabs of 1 to 4 columns, which Triton's descriptor refused)."""
+
+
 @dataclass(frozen=True)
 class BackwardPlan:
     """`n_chunks` token chunks of at most `chunk_rows` rows (a multiple of the grad_logits
@@ -78,7 +84,7 @@ def plan_backward(
     share of the gradients (or its floor) with the least accumulator traffic among those of
     at most policy.max_dc_roundings token chunks (any number where none fits), less `row_buffers`
     fp32 vectors per token and `held_bytes` that the call holds beside the scratch; slabs within
-    config.slab_v and V's next power of two, halved while over budget down to 512 wide. Filtered
+    config.slab_v and V's next power of two (MIN_SLAB_V at least), halved while over budget down to 512 wide. Filtered
     mode plans within its own share, and its slots fill what the accumulator leaves (up to
     policy.max_slots; never fewer than a slab's tiles).
 
@@ -94,7 +100,7 @@ def plan_backward(
     budget = max(fraction * grad_bytes - row_buffers * 4 * n - held_bytes, policy.scratch_floor_bytes)
     tile = config.grad_logits
     fp32_acc = element_bytes < 4
-    widest = min(config.slab_v, next_pow2(v))
+    widest = min(config.slab_v, max(next_pow2(v), MIN_SLAB_V))
     best: BackwardPlan | None = None
     best_preference = (False, -float("inf"))  # (within max_dc_roundings, -traffic): larger wins
     smallest: BackwardPlan  # the last plan tried; the loops run at least once
