@@ -70,6 +70,9 @@ def _check_inputs(
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError(f"bias must be None or a torch.Tensor, got {type(bias).__name__}")
     for name, value in (("e", e), ("c", c), (targets_name, targets), ("bias", bias), ("weight", weight)):
+        # sparse or nested operands failed inside torch (reshape, as_strided, strides), naming none
+        if isinstance(value, Tensor) and (value.layout != torch.strided or value.is_nested):
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
         if is_dtensor(value):  # left over from sharded_operands: nothing else reads one
             raise TypeError(f"{name} is a DTensor: pass {name}.to_local() (this rank's part) or {name}.full_tensor(); "
                             "only linear_cross_entropy's c (and its bias and weight) may be one, sharded Shard(0) "

@@ -44,6 +44,34 @@ def test_bad_tensors(change, error, pattern) -> None:
         cce_compile.linear_cross_entropy(e, c, t)
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+@pytest.mark.parametrize("name", ["e", "c", "targets", "bias", "weight", "tokens"])
+def test_a_sparse_operand_is_named(name: str, layout: str) -> None:
+    """A sparse operand failed inside torch ('reshape is not implemented for sparse tensors',
+    'Could not run aten::as_strided ... SparseCPU', a CSR c's 'do not have strides'), naming
+    no argument."""
+    e, c, t = good()
+    operands = {"e": e, "c": c, "targets": t, "tokens": t, "bias": torch.randn(20), "weight": torch.rand(20)}
+    if layout == "sparse_csr" and operands[name].dim() != 2:
+        pytest.skip("CSR is 2-D")
+    operands[name] = operands[name].to_sparse() if layout == "sparse_coo" else operands[name].to_sparse_csr()
+    pattern = rf"{name} must be a dense \(strided\) tensor, got layout torch.{layout}"
+    with pytest.raises(TypeError, match=pattern):
+        if name in ("tokens",):
+            cce_compile.linear_log_probs(operands["e"], operands["c"], operands["tokens"])
+        else:
+            cce_compile.linear_cross_entropy(operands["e"], operands["c"], operands["targets"], bias=operands["bias"],
+                                             weight=operands["weight"])
+
+
+def test_a_nested_hidden_state_is_named() -> None:
+    e, c, t = good()
+    nested_e = torch.nested.nested_tensor([e[:4], e[4:]], layout=torch.jagged)
+    nested_t = torch.nested.nested_tensor([t[:4], t[4:]], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"e must be a dense \(strided\) tensor, got layout torch.jagged"):
+        cce_compile.linear_cross_entropy(nested_e, c, nested_t)
+
+
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
