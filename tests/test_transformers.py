@@ -673,6 +673,38 @@ def test_an_lm_head_adapter_nested_in_a_mixed_models_head_is_refused_as_the_oute
     assert_close(actual.loss, expected.loss, rtol=1e-5)
 
 
+class DoubledHead(nn.Module):
+    """A head of one's own: it holds a .weight but computes 2 x @ weight.T."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.weight = head.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return 2 * nn.functional.linear(x, self.weight)
+
+
+@pytest.mark.parametrize("replace", [
+    pytest.param(lambda model: setattr(model, "lm_head", DoubledHead(model.lm_head)), id="own-module"),
+    pytest.param(lambda model: setattr(model, "lm_head", nn.Sequential(model.lm_head)), id="sequential"),
+    pytest.param(lambda model: torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, inplace=True), id="dynamic-quantized"),
+])
+def test_a_head_that_is_no_linear_layer_is_refused(replace) -> None:
+    """Only an nn.Linear subclass with a forward of its own was refused: a head of one's own
+    holding a .weight was read as a plain linear layer, its loss silently not HF's (6.36 where
+    HF's is 7.09 for the doubled head), and an nn.Sequential or torch.ao dynamic quantized head
+    failed in an AttributeError ('function' object has no attribute 'dtype'). Refused by name,
+    in training and evaluation; without labels the model's own forward runs."""
+    _, patched = twins("llama")
+    replace(patched)
+    input_ids, labels = batch()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="lm_head: a .*, not an nn.Linear"):
+            patched(input_ids, labels=labels)
+    with torch.no_grad():
+        assert patched(input_ids).logits.shape == (*input_ids.shape, VOCAB)
+
+
 def partition_as_zero3(parameter: nn.Parameter) -> None:
     """What DeepSpeed ZeRO-3 (not installed here) leaves of a parameter it partitions, outside
     its module's forward: an empty placeholder, marked with ds_id."""

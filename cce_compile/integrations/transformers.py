@@ -172,7 +172,7 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
     target_modules: `.weight` is the base layer's), an nn.Linear with its own forward (a
-    quantized layer), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
+    quantized layer), a module that is no nn.Linear (a head of one's own, torch.ao's dynamic quantized Linear), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
     own, which gather a weight the loss takes sharded, pass). Disabled adapters, or active ones all merged into the weight or absent from
     the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
     weight is refused too: ZeRO-3 gathers it only when the head runs."""
@@ -182,8 +182,13 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
             "lm_head.weight; leave lm_head out of the adapter's target_modules (PEFT's modules_to_save=['lm_head'] "
             "trains it whole) or merge the adapter"
         )
-    if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward:
-        raise TypeError(f"lm_head: a {type(head).__name__} with its own forward (a quantized layer?), which the "
+    layer = _computing_layer(head)
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"lm_head: a {type(layer).__module__}.{type(layer).__qualname__}, not an nn.Linear, whose output "
+                        "the fused loss cannot compute as x @ lm_head.weight.T + bias; unpatch() the model, or compute "
+                        "the loss with cce_compile.linear_cross_entropy in a forward of your own")
+    if type(layer).forward is not nn.Linear.forward:
+        raise TypeError(f"lm_head: a {type(layer).__name__} with its own forward (a quantized layer?), which the "
                         "fused loss, reading lm_head.weight, would bypass")
     if (head._forward_pre_hooks or head._forward_hooks) and not _fsdp_sharded(head):
         raise TypeError("lm_head has forward hooks (pruning, weight_norm or spectral_norm, a hook of yours), which "
@@ -197,6 +202,20 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)
     return head.weight, bias
+
+
+def _computing_layer(head: nn.Module) -> nn.Module:
+    """The layer whose x @ weight.T + bias a head computes once its adapters pass
+    (_adapter_layers_in_use): beneath PEFT's adapter layers their base layer, and the module a
+    PEFT ModulesToSaveWrapper or TrainableTokensWrapper wraps (its trained copies are of that type)."""
+    layer = head
+    while True:
+        inner = getattr(layer, "base_layer", None)
+        if inner is None:
+            inner = getattr(layer, "original_module", None)
+        if not isinstance(inner, nn.Module):
+            return layer
+        layer = inner
 
 
 def _fsdp_sharded(head: nn.Module) -> bool:
