@@ -150,6 +150,30 @@ def test_a_graphed_slab_loop_without_a_bias_carves_no_dbias_block(monkeypatch: p
     assert runner.grad_bias.numel() == 0 and runner.grad_bias.untyped_storage().nbytes() == 0
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("memory", ["workspace", "low"])
+def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch, memory: str) -> None:
+    """A replay keeps the cuBLAS settings of its capture: the same call with TF32 allowed for
+    fp32 operands (or 16-bit reductions refused) must key another graph, not replay the first."""
+    runners = _recorded_loops(monkeypatch)
+    _force_graphs(monkeypatch)
+    e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
+    e.requires_grad_()
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction
+    try:
+        with cce_compile.override_config(SMALL_TILES):
+            cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
+            matmul.fp32_precision = "tf32"
+            cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
+            matmul.allow_bf16_reduced_precision_reduction = not saved[1]
+            cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
+    finally:
+        matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction = saved
+    keys = [runner.graph_key() for runner in runners]
+    assert len(keys) == 3 and len(set(keys)) == 3
+
+
 def _recorded_loops(monkeypatch: pytest.MonkeyPatch) -> list:
     """Loop tables that run each loop as it is (no capture off CUDA) and record its runner."""
     runners: list = []

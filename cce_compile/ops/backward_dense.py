@@ -65,7 +65,7 @@ class DenseBackward:
         """Where each tensor the slab loop touches is, and the settings."""
         call = self.call
         return (*map(graphs.tensor_key, self.graph_tensors()), call.plan, call.config, call.softcap,
-                call.label_smoothing, call.need_grad_e, call.need_grad_c)
+                call.label_smoothing, call.need_grad_e, call.need_grad_c, graphs.matmul_settings())
 
     def slab_loop(self) -> None:
         """Every token chunk's recompute and gradient GEMMs, slab by slab."""

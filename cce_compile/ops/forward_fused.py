@@ -185,7 +185,8 @@ class FusedForward:
     def graph_key(self) -> tuple:
         """Where each tensor the chunk loop touches is, and the settings."""
         return (*map(graphs.tensor_key, self.graph_tensors()), self.plan, self.config, self.ignore_index,
-                self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c)
+                self.label_smoothing, self.softcap, self.z_loss, self.need_grad_e, self.need_grad_c,
+                graphs.matmul_settings())
 
     def chunk(self, row_start: int, rows: int) -> None:
         if self.plan.fused == "cpu":
