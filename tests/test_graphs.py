@@ -174,6 +174,26 @@ def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch,
     assert len(keys) == 3 and len(set(keys)) == 3
 
 
+@pytest.mark.interpreter
+def test_a_graphed_fp32_dbias_is_a_tensor_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 head's dbias was the slab loop's carved sum itself (to(fp32) copies nothing):
+    bias.grad pinned a block padded past 1 MiB, moving the next step's carve off the graph's key.
+    (The loops run as they are, keeping no runner: a second reference made autograd copy it.)"""
+
+    class Eager(graphs.LoopGraphs):
+        def run(self, key, loop, device, side_streams=()) -> None:
+            loop()
+
+    monkeypatch.setattr(graphs, "SLAB_LOOPS", Eager("slabs"))
+    _force_graphs(monkeypatch)
+    e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
+    e.requires_grad_()
+    bias = torch.randn(300, requires_grad=True)
+    with cce_compile.override_config(SMALL_TILES):
+        cce_compile.linear_cross_entropy(e, c, targets, bias=bias, memory="low").backward()
+    assert bias.grad.untyped_storage().nbytes() == 300 * 4
+
+
 def _recorded_loops(monkeypatch: pytest.MonkeyPatch) -> list:
     """Loop tables that run each loop as it is (no capture off CUDA) and record its runner."""
     runners: list = []

@@ -115,9 +115,10 @@ def linear_cross_entropy_backward(
 
 def gradient_outputs(c: Tensor, grad_e: Tensor, grad_c: Tensor,
                      grad_bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """A backward op's (grad_e, grad_c, grad_bias) from a runner's: dbias in c's dtype, and
-    empty without a bias (an op's output cannot be None)."""
-    return grad_e, grad_c, c.new_empty((0,)) if grad_bias is None else grad_bias.to(c.dtype)
+    """A backward op's (grad_e, grad_c, grad_bias) from a runner's: dbias in c's dtype, a
+    tensor of its own (an fp32 runner's sum may be a carved block padded past 1 MiB, which
+    bias.grad would pin), and empty without a bias (an op's output cannot be None)."""
+    return grad_e, grad_c, c.new_empty((0,)) if grad_bias is None else grad_bias.to(c.dtype, copy=True)
 
 
 def fake_gradients(e: Tensor, c: Tensor, bias: Tensor | None, need_grad_e: bool,
