@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from service.log_secrets import hide_secrets_in_uvicorn_logs
 from service.body_limit import BodySizeLimitMiddleware
-from service.database_errors import LOCK_RETRY_AFTER_S, connections_held, database_error
+from service.database_errors import LOCK_RETRY_AFTER_S, connections_held, database_error, lasting
 from service.deps import single_valued_headers, single_valued_query
 from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware, ServiceMetrics
 from service.parent_watch import exit_with_parent
@@ -83,8 +83,10 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
             body["line"] = error.line_number
         if isinstance(error, (store.ImportFormatError, store.ImportInterrupted)):
             body["lines_imported"] = error.lines_imported
-        # an interrupted import met a lock: it can be sent again soon
-        headers = {"Retry-After": str(LOCK_RETRY_AFTER_S)} if isinstance(error, store.ImportInterrupted) else None
+        # an interrupted import that met a lock can be sent again soon; one that met a full or
+        # read-only database cannot
+        retry = isinstance(error, store.ImportInterrupted) and not lasting(error.error)
+        headers = {"Retry-After": str(LOCK_RETRY_AFTER_S)} if retry else None
         return JSONResponse(body, status_code=_STORE_ERROR_STATUS[type(error)], headers=headers)
 
     for error_type in _STORE_ERROR_STATUS:

@@ -18,6 +18,7 @@ publisher's MAX_RETRY_AFTER_S), so it gives up at once instead of retrying."""
 
 
 READ_ONLY_SQLSTATE = "25006"
+DISK_FULL_SQLSTATE = "53100"
 
 
 def read_only(error: DBAPIError) -> bool:
@@ -26,16 +27,26 @@ def read_only(error: DBAPIError) -> bool:
     return getattr(error.orig, "sqlstate", None) == READ_ONLY_SQLSTATE or "readonly database" in str(error.orig)
 
 
+def disk_full(error: DBAPIError) -> bool:
+    """SQLite's 'database or disk is full' (SQLITE_FULL: the disk, or max_page_count),
+    PostgreSQL's disk_full: writes fail until an operator frees space."""
+    return getattr(error.orig, "sqlstate", None) == DISK_FULL_SQLSTATE or "database or disk is full" in str(error.orig)
+
+
+def lasting(error: BaseException | None) -> bool:
+    """A database failure that no retry mends (read-only, or out of space): no Retry-After."""
+    return isinstance(error, DBAPIError) and (read_only(error) or disk_full(error))
+
+
 async def database_error(_request: Request, error: Exception) -> JSONResponse:
-    """503 for a missing schema, a read-only database (without Retry-After: it will not pass
-    by itself), or an unavailable or locked database; 500 without the driver's text (it may
-    quote the statement) for anything else."""
+    """503 for a missing schema, a read-only or full database (without Retry-After: neither
+    passes by itself), or an unavailable or locked database; 500 without the driver's text (it
+    may quote the statement) for anything else."""
     assert isinstance(error, DBAPIError)
-    if read_only(error):
-        return JSONResponse(
-            {"detail": "the database is read-only: writes fail until an operator makes it writable"},
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-        )
+    if lasting(error):
+        detail = ("the database is read-only: writes fail until an operator makes it writable" if read_only(error)
+                  else "the database's disk is full: writes fail until an operator frees space")
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
     if missing_schema(error):
         detail = "the database lacks this service's schema (none, or an older revision): run `cce db upgrade`"
         retry_after = SCHEMA_RETRY_AFTER_S

@@ -320,6 +320,61 @@ def test_a_read_only_database_is_503_without_retry_after(db_url: str) -> None:
         assert exported(read_only).count("\n") == 2
 
 
+def _page_cap(extra_pages: int):
+    """A connect hook capping each new SQLite connection's database at its file's pages plus
+    `extra_pages`: past them SQLite answers SQLITE_FULL, as on a full disk."""
+    def cap(dbapi_connection: Any, _record: Any) -> None:
+        (pages,) = dbapi_connection.execute("PRAGMA page_count").fetchone()
+        dbapi_connection.execute(f"PRAGMA max_page_count = {pages + extra_pages}")
+    return cap
+
+
+def test_a_full_database_is_503_naming_it_without_retry_after(sqlite_url: str) -> None:
+    """SQLite out of space: no retry mends it, so 503 without Retry-After, naming the full disk
+    (it said 'busy or unavailable, retry later', and `cce tune --publish` retried to no purpose);
+    what was stored stays, reads work, and writes go on once there is room."""
+    with make_client(sqlite_url) as writable:
+        post_measurement(writable)
+        before = exported(writable)
+    cap = _page_cap(0)
+    event.listen(Engine, "connect", cap)
+    try:
+        with make_client(sqlite_url) as full:
+            answers = [_post(full, measurement_data(V=4096 + i, host=f"node-{i}-" + "x" * 100)) for i in range(40)]
+            refused = [answer for answer in answers if answer.status_code != 201]
+            assert refused and {answer.status_code for answer in refused} == {503}, [a.text for a in refused]
+            assert "disk is full" in refused[0].json()["detail"] and "Retry-After" not in refused[0].headers
+            assert full.get("/v1/configs/best", params=lookup_params(), headers=bearer(READ_TOKEN)).status_code == 200
+    finally:
+        event.remove(Engine, "connect", cap)
+    with make_client(sqlite_url) as freed:
+        assert set(before.splitlines()[1:]) <= set(exported(freed).splitlines())
+        assert _post(freed, measurement_data(V=999)).status_code == 201
+
+
+def test_an_import_stopped_by_a_full_database_asks_no_retry(sqlite_url: str, tmp_path: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SQLite import whose later batch found the database full keeps the batches before it
+    and says so, without Retry-After (that is for a lock, which passes)."""
+    source_url = f"sqlite:///{tmp_path / 'source.db'}"
+    with make_client(source_url) as source:
+        for i in range(40):
+            post_measurement(source, V=4096 + i, host=f"node-{i}-" + "x" * 100)
+        body = exported(source)
+    monkeypatch.setattr(store, "IMPORT_BATCH_LINES", 1)
+    monkeypatch.setattr(store, "SQLITE_BATCH_PAUSE_S", 0)
+    cap = _page_cap(3)
+    event.listen(Engine, "connect", cap)
+    try:
+        with _large_body_client(sqlite_url) as target:
+            response = target.post("/v1/import", content=body, headers=bearer(ADMIN_TOKEN))
+    finally:
+        event.remove(Engine, "connect", cap)
+    assert response.status_code == 503, response.text
+    assert response.json()["lines_imported"] > 0 and "full" in response.json()["detail"]
+    assert "Retry-After" not in response.headers
+
+
 def test_a_large_import_commits_in_bounded_transactions_on_sqlite_and_once_on_postgres(engine: Engine) -> None:
     """On SQLite other writers get its one lock between batches: no import holds it for the
     whole file. PostgreSQL locks rows, so there the import is one transaction (all or none)."""

@@ -79,12 +79,13 @@ class ImportFormatError(StoreError):
 
 class ImportInterrupted(StoreError):
     """An SQLite import whose later batch the database failed (a lock held past its busy
-    timeout): the batches before it stay, which the message says."""
+    timeout, a full disk): the batches before it stay, which the message says."""
 
     def __init__(self, lines_imported: int, lines: int, error: DBAPIError) -> None:
         super().__init__(f"the database failed after {lines_imported} of {lines} lines were imported ({error.orig}); "
                          "import the file again, it adds nothing twice")
         self.lines_imported = lines_imported
+        self.error = error
 
 
 _FILTER_COLUMNS: dict[str, Any] = {
