@@ -367,6 +367,38 @@ def test_peft_trainable_tokens_on_the_head_train_as_hf_does() -> None:
             assert_close(patched.get_parameter(name).grad, parameter.grad)
 
 
+@pytest.mark.parametrize(("target", "tied"), [("lm_head", False), ("embed_tokens", True)])
+def test_peft_trainable_tokens_layer_as_the_head_trains_as_hf_does(target: str, tied: bool) -> None:
+    """PEFT's TrainableTokensConfig puts a TrainableTokensLayer on the head itself (targeted, or
+    tied to a targeted embedding): the loss multiplies by its merged weight (it was refused,
+    with a hint to take lm_head out of target_modules, where a tied model never put it)."""
+    peft = pytest.importorskip("peft")
+    input_ids, labels = batch(seed=11)
+    config = peft.TrainableTokensConfig(target_modules=[target], token_indices=[3, 4, 5])
+    base = tiny_model("llama")
+    if tied:
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    reference = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if "trainable_tokens_delta" in name:
+                parameter.normal_(std=0.5)
+    patched = copy.deepcopy(reference)
+    patch(patched.get_base_model())
+    assert type(patched.get_base_model().lm_head).__name__ == "TrainableTokensLayer"
+    expected, actual = reference(input_ids, labels=labels).loss, patched(input_ids, labels=labels).loss
+    assert_close(actual, expected, rtol=1e-5)
+    expected.backward()
+    actual.backward()
+    trained = [name for name, parameter in reference.named_parameters() if parameter.requires_grad]
+    assert trained and all("trainable_tokens" in name for name in trained)
+    for name in trained:
+        assert_close(patched.get_parameter(name).grad, reference.get_parameter(name).grad)
+    with reference.disable_adapter(), patched.disable_adapter():
+        assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+
 @parametrize_families
 def test_no_grad_and_unpatch_give_hf_logits_back(family: str) -> None:
     reference, patched = twins(family)

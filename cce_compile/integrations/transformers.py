@@ -175,8 +175,10 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     quantized layer), a module that is no nn.Linear (a head of one's own, torch.ao's dynamic quantized Linear), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
     own, which gather a weight the loss takes sharded, pass). Disabled adapters, or active ones all merged into the weight or absent from
     the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
-    weight is refused too: ZeRO-3 gathers it only when the head runs."""
-    if _adapter_layers_in_use(head):
+    weight is refused too: ZeRO-3 gathers it only when the head runs. PEFT's trainable tokens
+    on the head itself pass: the weight is then the merged one its forward multiplies by."""
+    tokens_weight = _trainable_tokens_weight(head)
+    if tokens_weight is None and _adapter_layers_in_use(head):
         raise TypeError(
             f"lm_head: a {type(head).__module__}.{type(head).__qualname__} adapter layer, whose output the fused loss cannot compute from "
             "lm_head.weight; leave lm_head out of the adapter's target_modules (PEFT's modules_to_save=['lm_head'] "
@@ -198,10 +200,29 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
         raise ValueError("lm_head: its weight is partitioned by DeepSpeed ZeRO-3, which gathers it only when lm_head "
                          "itself runs, and cce_compile reads lm_head.weight without calling it; use ZeRO stage 1 or 2, "
                          "or leave this model to its own forward")
+    if tokens_weight is not None:
+        return tokens_weight, layer.bias
     bias = getattr(head, "bias", None)
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)
     return head.weight, bias
+
+
+def _trainable_tokens_weight(head: nn.Module) -> Tensor | None:
+    """The weight of a PEFT TrainableTokensLayer that is the head, directly over an nn.Linear
+    (TrainableTokensConfig on lm_head, or on a tied embedding, which PEFT ties the head's layer
+    to): the base weight with the active adapters' rows put in, as that layer's forward computes
+    it; None for any other head."""
+    if not (hasattr(head, "trainable_tokens_delta") and hasattr(head, "get_merged_weights")):
+        return None
+    base = getattr(head, "base_layer", None)
+    if not isinstance(base, nn.Linear) or getattr(base, "base_layer", None) is not None:
+        return None
+    active = [name for name in head.active_adapters if name in head.trainable_tokens_delta]
+    if head.disable_adapters or head.merged or not active:
+        return base.weight
+    head._check_overlapping_tokens(active)  # as its forward does: two adapters may not train one row
+    return head.get_merged_weights(active)
 
 
 def _computing_layer(head: nn.Module) -> nn.Module:
