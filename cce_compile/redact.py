@@ -7,6 +7,7 @@ loaded), the `cce` command's errors and the database layer too.
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import unquote
 
@@ -82,3 +83,24 @@ def redact_urls(text: str) -> str:
     which URL it was. For any message: a URL, or an error that may quote one."""
     text = _USERINFO_PASSWORD.sub(lambda match: f"{match['scheme']}{match['user']}:{HIDDEN}@", text)
     return _hide_secret_values(text)
+
+
+class _HiddenInRecords(logging.Filter):
+    """A record's arguments other than numbers shown as redact_urls shows them: httpx logs each
+    request's URL (an httpx.URL, not text) at INFO, its password and query with it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(arg if arg is None or isinstance(arg, (int, float)) else redact_urls(str(arg))
+                                for arg in record.args)
+        return True
+
+
+_HIDDEN_IN_RECORDS = _HiddenInRecords()
+
+
+def hide_secrets_in_http_client_logs() -> None:
+    """Called where a client of the service loads httpx: a program that logs at INFO (a training
+    script's logging.basicConfig) otherwise writes 'HTTP Request: GET http://user:password@...'.
+    The one filter is added once however often this is called."""
+    logging.getLogger("httpx").addFilter(_HIDDEN_IN_RECORDS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -409,6 +410,21 @@ def test_a_token_that_cannot_be_a_header_is_refused_unquoted(
         monkeypatch.setenv(sources.TOKEN_ENV, "secret-token\n")
         assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=8192), "service", "exact")
         assert fake.requests == ["Bearer secret-token"]
+
+
+def test_the_http_clients_request_log_hides_the_password_in_the_service_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every request's URL at INFO ('HTTP Request: GET http://user:password@...'): a
+    training script that logs at INFO (logging.basicConfig(level=logging.INFO)) wrote the
+    password of CCE_TUNING_URL (a gateway's basic auth) to its log on the op's first call."""
+    caplog.set_level(logging.INFO)
+    with fake_service(200, _answer({"slab_v": 8192})) as (url, fake):
+        monkeypatch.setenv(sources.URL_ENV, url.replace("http://", "http://node:gateway-password@"))
+        assert resolution_for(KEY) == Resolution(KernelConfig(slab_v=8192), "service", "exact")
+    assert len(fake.requests) == 1
+    assert "HTTP Request: GET http://node:***@127.0.0.1" in caplog.text, "the request is still logged"
+    assert "gateway-password" not in caplog.text
 
 
 def test_the_cache_dir_expands_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from ..config.keys import KERNEL_NAME, ProblemKey
-from ..redact import redact_urls
+from ..redact import hide_secrets_in_http_client_logs, redact_urls
 from .platform import Platform
 from .sources import TOKEN_ENV, Found, Settings, match_level_of, parse_json, token_problem
 
@@ -117,6 +117,7 @@ async def _fetch_within_deadline(settings: Settings, platform: Platform, key: Pr
 async def _fetch(settings: Settings, platform: Platform, key: ProblemKey) -> bytes | str | UnreadableAnswer:
     import httpx
 
+    hide_secrets_in_http_client_logs()
     assert settings.url is not None
     problem = token_problem(settings.token) if settings.token else None
     if problem is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cce_compile.config.keys import KERNEL_NAME
-from cce_compile.redact import redact_urls
+from cce_compile.redact import hide_secrets_in_http_client_logs, redact_urls
 from cce_compile.resolve import sources
 from cce_compile.resolve.platform import kernel_version, local_platform, triton_version
 from cce_compile.config.kernel_config import KernelConfig
@@ -187,6 +187,7 @@ class ServicePublisher:
     def _client(self) -> Any:
         import httpx
 
+        hide_secrets_in_http_client_logs()
         return httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=HTTP_TIMEOUT_S
         )
