@@ -324,6 +324,34 @@ def test_why_a_service_is_unusable_names_the_cause_not_its_exception_group() -> 
     assert "ExceptionGroup" not in str(refused.value) and "port must be 0-65535" in str(refused.value)
 
 
+def test_a_process_forked_while_a_thread_resolves_resolves_in_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread holds the ladder's lock for a whole lookup (up to the service's deadline, or a
+    rank's wait for rank 0): a process forked meanwhile (a DataLoader worker, multiprocessing's
+    fork) inherited the lock held by a thread it does not have, and its first resolution hung
+    forever."""
+    with fake_service(200, None) as (url, _fake):
+        monkeypatch.setenv(sources.URL_ENV, url)
+        resolving = threading.Thread(target=resolution_for, args=(KEY,))
+        resolving.start()
+        deadline = time.monotonic() + 5
+        while not resolve._memo_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert resolve._memo_lock.locked()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's outcome is its exit status
+            os.environ[sources.OFFLINE_ENV] = "1"
+            os._exit(0 if resolution_for(SMALL_KEY) == _heuristic(SMALL_KEY) else 1)
+        resolving.join()
+        deadline = time.monotonic() + 20
+        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended[0] == 0:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+        assert ended[0] == child, "the forked child hung on the ladder's lock"
+        assert os.waitstatus_to_exitcode(ended[1]) == 0
+
+
 def test_an_oversized_answer_is_not_read_whole() -> None:
     with dribbling_service(answer_bytes=64 << 20, header_lines=0) as (url, _arrivals):
         settings = sources.Settings(url, None, False, Path("unused"), 0.0)

@@ -6,6 +6,7 @@ httpx loads only when the service is asked, so `import cce_compile` stays free o
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -27,6 +28,16 @@ MAX_ANSWER_BYTES = 1 << 20
 _breaker_lock = threading.Lock()
 _service_down: str | None = None
 """Why the service was given up on in this process (None: not given up)."""
+
+
+def _unlock_in_forked_child() -> None:
+    """The breaker's lock as ladder's: a fork while another thread held it left it held."""
+    global _breaker_lock
+    _breaker_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unlock_in_forked_child)
 
 
 def reset_breaker() -> None:

@@ -87,6 +87,18 @@ _override_uses: dict[ProblemKey, int] = {}
 _memo_lock = threading.Lock()
 
 
+def _unlock_in_forked_child() -> None:
+    """A forked child runs only the thread that forked: the lock another thread held for a whole
+    lookup (the service's deadline, a rank's wait for rank 0) would stay held in it, and its
+    first resolution would hang forever."""
+    global _memo_lock
+    _memo_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unlock_in_forked_child)
+
+
 def resolve_config(key: ProblemKey) -> KernelConfig:
     """The config for `key`: an active override, else the memoized ladder (rank 0's choice
     under torch.distributed, so every rank launches the same kernels)."""
