@@ -37,7 +37,8 @@ from cce_compile.ops.problem import config_for
 from cce_compile.plan.policy import Policy, active_policy, override_policy
 from cce_compile.resolve import sources
 from cce_compile.resolve.platform import local_platform
-from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits
+from cce_compile.resolve.heuristic import heuristic_config
+from cce_compile.tuning.candidates import KernelSpace, Limits, Problem, device_limits, kernel_spaces
 from cce_compile.tuning.publish import (
     DatabasePublisher,
     PublishError,
@@ -717,6 +718,18 @@ def test_candidates_fit_the_gpu_and_launch_differently() -> None:
     assert [config.workspace_rows for config in fused.along(start, "workspace_rows")] == [1024, 2048]
     tiny = KernelSpace("forward", {"block_k": (32, 64, 128)}, TINY, bf16)
     assert [config.forward.block_k for config in tiny.along(KernelConfig(), "block_k")] == []  # D = 32
+
+
+@pytest.mark.parametrize(("v", "d", "n", "dtype"), [(50_000, 8, 8192, "float32"), (2, 4096, 8192, "bfloat16")])
+def test_the_plan_counts_every_candidate_its_first_sweep_tries(v: int, d: int, n: int, dtype: str) -> None:
+    """The space's size counted only tiles no wider than the problem, but a sweep of vocab_splits,
+    slab_v or workspace_rows tries them with the start's tile, as wide as it is: cce tune --dry-run
+    planned 'candidates 0, first sweep 6' for D = 8 in fp32 (the heuristic's block_k is 32)."""
+    problem = Problem(n=n, v=v, d=d, dtype=dtype, mode="exact")
+    limits = Limits(shared_memory_bytes=232_448, element_bytes=problem.element_bytes)
+    start = heuristic_config(problem.key("cuda"))
+    for space in kernel_spaces(problem, "cuda", limits):
+        assert space.first_pass(start) <= space.size(start), space.kernel
 
 
 def test_persistent_kernels_drop_the_axes_they_ignore() -> None:

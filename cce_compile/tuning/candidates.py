@@ -200,7 +200,9 @@ class KernelSpace:
         start_tile = getattr(start, self.kernel)
         tile_values = [{*self.axes.get(name, ()), getattr(start_tile, name)} for name in TILE_FIELDS]
         tiles = [TileConfig(**dict(zip(TILE_FIELDS, values))) for values in itertools.product(*tile_values)]
-        admitted = [tile for tile in tiles if self.admits(tile)]
+        # The start's own tile is what the op launches (the heuristic's 128-row tile at N = 16): the
+        # other axes are searched with it (along) whether or not a tile that wide is admitted.
+        admitted = [tile for tile in tiles if tile == start_tile or self.admits(tile)]
         extra = [name for name in self.axes if name not in TILE_FIELDS]
         return len({
             self.launches(replace(start, **{self.kernel: tile}, **dict(zip(extra, values))))
