@@ -526,6 +526,25 @@ def test_ctrl_c_ends_the_search_and_keeps_what_it_measured(tmp_path: Path) -> No
     assert report["measurements"][0]["kernel"] == KERNEL_NAME
 
 
+@pytest.mark.interpreter
+def test_a_failed_candidates_error_text_is_printed_as_it_is(tmp_path: Path) -> None:
+    """A candidate's error quoting kernel source (`desc.store([pid_m * BLOCK_M, ...])`) was read
+    as rich markup: the brackets vanished, and a closing tag (`[/path]`) raised MarkupError after
+    the whole run, before --out was written or anything published."""
+    out = tmp_path / "report.json"
+    detail = "at 3:4: desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N]) in [/tmp/kernel.py]"
+    failing = (f"import cce_compile.tuning.tuner as tuner\noutputs = tuner.Tuner._outputs\n"
+               f"def failing(self, config):\n    if config != self.default_config:\n"
+               f"        raise RuntimeError({detail!r})\n    return outputs(self, config)\n"
+               f"tuner.Tuner._outputs = failing")
+    done = cce_process("tune", "--vocab", str(TINY.v), "--hidden", str(TINY.d), "--tokens", str(TINY.n),
+                       "--budget-s", "600", "--input-sets", "1", "--out", str(out), prelude=failing,
+                       env={"COLUMNS": "300"})
+    assert done.returncode == 0, done.stderr
+    assert f"RuntimeError: {detail}" in done.stdout
+    assert json.loads(out.read_text())["trials"]
+
+
 class _SignalledTuner:
     """A stand-in for Tuner in _run_with_progress: its run() calls `during` (which signals the
     process) and returns the stand-in result."""

@@ -313,9 +313,10 @@ def _print_result(result: TuneResult, untuned: dict[str, str]) -> None:
     )
     console = Console()
     console.print(table)
-    for trial in result.trials:
+    for trial in result.trials:  # a detail is an error's text, which may hold brackets: no markup
         if trial.status != "timed":
-            console.print(f"{trial.status}: {trial.kernel} {_describe(trial.config, trial.kernel)}: {trial.detail}")
+            console.print(f"{trial.status}: {trial.kernel} {_describe(trial.config, trial.kernel)}: {trial.detail}",
+                          markup=False)
 
 
 def register(app: typer.Typer) -> None:
