@@ -602,6 +602,30 @@ def test_export_and_lookup_with_stdout_closed_say_so_in_one_line(tmp_path: Path)
     assert cce("export", "--db-url", f"sqlite:///{database}").stdout.startswith('{"format":"cce-tuning-db"')
 
 
+def test_an_export_whose_reader_leaves_does_not_exit_0(tmp_path: Path) -> None:
+    """`cce export | head -1`, or a consumer that died: the export was one write, which returned
+    after the part the pipe took when its reader left, and the command exited 0 as if it had
+    written the whole export (a backup cut short looked whole). Its status is now 1."""
+    from tests.db_fixtures import measurement
+    from tuning_db.engine import make_engine
+    from tuning_db.store import record_measurement
+
+    url = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", url).returncode == 0
+    engine = make_engine(url)
+    for vocab in range(1000, 1300):  # ~280 KB of export: more than a pipe holds
+        record_measurement(engine, measurement(V=vocab))
+    engine.dispose()
+    code = f"import sys\nfrom cce_compile.cli.main import app\nsys.argv = ['cce', 'export', '--db-url', {url!r}]\napp()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT)
+    assert child.stdout is not None and child.stdout.readline().startswith(b'{"format":"cce-tuning-db"')
+    child.stdout.close()  # as `head -1` exits
+    assert child.wait(timeout=120) != 0
+    assert child.stderr is not None and b"Traceback" not in child.stderr.read()
+    child.stderr.close()
+
+
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -274,7 +275,7 @@ def export_command(
     _refuse_two_targets(ctx, url)
     require_stdout()
     if url:
-        sys.stdout.write(_checked_export(url, _service_request("GET", url, "/v1/export", token)))
+        _write_out(_checked_export(url, _service_request("GET", url, "/v1/export", token)).splitlines(keepends=True))
         return
     from sqlalchemy.exc import DBAPIError
 
@@ -283,11 +284,21 @@ def export_command(
 
     engine = store_engine(db_url)
     try:
-        sys.stdout.write("".join(line + "\n" for line in export_jsonl(engine)))
+        _write_out(line + "\n" for line in export_jsonl(engine))
     except DBAPIError as error:  # the driver's text only, as import says it: the exception's own quotes the statement
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:
         engine.dispose()
+
+
+def _write_out(lines: Iterable[str]) -> None:
+    """`lines` to stdout, a write each, then flushed. One write of a whole export lost its tail
+    without an error when the reader left during it (`cce export | head -1`, a consumer that
+    died): CPython's write returned after the part the pipe took and the command exited 0, as
+    if the export were whole. A write after that one fails (EPIPE), which exits 1."""
+    for line in lines:
+        sys.stdout.write(line)
+    sys.stdout.flush()
 
 
 def import_command(
