@@ -626,6 +626,46 @@ def test_an_export_whose_reader_leaves_does_not_exit_0(tmp_path: Path) -> None:
     child.stderr.close()
 
 
+def test_ctrl_c_during_an_sqlite_import_says_what_it_imported(tmp_path: Path) -> None:
+    """SQLite takes a file in batches, each committed: a Ctrl-C after the first ones exited 130
+    without a word, so the batches it kept (entries overwritten with --mode overwrite, say) were
+    unknown to the user, who took the import for cancelled. It now names how many lines stay."""
+    import signal
+    import time
+
+    from tuning_db.records import ExportHeader
+    from tuning_db.store import IMPORT_BATCH_LINES
+
+    database = tmp_path / "tuning.db"
+    assert cce("db", "upgrade", "--db-url", f"sqlite:///{database}").returncode == 0
+    lines = [json.dumps(measurement_data(V=vocab, measurement_uid=f"{vocab:032x}", created_at="2026-01-01T00:00:00Z"))
+             for vocab in range(1, 30 * IMPORT_BATCH_LINES + 1)]
+    export_file = tmp_path / "export.jsonl"
+    header = ExportHeader(entries=len(lines), measurements=len(lines)).model_dump_json()
+    export_file.write_text("\n".join([header, *lines]) + "\n")
+
+    def stored() -> int:
+        with contextlib.closing(sqlite3.connect(database)) as connection:
+            return connection.execute("SELECT count(*) FROM measurements").fetchone()[0]
+
+    code = ("import sys\nfrom cce_compile.cli.main import app\n"
+            f"sys.argv = ['cce', 'import', {str(export_file)!r}, '--db-url', 'sqlite:///{database}']\napp()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 120
+    while stored() == 0:
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.05)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=120)
+    kept = stored()
+    assert 0 < kept < len(lines)
+    assert child.returncode == 130
+    assert_one_line_failure(subprocess.CompletedProcess([], 130, "", stderr),
+                            f"interrupted after {kept} of {len(lines)} lines were imported",
+                            "import the file again")
+
+
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")

@@ -88,6 +88,16 @@ class ImportInterrupted(StoreError):
         self.error = error
 
 
+class ImportStopped(KeyboardInterrupt):
+    """A Ctrl-C (KeyboardInterrupt) during an SQLite import after its first batches committed:
+    they stay, which the message says; still a KeyboardInterrupt to whoever does not look."""
+
+    def __init__(self, lines_imported: int, lines: int) -> None:
+        super().__init__(f"interrupted after {lines_imported} of {lines} lines were imported (SQLite takes a file "
+                         "in batches); import the file again to finish, it adds nothing twice")
+        self.lines_imported = lines_imported
+
+
 _FILTER_COLUMNS: dict[str, Any] = {
     "gpu": Gpu.name,
     "kernel": BestConfig.kernel,
@@ -643,8 +653,9 @@ def import_jsonl(
     is written. On PostgreSQL it is then written in one transaction: all lines or none. On
     SQLite it is written in batches, one transaction each, so that other writers are not
     locked out of the database for the whole file; should a batch still fail there (a
-    concurrent writer registered a GPU or uid differently in between), the batches before
-    it stay: importing the file again is safe, it adds nothing twice.
+    concurrent writer registered a GPU or uid differently in between, or a Ctrl-C:
+    ImportStopped), the batches before it stay: importing the file again is safe, it adds
+    nothing twice.
 
     Every line's measurement joins the history once (by its uid, which names one content);
     `mode` decides the key's best entry: keep_better keeps the faster, skip keeps any
@@ -661,13 +672,16 @@ def import_jsonl(
     else:
         written = 0
         for index, batch in enumerate(_batches(entries)):
-            if index:
-                time.sleep(SQLITE_BATCH_PAUSE_S)
             try:
+                if index:
+                    time.sleep(SQLITE_BATCH_PAUSE_S)
                 _write_lines(engine, batch, mode, dry_run, counts)
-            except (ImportFormatError, DBAPIError) as error:  # DBAPIError: a lock held past the busy timeout
+            # DBAPIError: a lock held past the busy timeout; KeyboardInterrupt: Ctrl-C
+            except (ImportFormatError, DBAPIError, KeyboardInterrupt) as error:
                 if not written or dry_run:
                     raise
+                if isinstance(error, KeyboardInterrupt):  # a batch stopped mid-way rolled back
+                    raise ImportStopped(written, len(entries)) from None
                 if isinstance(error, DBAPIError):
                     raise ImportInterrupted(written, len(entries), error) from error
                 raise ImportFormatError(

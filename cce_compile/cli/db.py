@@ -322,7 +322,7 @@ def import_command(
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.store import ImportFormatError, ImportInterrupted, decoded_lines, import_jsonl
+    from tuning_db.store import ImportFormatError, ImportInterrupted, ImportStopped, decoded_lines, import_jsonl
 
     engine = store_engine(db_url)
     try:
@@ -331,6 +331,8 @@ def import_command(
         fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
     except ImportInterrupted as error:
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}")
+    except ImportStopped as error:  # Ctrl-C's status, saying what stays: it exited 130 without a word
+        fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}", status=130)
     except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:
