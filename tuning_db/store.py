@@ -90,7 +90,8 @@ class ImportInterrupted(StoreError):
 
 class ImportStopped(KeyboardInterrupt):
     """A Ctrl-C (KeyboardInterrupt) during an SQLite import after its first batches committed:
-    they stay, which the message says; still a KeyboardInterrupt to whoever does not look."""
+    they stay, which the message says (one landing between a batch's commit and its count
+    leaves that batch out of the number); still a KeyboardInterrupt to whoever does not look."""
 
     def __init__(self, lines_imported: int, lines: int) -> None:
         super().__init__(f"interrupted after {lines_imported} of {lines} lines were imported (SQLite takes a file "
