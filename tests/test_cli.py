@@ -667,6 +667,43 @@ def test_ctrl_c_during_an_sqlite_import_says_what_it_imported(tmp_path: Path) ->
     assert said and int(said[1]) in (kept, kept - IMPORT_BATCH_LINES), stderr
 
 
+def test_an_import_on_a_terminal_shows_its_progress_and_leaves_no_trace_in_a_pipe(tmp_path: Path) -> None:
+    """A PostgreSQL import of thousands of lines took a minute without a word: on a terminal a
+    progress bar follows the rows (and is gone at the end); piped, stderr stays empty."""
+    import pty
+
+    from tuning_db.records import ExportHeader
+
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    lines = [json.dumps(measurement_data(V=vocab, measurement_uid=f"{vocab:032x}", created_at="2026-01-01T00:00:00Z"))
+             for vocab in range(1, 401)]
+    export_file = tmp_path / "export.jsonl"
+    header = ExportHeader(entries=len(lines), measurements=len(lines)).model_dump_json()
+    export_file.write_text("\n".join([header, *lines]) + "\n")
+    piped = cce("import", str(export_file), "--db-url", database, "--mode", "overwrite")
+    assert piped.returncode == 0 and piped.stderr == "" and json.loads(piped.stdout)["lines"] == 400
+    controller, terminal = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "cce_compile.cli.main", "import", str(export_file), "--db-url", database,
+         "--mode", "overwrite"], stdin=terminal, stdout=subprocess.PIPE, stderr=terminal,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TERM": "xterm", "COLUMNS": "120"}, cwd=REPO_ROOT)
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    stdout, _ = child.communicate(timeout=120)
+    os.close(controller)
+    assert child.returncode == 0 and json.loads(stdout)["lines"] == 400
+    assert b"importing rows" in shown and b"/800" in shown, shown[-500:]
+
+
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")

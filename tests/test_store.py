@@ -423,6 +423,17 @@ def test_import_dry_run_reports_and_changes_nothing(engine: Engine) -> None:
     assert store.export_jsonl(engine) == before
 
 
+def test_an_import_reports_its_progress_row_by_row(engine: Engine) -> None:
+    """`progress(rows_written, rows)`: a measurement and a best entry a line, each counted once
+    it is written, on SQLite across its batches as on PostgreSQL in one transaction."""
+    lines = _import_file(store.IMPORT_BATCH_LINES + 30)
+    calls: list[tuple[int, int]] = []
+    report = store.import_jsonl(engine, lines, progress=lambda done, total: calls.append((done, total)))
+    rows = 2 * report.lines
+    assert report.lines == store.IMPORT_BATCH_LINES + 30
+    assert calls == [(done, rows) for done in range(1, rows + 1)]
+
+
 def test_an_import_file_may_start_with_a_byte_order_mark(engine: Engine) -> None:
     """Some Windows editors save UTF-8 with one (U+FEFF): the header was refused as not JSON."""
     store.record_measurement(engine, measurement(10.0))

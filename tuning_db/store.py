@@ -602,9 +602,11 @@ def _batches(entries: list[ImportLine]) -> Iterator[list[ImportLine]]:
 
 
 def _write_lines(
-    engine: Engine, entries: list[ImportLine], mode: ImportMode, dry_run: bool, counts: Counter[str]
+    engine: Engine, entries: list[ImportLine], mode: ImportMode, dry_run: bool, counts: Counter[str],
+    advance: Callable[[], None],
 ) -> None:
-    """Write `entries` in one transaction (rolled back for a dry run), adding to `counts`.
+    """Write `entries` in one transaction (rolled back for a dry run), adding to `counts`, and
+    `advance()` after each row (a line's measurement, then its best entry).
 
     The rows are written, so locked, in the order every writer follows: GPUs by name, then
     measurements by uid, then best entries by key (a key's lines in file order);
@@ -619,6 +621,7 @@ def _write_lines(
                 number, _add_measurement, session, line, gpu_ids[line.gpu.name], line.measurement_uid, line.created_at
             )
             counts["measurements_added"] += added
+            advance()
         # A line whose measurement was retired leaves its key alone, in every mode: whether its
         # entry is still retired or another measurement has replaced it since. The key's entry
         # is locked before retired_measurements is read: a retire holds the entry until it
@@ -633,6 +636,7 @@ def _write_lines(
             existed = entry is not None
             applied = retired is None and _upsert_best(session, row, mode)
             counts["entries_replaced" if existed and applied else "entries_kept" if existed else "entries_added"] += 1
+            advance()
         if dry_run:
             session.rollback()
 
@@ -646,7 +650,8 @@ def _on_line(number: int, write: Callable[..., T], *args: Any) -> T:
 
 
 def import_jsonl(
-    engine: Engine, lines: Iterable[str], mode: ImportMode = "keep_better", dry_run: bool = False
+    engine: Engine, lines: Iterable[str], mode: ImportMode = "keep_better", dry_run: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ImportReport:
     """Import an export file.
 
@@ -661,22 +666,29 @@ def import_jsonl(
     Every line's measurement joins the history once (by its uid, which names one content);
     `mode` decides the key's best entry: keep_better keeps the faster, skip keeps any
     existing entry, overwrite takes the file's. `dry_run` does all of it and rolls back
-    (each batch), to report what would change.
+    (each batch), to report what would change. `progress(rows_written, rows)` follows the
+    writes: two rows a line, its measurement and its best entry.
     """
     entries = _parse_export(lines)
     _check_file_consistency(entries)
     with read_session(engine, snapshot=True) as session:
         _check_against_store(session, entries)
     counts: Counter[str] = Counter()
+
+    def advance() -> None:
+        counts["rows_written"] += 1
+        if progress is not None:
+            progress(counts["rows_written"], 2 * len(entries))
+
     if engine.dialect.name != "sqlite":
-        _write_lines(engine, entries, mode, dry_run, counts)
+        _write_lines(engine, entries, mode, dry_run, counts, advance)
     else:
         written = 0
         for index, batch in enumerate(_batches(entries)):
             try:
                 if index:
                     time.sleep(SQLITE_BATCH_PAUSE_S)
-                _write_lines(engine, batch, mode, dry_run, counts)
+                _write_lines(engine, batch, mode, dry_run, counts, advance)
             # DBAPIError: a lock held past the busy timeout; KeyboardInterrupt: Ctrl-C
             except (ImportFormatError, DBAPIError, KeyboardInterrupt) as error:
                 if not written or dry_run:

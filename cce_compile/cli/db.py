@@ -3,9 +3,10 @@ running service (--url)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -326,7 +327,9 @@ def import_command(
 
     engine = store_engine(db_url)
     try:
-        report = import_jsonl(engine, decoded_lines(file.read_bytes()), mode=mode, dry_run=dry_run)
+        with _progress_on_terminal("importing rows") as progress:
+            report = import_jsonl(engine, decoded_lines(file.read_bytes()), mode=mode, dry_run=dry_run,
+                                  progress=progress)
     except ImportFormatError as error:
         fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
     except ImportInterrupted as error:
@@ -338,6 +341,24 @@ def import_command(
     finally:
         engine.dispose()
     typer.echo(json.dumps(report.model_dump()))
+
+
+@contextlib.contextmanager
+def _progress_on_terminal(description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar on stderr where it is a terminal (a PostgreSQL import of thousands of
+    lines takes a minute), gone when the work ends; nothing in a log or a pipe."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def register(app: typer.Typer) -> None:
