@@ -704,6 +704,18 @@ def test_an_import_on_a_terminal_shows_its_progress_and_leaves_no_trace_in_a_pip
     assert b"importing rows" in shown and b"/800" in shown, shown[-500:]
 
 
+def test_an_export_to_a_full_disk_names_stdout(tmp_path: Path) -> None:
+    """`cce export > FILE` on a full disk said 'OSError: [Errno 28] No space left on device',
+    naming neither what was written nor that the file is cut short."""
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cce_compile.cli.main", "export", "--db-url", database],
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert_one_line_failure(done, "writing to stdout", "No space left on device", "cut short")
+
+
 def test_export_from_a_dead_service_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert_one_line_failure(cce("export", "--url", url), f"GET {url}/v1/export", "ConnectError")

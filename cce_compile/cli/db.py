@@ -296,10 +296,16 @@ def _write_out(lines: Iterable[str]) -> None:
     """`lines` to stdout, a write each, then flushed. One write of a whole export lost its tail
     without an error when the reader left during it (`cce export | head -1`, a consumer that
     died): CPython's write returned after the part the pipe took and the command exited 0, as
-    if the export were whole. A write after that one fails (EPIPE), which exits 1."""
-    for line in lines:
-        sys.stdout.write(line)
-    sys.stdout.flush()
+    if the export were whole. A write after that one fails (EPIPE), which exits 1. A disk that
+    fills under a redirect (`> export.jsonl`) fails naming stdout."""
+    try:
+        for line in lines:
+            sys.stdout.write(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        fail(f"writing to stdout: {error.strerror or error}; the output there is cut short")
 
 
 def import_command(
