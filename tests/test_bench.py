@@ -536,6 +536,21 @@ def test_cli_render_checks_every_sync_file_before_writing_any(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bad", "bench.csv", "good.md"]
 
 
+def test_cli_render_keeps_a_crlf_files_line_breaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file with CRLF line breaks (a Windows checkout) was rewritten with LF ones throughout,
+    its whole text changed for one table."""
+    results.append_rows(tmp_path / "bench.csv", [_row()])
+    readme = tmp_path / "README.md"
+    readme.write_bytes(b"# Title\r\n\r\nintro\r\n<!-- cce-bench-table -->\r\nstale\r\n<!-- /cce-bench-table -->\r\nend\r\n")
+    status, error = _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(readme))
+    assert status == 0, error
+    content = readme.read_bytes()
+    assert b"stale" not in content and b"| shape" in content
+    assert content.startswith(b"# Title\r\n\r\nintro\r\n") and content.endswith(b"<!-- /cce-bench-table -->\r\nend\r\n")
+    assert content.count(b"\n") == content.count(b"\r\n")
+    assert not list(tmp_path.glob(".*.partial"))  # written beside it, then renamed over it
+
+
 def test_results_and_docs_stay_small() -> None:
     """At most 40 files in benchmarks/results/ (older logs live in git) and a performance doc
     a newcomer reads through (history goes to docs/notes/)."""

@@ -14,6 +14,7 @@ import csv
 import importlib.util
 import io
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -227,10 +228,13 @@ def synced_files(rows: list[Row], markdown_paths: Iterable[Path]) -> dict[Path, 
     changed = {}
     for path in map(Path, markdown_paths):
         try:
-            text = path.read_text(encoding="utf-8")
+            with path.open(encoding="utf-8", newline="") as file:  # its line breaks as they are
+                text = file.read()
             if not has_tables(text):
                 raise ValueError("no `<!-- cce-bench-table ... -->` block to rewrite")
-            synced = synced_text(text, rows)
+            synced = synced_text(text.replace("\r\n", "\n"), rows)
+            if "\r\n" in text:  # a Windows checkout's file keeps its CRLF line breaks
+                synced = synced.replace("\n", "\r\n")
         except UnicodeDecodeError as error:
             raise SyncError(f"{path}: not UTF-8 (byte {error.start})") from None
         except OSError as error:
@@ -295,6 +299,18 @@ def render(csv_path: Path, sync: Iterable[Path] = ()) -> list[Path]:
         plot(chosen, png_path)
         written.append(png_path)
     for path, text in synced.items():
-        path.write_text(text, encoding="utf-8")
+        _replace(path, text)
         written.append(path)
     return written
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path`'s content replaced by `text` whole or not at all (a write stopped midway would
+    leave a README cut short): written beside it, then renamed over it."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with partial.open("w", encoding="utf-8", newline="") as file:
+            file.write(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
