@@ -276,6 +276,34 @@ def check_different_targets_give_nan(parallel: VocabParallel) -> None:
     assert torch.isnan(e.grad[mine != -100]).all() and torch.isnan(local_c.grad).all()
 
 
+def check_different_options_give_nan(parallel: VocabParallel) -> None:
+    """Ranks that pass the same tokens with different options (the last rank another softcap,
+    temperature, reduction, ...) that leave the all-gather's size alone: each rank's shard
+    statistics or its combination of them belong to another loss, which gave a finite wrong
+    loss (the same on every rank for a softcap). The loss is NaN on every rank instead, and so
+    are the gradients where a backward can run (reduce_grad_e differing hangs it)."""
+    e, c, bias, _, targets = problem(11)
+    targets = torch.where(targets == -100, 0, targets)
+    rows = slice(parallel.start, parallel.stop)
+    odd = parallel.rank == parallel.world_size - 1
+    base = dict(label_smoothing=0.1, z_loss=1e-3, softcap=5.0, temperature=0.9)
+    for name, mine in (("softcap", 6.0), ("temperature", 0.8), ("z_loss", 2e-3), ("label_smoothing", 0.2),
+                       ("reduction", "sum"), ("ignore_index", int(targets[0, 0])), ("bias", None)):
+        options = dict(base, **({name: mine} if odd and name != "bias" else {}))
+        leaves = [t.detach().clone().requires_grad_() for t in (e, c[rows], bias[rows])]
+        shard_bias = None if odd and name == "bias" else leaves[2]
+        loss = cce_compile.linear_cross_entropy(leaves[0], leaves[1], targets, bias=shard_bias,
+                                                vocab_parallel=parallel, **options)
+        loss.backward()
+        assert torch.isnan(loss), f"{name} differing over the ranks gave a loss of {float(loss)}"
+        assert torch.isnan(leaves[0].grad).all() and torch.isnan(leaves[1].grad).all(), name
+    for name, changed in (("vocab_size", dict(vocab_size=V + 1)), ("reduce_grad_e", dict(reduce_grad_e=False))):
+        other = VocabParallel(parallel.group, parallel.start, parallel.stop,
+                              **dict(dict(vocab_size=V), **(changed if odd else {})))
+        loss = cce_compile.linear_cross_entropy(e, c[rows], targets, vocab_parallel=other, label_smoothing=0.1)
+        assert torch.isnan(loss), f"{name} differing over the ranks gave a loss of {float(loss)}"
+
+
 def check_out_of_range_target_gives_nan_gradients(parallel: VocabParallel) -> None:
     """A target outside [0, V) past the eager CPU check (as on the GPU, under torch.compile):
     its loss is NaN, and so are the gradients (dE at that token, every rank's dC), as in the
@@ -341,6 +369,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_module_deep_copies(parallel)
             check_refusals(parallel)
             check_different_targets_give_nan(parallel)
+            check_different_options_give_nan(parallel)
             check_out_of_range_target_gives_nan_gradients(parallel)
             if world == 2:
                 check_hf_model(world)

@@ -206,13 +206,28 @@ def all_shards(stats: Tensor, parallel: VocabParallel) -> Tensor:
     return torch.stack(rows)
 
 
-def targets_checksum(targets: Tensor) -> Tensor:
+def targets_checksum(targets: Tensor, options: tuple[float, ...] = ()) -> Tensor:
     """(1,) float32: sum_i i * target_i over positions 1..N, in int64 (exact, so equal targets
     give equal sums on every rank whatever the reduction order; a float32 sum of 200k tokens
     differed between ranks of other thread counts) and folded below 2^24, which float32 holds
-    exactly."""
+    exactly. `options` (numbers) count too (options_code): a host integer, no copy to the device."""
     positions = torch.arange(1, targets.numel() + 1, dtype=torch.int64, device=targets.device)
-    return ((targets.to(torch.int64) * positions).sum() % 2**24).to(torch.float32).reshape(1)
+    total = (targets.to(torch.int64) * positions).sum() + options_code(options)
+    return (total % 2**24).to(torch.float32).reshape(1)
+
+
+def options_code(options: tuple[float, ...]) -> int:
+    """An integer below 2^24, the same on ranks that pass the same options, from each one's
+    exact ratio (float.as_integer_ratio, which torch.compile traces; Python's hash of a string
+    differs between processes) and its position."""
+    code = 0
+    for position, value in enumerate(options, start=1):
+        numerator, denominator = float(value).as_integer_ratio()
+        code += position * (numerator % _CODE_MODULUS + 2 * position * (denominator % _CODE_MODULUS))
+    return code % _CODE_MODULUS
+
+
+_CODE_MODULUS = 2**24 - 3
 
 
 def vocab_parallel_loss(
@@ -252,9 +267,13 @@ def vocab_parallel_loss(
     stats = torch.stack(terms).reshape(-1)
     # Every rank must score the same tokens: a classifier sharded by FSDP looks like vocabulary
     # shards but comes with other ranks' tokens. A checksum of the targets rides along in the
-    # same all-gather; a mismatch makes the loss NaN, without a host sync to raise. The scalars
+    # same all-gather; a mismatch makes the loss NaN, without a host sync to raise. The options
+    # count too: ranks that disagree on one that leaves the gather's size alone (a softcap, a
+    # reduction) would combine shards of different losses into a finite wrong one. The scalars
     # lead, so that no index depends on N (under torch.compile one would pin N to a constant).
-    checksum = targets_checksum(targets)
+    checksum = targets_checksum(targets, (
+        v, ignore_index, ("none", "sum", "mean").index(reduction), label_smoothing, z_loss, softcap, logit_scale,
+        bias is not None, weight is not None, parallel.reduce_grad_e))
     scalars = [checksum]
     if smoothing and weight is not None:  # and the shard's weight total, for W
         scalars.append(weight32.sum().reshape(1))
