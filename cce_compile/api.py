@@ -134,11 +134,10 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     dual tensors get a zero tangent without an error, and torch.func.grad (vjp, jacrev) fails
     in torch's internals. Both are refused here by name; reverse mode (backward,
     torch.autograd.grad) is the supported way. vmap runs, gradients too (on the recompute). Under
-    torch.compile this check cannot run (Dynamo traces the transforms itself): see
-    docs/integrations.md."""
-    if torch.compiler.is_compiling():
-        return
-    transforms = _active_transforms()
+    torch.compile, where Dynamo traces the transforms itself and the interpreters are not read,
+    a jvp (jacfwd) is refused by its operands' tangents, which Dynamo traces with the dual level
+    (the check below); a compiled grad fails in torch's internals: see docs/integrations.md."""
+    transforms = _active_transforms()  # none while compiling
     refused = sorted(transforms & {"jvp", "grad"})
     if refused:
         raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func's "

@@ -780,3 +780,33 @@ def test_a_float64_default_dtype_keeps_the_loss_float32_eager_and_compiled(memor
     finally:
         torch.set_default_dtype(previous)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+@pytest.mark.parametrize("call", ["workspace", "low", "log_probs"])
+def test_a_compiled_jvp_is_refused_not_given_a_zero_tangent(transform: str, call: str) -> None:
+    """torch.compile of a jvp (jacfwd: a vmap of jvps): Dynamo traces the transform, so the
+    eager check of the interpreters does not run, and the custom ops gave the tangent 0 without
+    an error. Dynamo traces the dual level and the operands' tangents, so the refusal is made
+    there: as Dynamo's Unsupported under fullgraph, the package's message in it, and without
+    fullgraph the eager call's error."""
+    e, c, t = make_inputs("zipf", (6,), 30, 8, torch.float32, seed=5)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        if call == "log_probs":
+            return cce_compile.linear_log_probs(x, c, t).sum()
+        return cce_compile.linear_cross_entropy(x, c, t, memory=call)
+
+    def forward_mode(x: torch.Tensor) -> torch.Tensor:
+        if transform == "jvp":
+            return torch.func.jvp(loss, (x,), (torch.ones_like(x),))[1]
+        return torch.func.jacfwd(loss)(x)
+
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="forward-mode AD|torch.func's jvp"):
+            torch.compile(forward_mode, backend="aot_eager", fullgraph=fullgraph)(e)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: loss(x), backend="aot_eager", fullgraph=True)
+    with torch.autograd.forward_ad.dual_level():  # plain tensors inside a dual level are not refused
+        torch.testing.assert_close(compiled(e), loss(e))
