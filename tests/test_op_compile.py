@@ -810,3 +810,27 @@ def test_a_compiled_jvp_is_refused_not_given_a_zero_tangent(transform: str, call
     compiled = torch.compile(lambda x: loss(x), backend="aot_eager", fullgraph=True)
     with torch.autograd.forward_ad.dual_level():  # plain tensors inside a dual level are not refused
         torch.testing.assert_close(compiled(e), loss(e))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("call", ["loss", "log_probs"])
+def test_filtered_mode_on_the_kernels_compiles_a_declared_range_whose_row_blocks_may_be_one(call: str) -> None:
+    """On the Triton path the forward returns its kept tiles, whose row blocks (N / block_m) are
+    1 at a declared range's small N: recording a 2-D output, torch.compile guarded that count != 1,
+    which mark_dynamic(min=2, max=...) refused (ConstraintViolationError), so filtered mode could
+    not compile the range the docs recommend. The ops pass the kept tiles flat."""
+    torch._dynamo.reset()
+
+    def step(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if call == "loss":
+            return cce_compile.linear_cross_entropy(e, c, targets, memory="low", filter_eps="auto")
+        log_probs, entropy = cce_compile.linear_log_probs(e, c, targets, entropy=True, filter_eps="auto")
+        return (log_probs + 0.3 * entropy).sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for n in (40, 150):
+        e, c, targets = make_inputs("zipf", (n,), 160, 32, torch.float32, seed=n)
+        targets[::7] = -100
+        _matches_eager(compiled, step, e, c, targets, 0, min=2, max=512)
+    assert counter.frame_count == 1

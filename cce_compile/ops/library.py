@@ -46,7 +46,7 @@ def linear_cross_entropy_forward(
     ignore_index: int, label_smoothing: float, softcap: float, filter_eps: float, logit_scale: float = 1.0,
     settings: str = "",
 ) -> ForwardOutputs:
-    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles, tile_lse, vocab_order).
+    """e (N, D), c (V, D), targets (N,) -> (loss (N,), lse (N,), kept_tiles (flat), tile_lse, vocab_order).
 
     loss and lse are fp32; `softcap` 0 means none, `filter_eps` 0 exact mode, `logit_scale` (1 /
     temperature) multiplies the logits before the soft-cap (whose `softcap` is in scaled units). With
@@ -60,22 +60,35 @@ def linear_cross_entropy_forward(
 
         def launch(config: KernelConfig, policy: Policy) -> ForwardOutputs:
             plan = plan_launch(problem_of(e, c), options, config, policy)
-            return run_forward(plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap,
-                               filter_eps)
+            loss, lse, kept_tiles, tile_lse, order = run_forward(
+                plan, config, e, c, targets, bias, weight, ignore_index, label_smoothing, softcap, filter_eps)
+            return loss, lse, kept_tiles.reshape(-1), tile_lse, order
 
         return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
+def kept_tiles_of(flat: Tensor, c: Tensor, config: KernelConfig) -> Tensor:
+    """A forward op's kept tiles, which it returns flat, as the backward reads them: (row blocks,
+    vocab tiles), or (0, 0) outside filtered mode's kernels. Flat because a 2-D output's row
+    blocks (N / block_m) may be 1 at a small N, and torch.compile, recording an output, guards
+    every such dimension != 1, which a declared mark_dynamic range from 2 refuses
+    (ConstraintViolationError); the flat size is a multiple of the vocab tiles."""
+    if not flat.numel():
+        return flat.view(0, 0)
+    return flat.view(-1, cdiv(c.shape[0], config.grad_logits.block_n))
+
+
 def fake_filter_stats(e: Tensor, c: Tensor, targets: Tensor, filter_eps: float, entropy: bool,
                       settings: str) -> FilterStats:
-    """The shapes forward.row_and_filter_stats gives its FilterStats, for the fake functions."""
+    """The shapes forward.row_and_filter_stats gives its FilterStats, for the fake functions,
+    the kept tiles flat as the forward ops return them (kept_tiles_of)."""
     n, v = e.shape[0], c.shape[0]
     filtered = filter_eps > 0.0
-    kept_shape = tile_shape = (0, 0)
+    kept_shape, tile_shape = (0,), (0, 0)
     if filtered:
         config, policy = launch_settings(settings, e, c, True)
         if runs_triton(problem_of(e, c), policy):
-            kept_shape = (cdiv(n, config.grad_logits.block_m), cdiv(v, config.grad_logits.block_n))
+            kept_shape = (cdiv(n, config.grad_logits.block_m) * cdiv(v, config.grad_logits.block_n),)
             tile_shape = (n, cdiv(v, config.forward.block_n))
     return FilterStats(
         e.new_empty(kept_shape, dtype=torch.int8),
@@ -108,7 +121,8 @@ def linear_cross_entropy_backward(
         options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
         plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
         return gradient_outputs(c, *run_backward(
-            plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse, kept_tiles, tile_lse,
+            plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse,
+            kept_tiles_of(kept_tiles, c, kernel_config), tile_lse,
             vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
         ))
 

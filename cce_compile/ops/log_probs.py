@@ -26,7 +26,7 @@ from .backward import Coefficients, backward_from_coefficients
 from .filtering import FilterStats
 from .forward import row_and_filter_stats
 from .launch import on_device_of
-from .library import fake_filter_stats, fake_gradients, gradient_outputs, no_double_backward
+from .library import fake_filter_stats, fake_gradients, gradient_outputs, kept_tiles_of, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
 from .problem import backward_settings, decode_settings, launch_with_config, options_of, problem_of
@@ -67,8 +67,10 @@ def linear_log_probs_forward(
                                                   ignore_index)
             lse_minus_mean = stats.lse_minus_mean
             # empties where absent, two of them: a custom op's outputs may not alias
+            kept_tiles, tile_lse, tile_mean_logit, order = filter_stats
             return (log_probs, stats.lse.new_empty((0,)) if entropies is None else entropies, stats.lse,
-                    stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean, *filter_stats)
+                    stats.lse.new_empty((0,)) if lse_minus_mean is None else lse_minus_mean,
+                    kept_tiles.reshape(-1), tile_lse, tile_mean_logit, order)  # flat: library.kept_tiles_of
 
         return launch_with_config(e, c, filter_eps > 0.0, settings, launch)
 
@@ -106,7 +108,8 @@ def linear_log_probs_backward(
             plan, kernel_config,
             Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
             e, c, tokens, bias,
-            None, lse, FilterStats(kept_tiles, tile_lse, tile_mean_logit, vocab_order), 0.0, softcap, filter_eps,
+            None, lse, FilterStats(kept_tiles_of(kept_tiles, c, kernel_config), tile_lse, tile_mean_logit, vocab_order),
+            0.0, softcap, filter_eps,
             need_grad_e, need_grad_c,
         ))
 
