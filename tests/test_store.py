@@ -17,6 +17,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, event, select, text, update
+from sqlalchemy.exc import OperationalError
 
 from tests.db_fixtures import (
     GPU_H100,
@@ -92,6 +93,27 @@ def test_default_database_is_an_sqlite_file_in_the_user_cache(
     monkeypatch.setenv(DB_URL_ENV, "sqlite:///elsewhere.db")
     assert resolve_db_url() == "sqlite:///elsewhere.db"
     assert resolve_db_url("sqlite:///given.db") == "sqlite:///given.db"
+
+
+def test_a_relative_sqlite_file_removed_after_a_chdir_is_not_written_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLAlchemy opens a relative path made absolute when the engine was made, while the check
+    that the file is still there looked at the relative path: after a chdir it found no file
+    at connect and none at checkout, so a pooled connection went on in a removed file."""
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path)
+    engine = make_engine("sqlite:///tuning.db")
+    with engine.begin() as connection:
+        connection.execute(text("CREATE TABLE kept (x INTEGER)"))
+    monkeypatch.chdir(tmp_path / "run")
+    with engine.connect() as connection:
+        connection.scalar(text("SELECT count(*) FROM kept"))
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"tuning.db{suffix}").unlink(missing_ok=True)
+    with engine.connect() as connection, pytest.raises(OperationalError, match="no such table"):
+        connection.scalar(text("SELECT count(*) FROM kept"))
+    engine.dispose()
 
 
 @pytest.mark.parametrize("folder", ["cache?x", "cache%41"])

@@ -114,12 +114,12 @@ def make_engine(url: str | None = None) -> Engine:
     url = resolve_db_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url)
-        _configure_sqlite(engine, sqlite_file(url))
+        _configure_sqlite(engine)
         return engine
     return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
 
 
-def _file_identity(path: Path) -> tuple[int, int] | None:
+def _file_identity(path: str) -> tuple[int, int] | None:
     """The device and inode of the file at `path` now (None: no file there)."""
     try:
         status = os.stat(path)
@@ -128,12 +128,13 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _configure_sqlite(engine: Engine, path: Path | None) -> None:
-    """`path`: the database's file (None in memory), checked at each checkout to be the file the
-    pooled connection opened: a connection keeps a removed or replaced file open, and writes
-    went on into it (acknowledged, and lost with the process), while the path named another
-    file or none. Such connections are dropped, and the next opens what the path names now (a
-    removed database is then a new file without schema: the service says to upgrade it)."""
+def _configure_sqlite(engine: Engine) -> None:
+    """Each checkout checks that the file a pooled connection opened (its absolute path, as
+    SQLite reports it) is still the file at that path: a connection keeps a removed or replaced
+    file open, and writes went on into it (acknowledged, and lost with the process) while the
+    path named another file or none. Such connections are dropped, and the next opens what the
+    path names now (a removed database is then a new file without schema: the service says to
+    upgrade it). A database in memory has no file and is not checked."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, record: Any) -> None:
@@ -144,16 +145,16 @@ def _configure_sqlite(engine: Engine, path: Path | None) -> None:
         cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
+        _, _, file = cursor.execute("PRAGMA database_list").fetchone()  # main: '' in memory
         cursor.close()
-        if path is not None:
-            record.info["file"] = _file_identity(path)
+        if file:
+            record.info["file"] = file, _file_identity(file)
 
-    if path is not None:
-
-        @event.listens_for(engine, "checkout")
-        def _on_checkout(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
-            if record.info.get("file") != _file_identity(path):
-                raise InvalidatePoolError(f"the database file {path} was removed or replaced")
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        opened = record.info.get("file")
+        if opened is not None and _file_identity(opened[0]) != opened[1]:
+            raise InvalidatePoolError(f"the database file {opened[0]} was removed or replaced")
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
