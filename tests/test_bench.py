@@ -551,6 +551,25 @@ def test_cli_render_keeps_a_crlf_files_line_breaks(tmp_path: Path, capsys: pytes
     assert not list(tmp_path.glob(".*.partial"))  # written beside it, then renamed over it
 
 
+def test_cli_render_writes_through_a_link_and_keeps_the_files_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The synced file is written beside it and renamed over it: a README that is a link (to
+    docs/README.md, say) became a plain file, its target left stale, and the new file took the
+    umask's mode instead of the file's."""
+    results.append_rows(tmp_path / "bench.csv", [_row()])
+    (tmp_path / "docs").mkdir()
+    target = tmp_path / "docs" / "README.md"
+    target.write_text("<!-- cce-bench-table -->\nstale\n<!-- /cce-bench-table -->\n")
+    target.chmod(0o640)
+    link = tmp_path / "README.md"
+    link.symlink_to(Path("docs") / "README.md")
+    status, error = _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(link))
+    assert status == 0, error
+    assert link.is_symlink() and "| shape" in target.read_text()
+    assert target.stat().st_mode & 0o777 == 0o640
+
+
 def test_results_and_docs_stay_small() -> None:
     """At most 40 files in benchmarks/results/ (older logs live in git) and a performance doc
     a newcomer reads through (history goes to docs/notes/)."""

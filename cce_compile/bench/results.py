@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -306,11 +307,14 @@ def render(csv_path: Path, sync: Iterable[Path] = ()) -> list[Path]:
 
 def _replace(path: Path, text: str) -> None:
     """`path`'s content replaced by `text` whole or not at all (a write stopped midway would
-    leave a README cut short): written beside it, then renamed over it."""
+    leave a README cut short): written beside the file it names (through a link: the link
+    stays), with its mode, then renamed over it."""
+    path = path.resolve()
     partial = path.with_name(f".{path.name}.partial")
     try:
         with partial.open("w", encoding="utf-8", newline="") as file:
             file.write(text)
+        shutil.copymode(path, partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
