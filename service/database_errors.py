@@ -1,6 +1,6 @@
 """Database failures as HTTP answers: what a client can wait out (a lock, a database that
-is down or not yet upgraded) is 503 with Retry-After, a read-only database 503 without it,
-never a bare 500."""
+is down or not yet upgraded) is 503 with Retry-After, a read-only or full database 503
+without it, never a bare 500."""
 
 from __future__ import annotations
 

@@ -340,7 +340,7 @@ def import_command(
         fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
     except ImportInterrupted as error:
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}")
-    except ImportStopped as error:  # Ctrl-C's status, saying what stays: it exited 130 without a word
+    except ImportStopped as error:  # Ctrl-C's status, saying which lines stay
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}", status=130)
     except DBAPIError as error:  # the driver's text only: the exception's own quotes the statement
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")

@@ -172,11 +172,13 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     multiplies by instead of calling the head. A head that computes more is refused, since
     reading its `.weight` would train without the rest: a PEFT adapter layer over it (LoRA in
     target_modules: `.weight` is the base layer's), an nn.Linear with its own forward (a
-    quantized layer), a module that is no nn.Linear (a head of one's own, torch.ao's dynamic quantized Linear), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
-    own, which gather a weight the loss takes sharded, pass). Disabled adapters, or active ones all merged into the weight or absent from
-    the head (another adapter's, which PEFT's layer skips), pass. A DeepSpeed ZeRO-3 partitioned
-    weight is refused too: ZeRO-3 gathers it only when the head runs. PEFT's trainable tokens
-    on the head itself pass: the weight is then the merged one its forward multiplies by."""
+    quantized layer), a module that is no nn.Linear (a head of one's own, torch.ao's dynamic
+    quantized Linear), or forward hooks on it (pruning's mask, the legacy weight_norm; FSDP2's
+    own, which gather a weight the loss takes sharded, pass). Disabled adapters, or active ones
+    all merged into the weight or absent from the head (another adapter's, which PEFT's layer
+    skips), pass. A DeepSpeed ZeRO-3 partitioned weight is refused too: ZeRO-3 gathers it only
+    when the head runs. PEFT's trainable tokens on the head itself pass: the weight is then the
+    merged one its forward multiplies by."""
     tokens_weight = _trainable_tokens_weight(head)
     if tokens_weight is None and _adapter_layers_in_use(head):
         raise TypeError(

@@ -50,9 +50,9 @@ def linear_log_probs_forward(
     `entropy`, lse_minus_mean (each row's lse less its mean logit, ignored tokens' too: what
     the entropy's backward reads, kernels/forward.lse_minus_mean) empty without
     `entropy_backward` (the entropy's backward will run; a no-grad pass skips its work); the
-    last four what filtered mode's backward filters with (filtering.FilterStats; empty with
-    `filter_eps` 0, exact mode). `softcap` 0 means none; `logit_scale` (1 / temperature)
-    multiplies the logits before it (ops/library.py).
+    last four what filtered mode's backward filters with (filtering.FilterStats, the kept tiles
+    flat: library.kept_tiles_of; empty with `filter_eps` 0, exact mode). `softcap` 0 means none;
+    `logit_scale` (1 / temperature) multiplies the logits before it (ops/library.py).
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""
     with on_device_of(e):
