@@ -154,24 +154,43 @@ def test_a_graphed_slab_loop_without_a_bias_carves_no_dbias_block(monkeypatch: p
 @pytest.mark.parametrize("memory", ["workspace", "low"])
 def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch, memory: str) -> None:
     """A replay keeps the cuBLAS settings of its capture: the same call with TF32 allowed for
-    fp32 operands (or 16-bit reductions refused) must key another graph, not replay the first."""
-    runners = _recorded_loops(monkeypatch)
+    fp32 operands (16-bit reductions refused, fp16 accumulation) must key another graph, not
+    replay the first. The keys are taken as each loop runs, where its settings are, and name
+    tensors without their addresses (which differ between calls off CUDA), so that the same
+    call with the same settings keys the same graph."""
+    keys: list = []
+
+    class Recording(graphs.LoopGraphs):
+        def run(self, key, loop, device, side_streams=()) -> None:
+            keys.append(key)
+            loop()
+
+    for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
+        monkeypatch.setattr(graphs, name, Recording(name))
+    monkeypatch.setattr(graphs, "tensor_key", lambda t: None if t is None else (t.dtype, tuple(t.shape), t.stride()))
     _force_graphs(monkeypatch)
     e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
     e.requires_grad_()
     matmul = torch.backends.cuda.matmul
-    saved = matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction
-    try:
+    saved = matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_accumulation
+
+    def step() -> None:
         with cce_compile.override_config(SMALL_TILES):
             cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
-            matmul.fp32_precision = "tf32"
-            cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
-            matmul.allow_bf16_reduced_precision_reduction = not saved[1]
-            cce_compile.linear_cross_entropy(e, c, targets, memory=memory).backward()
+
+    try:
+        step()
+        step()
+        matmul.fp32_precision = "tf32" if saved[0] != "tf32" else "ieee"
+        step()
+        matmul.allow_bf16_reduced_precision_reduction = not saved[1]
+        step()
+        matmul.allow_fp16_accumulation = not saved[2]  # fp16 GEMMs accumulating in fp16
+        step()
     finally:
-        matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction = saved
-    keys = [runner.graph_key() for runner in runners]
-    assert len(keys) == 3 and len(set(keys)) == 3
+        (matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction,
+         matmul.allow_fp16_accumulation) = saved
+    assert len(keys) == 5 and keys[0] == keys[1] and len(set(keys)) == 4
 
 
 @pytest.mark.interpreter

@@ -46,13 +46,14 @@ def tensor_key(t: Tensor | None) -> Hashable:
 
 def matmul_settings() -> Hashable:
     """torch's cuBLAS settings as a graphed loop's GEMMs read them at capture: TF32 for fp32
-    operands and reduced-precision reductions for 16-bit ones. A replay keeps the captured
-    ones, so a loop's key names them: a user turning TF32 off gets a new capture, not TF32."""
+    operands, reduced-precision reductions for 16-bit ones and fp16 accumulation for fp16 ones.
+    A replay keeps the captured ones, so a loop's key names them: a user turning TF32 off gets
+    a new capture, not TF32."""
     matmul = torch.backends.cuda.matmul
     # fp32_precision reflects the legacy setters too (allow_tf32, set_float32_matmul_precision),
     # and reading it never raises, where the legacy getters do once a user mixed the two APIs.
     return (matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction,
-            matmul.allow_fp16_reduced_precision_reduction)
+            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_fp16_accumulation)
 
 
 ALIGNMENT = 256
