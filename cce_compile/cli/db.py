@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from cce_compile.cli.errors import fail, one_line, refuse_empty, require_stdout, service_url
+from cce_compile.redact import hide_secrets_in_http_client_logs
 from cce_compile.resolve.sources import TOKEN_ENV, bearer_token, token_problem
 from tuning_db.records import ImportMode
 
@@ -209,6 +210,7 @@ def _service_request(
     written every line, which a large file on a busy database takes minutes to."""
     import httpx
 
+    hide_secrets_in_http_client_logs()
     token = bearer_token(token)
     problem = token_problem(token) if token else None
     if problem is not None:  # never quoted: the HTTP client's error quotes the header whole

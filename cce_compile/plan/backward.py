@@ -32,8 +32,8 @@ def next_pow2(value: int) -> int:
 
 MIN_SLAB_V = 8
 """The narrowest slab: rows of d-logits 16 bytes apart at 16-bit elements, the least row stride
-a tensor descriptor takes (the tma and Gluon recomputes describe the slab's buffer; a vocabulary
-of 4 or fewer once planned slabs of 1 to 4 columns, which Triton's descriptor refused)."""
+a tensor descriptor takes (the tma and Gluon recomputes describe the slab's buffer, so a
+vocabulary of 4 or fewer still gets slabs of 8 columns)."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def plan_backward(
     share of the gradients (or its floor) with the least accumulator traffic among those of
     at most policy.max_dc_roundings token chunks (any number where none fits), less `row_buffers`
     fp32 vectors per token and `held_bytes` that the call holds beside the scratch; slabs within
-    config.slab_v and V's next power of two (MIN_SLAB_V at least), halved while over budget down to 512 wide. Filtered
-    mode plans within its own share, and its slots fill what the accumulator leaves (up to
+    config.slab_v and V's next power of two (MIN_SLAB_V at least), halved while over budget down
+    to 512 wide. Filtered mode plans within its own share, and its slots fill what the accumulator leaves (up to
     policy.max_slots; never fewer than a slab's tiles).
 
     The two gradient GEMMs sum over short K: dE over a slab's columns (each slab re-reads and
