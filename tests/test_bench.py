@@ -549,6 +549,10 @@ def test_cli_render_keeps_a_crlf_files_line_breaks(tmp_path: Path, capsys: pytes
     assert content.startswith(b"# Title\r\n\r\nintro\r\n") and content.endswith(b"<!-- /cce-bench-table -->\r\nend\r\n")
     assert content.count(b"\n") == content.count(b"\r\n")
     assert not list(tmp_path.glob(".*.partial"))  # written beside it, then renamed over it
+    mixed = content.replace(b"end\r\n", b"end\n")  # current tables, one LF line break among CRLF ones
+    readme.write_bytes(mixed)
+    assert _bench(capsys, "--render", "--out", str(tmp_path), "--sync", str(readme))[0] == 0
+    assert readme.read_bytes() == mixed  # its tables unchanged: not rewritten
 
 
 def test_cli_render_writes_through_a_link_and_keeps_the_files_mode(

@@ -233,17 +233,16 @@ def synced_files(rows: list[Row], markdown_paths: Iterable[Path]) -> dict[Path, 
                 text = file.read()
             if not has_tables(text):
                 raise ValueError("no `<!-- cce-bench-table ... -->` block to rewrite")
-            synced = synced_text(text.replace("\r\n", "\n"), rows)
-            if "\r\n" in text:  # a Windows checkout's file keeps its CRLF line breaks
-                synced = synced.replace("\n", "\r\n")
+            unix_text = text.replace("\r\n", "\n")
+            synced = synced_text(unix_text, rows)
         except UnicodeDecodeError as error:
             raise SyncError(f"{path}: not UTF-8 (byte {error.start})") from None
         except OSError as error:
             raise SyncError(f"{path}: {error.strerror or error}") from None
         except ValueError as error:
             raise SyncError(f"{path}: {error}") from None
-        if synced != text:
-            changed[path] = synced
+        if synced != unix_text:  # a Windows checkout's file keeps its CRLF line breaks
+            changed[path] = synced.replace("\n", "\r\n") if "\r\n" in text else synced
     return changed
 
 
