@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 
 import pytest
@@ -159,14 +160,7 @@ def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch,
     tensors without their addresses (which differ between calls off CUDA), so that the same
     call with the same settings keys the same graph."""
     keys: list = []
-
-    class Recording(graphs.LoopGraphs):
-        def run(self, key, loop, device, side_streams=()) -> None:
-            keys.append(key)
-            loop()
-
-    for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
-        monkeypatch.setattr(graphs, name, Recording(name))
+    _eager_loops(monkeypatch, lambda key, loop: keys.append(key))
     monkeypatch.setattr(graphs, "tensor_key", lambda t: None if t is None else (t.dtype, tuple(t.shape), t.stride()))
     _force_graphs(monkeypatch)
     e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
@@ -198,12 +192,7 @@ def test_a_graphed_fp32_dbias_is_a_tensor_of_its_own(monkeypatch: pytest.MonkeyP
     """An fp32 head's dbias was the slab loop's carved sum itself (to(fp32) copies nothing):
     bias.grad pinned a block padded past 1 MiB, moving the next step's carve off the graph's key.
     (The loops run as they are, keeping no runner: a second reference made autograd copy it.)"""
-
-    class Eager(graphs.LoopGraphs):
-        def run(self, key, loop, device, side_streams=()) -> None:
-            loop()
-
-    monkeypatch.setattr(graphs, "SLAB_LOOPS", Eager("slabs"))
+    _eager_loops(monkeypatch, lambda key, loop: None)
     _force_graphs(monkeypatch)
     e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
     e.requires_grad_()
@@ -216,15 +205,21 @@ def test_a_graphed_fp32_dbias_is_a_tensor_of_its_own(monkeypatch: pytest.MonkeyP
 def _recorded_loops(monkeypatch: pytest.MonkeyPatch) -> list:
     """Loop tables that run each loop as it is (no capture off CUDA) and record its runner."""
     runners: list = []
+    _eager_loops(monkeypatch, lambda key, loop: runners.append(loop.__self__))
+    return runners
+
+
+def _eager_loops(monkeypatch: pytest.MonkeyPatch, record: Callable[[Hashable, Callable[[], None]], None]) -> None:
+    """Loop tables that show each loop's key and loop to `record`, then run it as it is (no
+    capture off CUDA)."""
 
     class Recording(graphs.LoopGraphs):
         def run(self, key, loop, device, side_streams=()) -> None:
-            runners.append(loop.__self__)
+            record(key, loop)
             loop()
 
     for name in ("CHUNK_LOOPS", "SLAB_LOOPS"):
         monkeypatch.setattr(graphs, name, Recording(name))
-    return runners
 
 
 def _force_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
