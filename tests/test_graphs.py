@@ -166,7 +166,9 @@ def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch,
     e, c, targets = make_inputs("zipf", (64,), 300, 32, torch.float32, seed=3)
     e.requires_grad_()
     matmul = torch.backends.cuda.matmul
-    saved = matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_accumulation
+    bf16_reduction = (matmul.allow_bf16_reduced_precision_reduction,
+                      matmul.allow_bf16_reduced_precision_reduction_split_k)
+    saved = matmul.fp32_precision, bf16_reduction, matmul.allow_fp16_accumulation
 
     def step() -> None:
         with cce_compile.override_config(SMALL_TILES):
@@ -177,14 +179,16 @@ def test_a_loops_key_names_the_matmul_precision(monkeypatch: pytest.MonkeyPatch,
         step()
         matmul.fp32_precision = "tf32" if saved[0] != "tf32" else "ieee"
         step()
-        matmul.allow_bf16_reduced_precision_reduction = not saved[1]
+        matmul.allow_bf16_reduced_precision_reduction = (not bf16_reduction[0], bf16_reduction[1])
+        step()
+        matmul.allow_bf16_reduced_precision_reduction = (not bf16_reduction[0], not bf16_reduction[1])  # split-K
         step()
         matmul.allow_fp16_accumulation = not saved[2]  # fp16 GEMMs accumulating in fp16
         step()
     finally:
         (matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction,
          matmul.allow_fp16_accumulation) = saved
-    assert len(keys) == 5 and keys[0] == keys[1] and len(set(keys)) == 4
+    assert len(keys) == 6 and keys[0] == keys[1] and len(set(keys)) == 5
 
 
 @pytest.mark.interpreter

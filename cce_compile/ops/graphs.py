@@ -46,14 +46,17 @@ def tensor_key(t: Tensor | None) -> Hashable:
 
 def matmul_settings() -> Hashable:
     """torch's cuBLAS settings as a graphed loop's GEMMs read them at capture: TF32 for fp32
-    operands, reduced-precision reductions for 16-bit ones and fp16 accumulation for fp16 ones.
-    A replay keeps the captured ones, so a loop's key names them: a user turning TF32 off gets
-    a new capture, not TF32."""
+    operands, reduced-precision reductions for 16-bit ones (and whether split-K may use them) and
+    fp16 accumulation for fp16 ones. A replay keeps the captured ones, so a loop's key names
+    them: a user turning TF32 off gets a new capture, not TF32."""
     matmul = torch.backends.cuda.matmul
     # fp32_precision reflects the legacy setters too (allow_tf32, set_float32_matmul_precision),
     # and reading it never raises, where the legacy getters do once a user mixed the two APIs.
+    # The split-K switches are newer than torch 2.11, whose cuBLAS module has no such attribute.
     return (matmul.fp32_precision, matmul.allow_bf16_reduced_precision_reduction,
-            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_fp16_accumulation)
+            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_fp16_accumulation,
+            getattr(matmul, "allow_bf16_reduced_precision_reduction_split_k", None),
+            getattr(matmul, "allow_fp16_reduced_precision_reduction_split_k", None))
 
 
 ALIGNMENT = 256
