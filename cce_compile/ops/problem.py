@@ -92,7 +92,7 @@ def key_of(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: boo
 
 def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> ProblemKey:
     """`key_v` names the config by another vocabulary size than c's (one every shard of a
-    vocabulary-parallel call names alike, so that rank 0's resolution serves all ranks). N's
+    vocabulary-parallel call names alike, so that one rank's resolution serves all). N's
     bucket as plan.tokens.traced_n_bucket chooses it, for a call traced without settings."""
     return key_of(e.is_cuda, int(c.shape[0] if key_v is None else key_v), int(c.shape[1]), dtype_name(e.dtype),
                   traced_n_bucket(e.shape[0]), filtered, policy)

@@ -45,8 +45,8 @@ def shard_row_stats(
     (lse, target_logit, weighted_sum) over the shard, fp32 (N,); weighted_sum (sum_j w_j
     logit_j, w = weight or ones) is empty without need_weighted_sum. `grad_e_group`: see the
     module doc ("" for none). The kernel config is the one for vocabulary size `config_v`:
-    shards differ in size, and each size its own key would leave the ranks other than 0
-    waiting for rank 0 to resolve a key it never meets (resolve/ladder._from_rank0).
+    shards differ in size, and one key for all of them has one rank resolve it for every rank
+    (resolve/ladder._from_first_rank).
     `logit_scale`: as the unsharded forward op's.
     `settings`: problem.traced_settings (the traced config and policy; without them the call
     resolves its own)."""

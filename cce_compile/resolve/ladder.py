@@ -6,8 +6,8 @@ disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the pa
 heuristic. Every config that comes from outside the process is re-validated (and checked
 against the GPU's shared memory) before it is used; a bad one is logged and skipped, and one
 that fails to launch anyway is dropped for the next rung (launch_failed). Under
-torch.distributed, rank 0 resolves and every rank launches its config, exchanged through
-the process group's store (CCE_CONFIG_BROADCAST=0 turns that off).
+torch.distributed, the first rank to meet a key resolves it and every rank launches its
+config, exchanged through the process group's store (CCE_CONFIG_BROADCAST=0 turns that off).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ log = logging.getLogger("cce_compile.config")
 BROADCAST_ENV = "CCE_CONFIG_BROADCAST"
 WAIT_ENV = "CCE_CONFIG_WAIT_S"
 DEFAULT_WAIT_S = 30.0
-"""How long a rank waits for rank 0's config for a key: past the ranks' skew in reaching it (they
-trace and compile side by side), far inside NCCL's 10-minute timeout. A key rank 0 never meets (a
-token bucket only another rank's batch falls in) costs that rank this once; at 600 s it stalled a
-data-parallel step until the other ranks' gradient all-reduce timed out."""
+"""How long a rank waits for the config of a key another rank is resolving: past the longest
+lookup (the service's deadline and its retry), far inside NCCL's 10-minute timeout. The wait ends
+early only where that rank died or hung mid-lookup; the waiting rank then resolves the key itself."""
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -89,7 +88,7 @@ _memo_lock = threading.Lock()
 
 def _unlock_in_forked_child() -> None:
     """A forked child runs only the thread that forked: the lock another thread held for a whole
-    lookup (the service's deadline, a rank's wait for rank 0) would stay held in it, and its
+    lookup (the service's deadline, a rank's wait for another's) would stay held in it, and its
     first resolution would hang forever."""
     global _memo_lock
     _memo_lock = threading.Lock()
@@ -100,8 +99,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def resolve_config(key: ProblemKey) -> KernelConfig:
-    """The config for `key`: an active override, else the memoized ladder (rank 0's choice
-    under torch.distributed, so every rank launches the same kernels)."""
+    """The config for `key`: an active override, else the memoized ladder (under
+    torch.distributed the choice of the first rank to meet the key, so every rank launches the
+    same kernels)."""
     override = active_override()
     if override is None:
         return resolution_for(key).config
@@ -109,13 +109,13 @@ def resolve_config(key: ProblemKey) -> KernelConfig:
         return override
     with _memo_lock:  # the n-th override use of a key on every rank names the same entry
         use = _override_uses[key] = _override_uses.get(key, 0) + 1
-    return _from_rank0(key, lambda: Resolution(override, "override", "none"), f"override-{use}").config
+    return _from_first_rank(key, lambda: Resolution(override, "override", "none"), f"override-{use}").config
 
 
 def resolution_for(key: ProblemKey) -> Resolution:
     """The ladder's answer for `key` (overrides aside), resolved on first use and then
-    remembered for the process; logged once per key. Under torch.distributed, rank 0's
-    answer (see _from_rank0)."""
+    remembered for the process; logged once per key. Under torch.distributed, the answer of
+    the first rank to meet the key (see _from_first_rank)."""
     with _memo_lock:
         resolution = _memo.get(key)
         if resolution is not None:
@@ -126,7 +126,7 @@ def resolution_for(key: ProblemKey) -> Resolution:
             # Every rank fails the same config alike, so the ladder after a failure is exchanged
             # under a name of its own.
             purpose = "ladder" + "".join(f"-without-{source}" for source in sorted(skip))
-            resolution = _from_rank0(
+            resolution = _from_first_rank(
                 key, lambda: look_up(key, local_platform(key.device), skip=skip, refused=refused), purpose)
         else:
             resolution = look_up(key, local_platform(key.device), skip=skip, refused=refused)
@@ -235,7 +235,7 @@ def _accept(
 
 
 def _distributed() -> bool:
-    """Whether rank 0 decides: several ranks, unless CCE_CONFIG_BROADCAST=0."""
+    """Whether one rank decides for all: several ranks, unless CCE_CONFIG_BROADCAST=0."""
     import torch.distributed as dist
 
     if os.environ.get(BROADCAST_ENV, "1").strip() == "0":
@@ -245,7 +245,7 @@ def _distributed() -> bool:
 
 MAX_WAIT_S = 24 * 3600.0
 """The longest wait CCE_CONFIG_WAIT_S sets: inf (or 1e300) once overflowed timedelta, which the
-wait took for rank 0's timeout, so the rank resolved on its own at once."""
+wait took for the resolving rank's timeout, so the rank resolved on its own at once."""
 MIN_WAIT_S = 0.001
 """The shortest: the store's wait counts whole milliseconds, and 0 ms is c10d's "no timeout" (a
 FileStore, under a file:// rendezvous, then waited forever where 0 or a negative wait was set)."""
@@ -262,36 +262,37 @@ def _wait_s() -> float:
     return min(max(MIN_WAIT_S, wait), MAX_WAIT_S)
 
 
-def _from_rank0(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose: str) -> Resolution:
-    """Rank 0's resolution on every rank, exchanged through the process group's key-value
-    store under a name derived from the key.
+def _from_first_rank(key: ProblemKey, resolve_here: Callable[[], Resolution], purpose: str) -> Resolution:
+    """The resolution of the first rank to meet `key`, on every rank, exchanged through the
+    process group's key-value store under a name derived from the key.
 
-    Not a collective: ranks may resolve keys in any order (token counts that fall in other
-    buckets on other ranks, evaluation on rank 0 only) without waiting on each other's
-    calls. Rank 0 publishes each key it resolves (or its failure); another rank waits up to
-    CCE_CONFIG_WAIT_S for the key and, if rank 0 never resolves it (it does not run that
-    shape), resolves it itself."""
+    Not a collective: ranks may meet keys in any order (token counts that fall in other
+    buckets on other ranks, evaluation on one rank, a pipeline's last stage alone computing the
+    loss) without waiting on each other's calls. The store's atomic counter elects the rank that
+    resolves a key; it publishes its answer (or its failure). Another rank waits for it up to
+    CCE_CONFIG_WAIT_S and, if it never comes (the resolving rank died or hung), resolves the key
+    itself. A key only one rank meets costs no wait: that rank is elected."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
     name = f"cce_compile/config/{purpose}/" + json.dumps(asdict(key), sort_keys=True)
-    if dist.get_rank() == 0:
+    if store.add(name + "/claims", 1) == 1:
         try:
             mine = resolve_here()
         except Exception as exc:
-            store.set(name, json.dumps({"error": repr(exc)}))
+            store.set(name, json.dumps({"rank": dist.get_rank(), "error": repr(exc)}))
             raise
         store.set(name, json.dumps(_message(key, mine)))
         return mine
     wait_s = _wait_s()
     try:
         store.wait([name], timedelta(seconds=wait_s))
-    except Exception:  # the store's timeout: rank 0 has not resolved this key
-        log.warning("rank 0 did not resolve %s within %s s; resolving it on this rank", key, wait_s)
+    except Exception:  # the store's timeout: the elected rank has not resolved this key
+        log.warning("the rank resolving %s gave no answer within %s s; resolving it on this rank", key, wait_s)
         return resolve_here()
     message = json.loads(store.get(name))
     if "error" in message:
-        raise RuntimeError(f"rank 0 failed to resolve a kernel config for {key}: {message['error']}")
+        raise RuntimeError(f"rank {message['rank']} failed to resolve a kernel config for {key}: {message['error']}")
     return Resolution(KernelConfig.from_dict(message["config"]), message["source"], message["match_level"])
 
 
