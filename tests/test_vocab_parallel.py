@@ -304,6 +304,13 @@ def check_different_options_give_nan(parallel: VocabParallel) -> None:
         assert torch.isnan(loss), f"{name} differing over the ranks gave a loss of {float(loss)}"
 
 
+def check_different_reduce_grad_e_raises(parallel: VocabParallel) -> None:
+    """Ranks that disagree on reduce_grad_e waited in the backward's dE all-reduce, which only
+    some of them join: the constructor's gather (without vocab_size) refuses it on every rank."""
+    with pytest.raises(ValueError, match=r"reduce_grad_e must be the same on every rank, got \[True, .*False\]"):
+        VocabParallel(parallel.group, parallel.start, parallel.stop, reduce_grad_e=parallel.rank != parallel.world_size - 1)
+
+
 def check_out_of_range_target_gives_nan_gradients(parallel: VocabParallel) -> None:
     """A target outside [0, V) past the eager CPU check (as on the GPU, under torch.compile):
     its loss is NaN, and so are the gradients (dE at that token, every rank's dC), as in the
@@ -371,6 +378,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_different_targets_give_nan(parallel)
             check_different_options_give_nan(parallel)
             check_out_of_range_target_gives_nan_gradients(parallel)
+            check_different_reduce_grad_e_raises(parallel)
             if world == 2:
                 check_hf_model(world)
                 check_kernels(parallel)

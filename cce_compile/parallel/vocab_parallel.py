@@ -72,7 +72,8 @@ class VocabParallel:
         object.__setattr__(self, "world_size", dist.get_world_size(group))
         object.__setattr__(self, "gather_on_host", dist.get_backend(group) == "gloo")
         if self.vocab_size is None:  # every rank checks every range, so that all raise together
-            object.__setattr__(self, "vocab_size", _checked_vocab_size(self.start, self.stop, group))
+            vocab_size = _checked_vocab_size(self.start, self.stop, self.reduce_grad_e, group)
+            object.__setattr__(self, "vocab_size", vocab_size)
             return
         _check_range(self.start, self.stop)
         if not _is_int(self.vocab_size):
@@ -104,13 +105,19 @@ def _check_range(start: object, stop: object, rank: int | None = None) -> None:
         raise ValueError(f"VocabParallel needs 0 <= start < stop (a non-empty shard){whose}, got [{start}, {stop})")
 
 
-def _checked_vocab_size(start: int, stop: int, group: dist.ProcessGroup) -> int:
+def _checked_vocab_size(start: int, stop: int, reduce_grad_e: bool, group: dist.ProcessGroup) -> int:
     """V, from every rank's [start, stop), after checking that each is a range and that they
-    tile [0, V)."""
-    ranges: list[tuple[int, int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranges, (start, stop), group=group)
-    for rank, (first, last) in enumerate(ranges):  # type: ignore[misc]
+    tile [0, V); and that every rank's reduce_grad_e is the same (ranks that differ waited in
+    the backward's dE all-reduce, which only some of them join)."""
+    gathered: list[tuple[int, int, bool] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (start, stop, reduce_grad_e), group=group)
+    ranges = [(first, last) for first, last, _ in gathered]  # type: ignore[misc]
+    for rank, (first, last) in enumerate(ranges):
         _check_range(first, last, rank)
+    reductions = [reduces for _, _, reduces in gathered]  # type: ignore[misc]
+    if len(set(reductions)) > 1:
+        raise ValueError(f"VocabParallel.reduce_grad_e must be the same on every rank, got {reductions} "
+                         "(in group rank order)")
     position = 0
     for first, last in sorted(ranges):  # type: ignore[type-var]
         if first != position:
