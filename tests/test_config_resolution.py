@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import InterpreterError, OutOfResources, PTXASError
 from typer.testing import CliRunner
 
 from cce_compile import linear_cross_entropy, linear_log_probs, override_config
@@ -544,14 +546,19 @@ def test_the_shipped_bundled_configs_are_valid_and_tuned_for_these_kernels() -> 
             assert entry["kernel_version"] == platform.kernel_version(), f"{path.name}: stale entry {entry}"
 
 
+def _refusal() -> OutOfResources:
+    """What Triton raises for a config whose pipeline stages overflow the GPU's shared memory."""
+    return OutOfResources(264_192, 232_448, "shared memory")
+
+
 def _refusing_launch(refused: set[str], launched: list[KernelConfig]) -> Any:
-    """A launch that fails as Triton failed on num_warps 4.0, for the configs whose slab_v is in
-    `refused`, and records every config it is given."""
+    """A launch that Triton refuses for the configs whose slab_v is in `refused`, and records
+    every config it is given."""
 
     def launch(config: KernelConfig, policy: Policy) -> str:
         launched.append(config)
         if str(config.slab_v) in refused:
-            raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
+            raise _refusal()
         return f"ran with slab_v={config.slab_v}"
 
     return launch
@@ -581,6 +588,54 @@ def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: P
     assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
 
 
+@pytest.mark.parametrize("refusal", [
+    CompilationError("", None, "arange's range must be a power of 2"),
+    PTXASError("Entry function uses too much shared data"),
+    RuntimeError("Triton Error [CUDA]: too many resources requested for launch"),
+], ids=["compilation", "ptxas", "launch-resources"])
+def test_each_way_triton_refuses_a_config_falls_back(tmp_path: Path, refusal: Exception) -> None:
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[int] = []
+
+    def launch(config: KernelConfig, policy: Policy) -> str:
+        launched.append(config.slab_v)
+        if config.slab_v == 256:
+            raise refusal
+        return "ran"
+
+    with override_policy(policy):
+        assert launch_with_config(e, c, False, "", launch) == "ran"
+    assert launched == [256, 512]
+    assert resolved()[key].source == "bundled"
+
+
+@pytest.mark.parametrize("error", [
+    TypeError("unsupported operand type(s) for &: 'float' and 'int'"),  # a bug
+    ValueError("targets must be integers"),  # the caller's input
+    RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),  # sticky: any launch fails now
+    InterpreterError("IndexError('index 512 is out of bounds')"),  # a kernel's error under TRITON_INTERPRET
+    torch.OutOfMemoryError("CUDA out of memory"),
+], ids=["bug", "input", "sticky", "interpreter", "oom"])
+def test_an_error_that_is_no_refusal_of_the_config_is_raised_and_its_source_kept(
+    tmp_path: Path, error: Exception
+) -> None:
+    """Only Triton refusing to compile or launch a config says the config is bad: any other
+    error once dropped a good tuned config (and its cache file) and launched the next."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[int] = []
+
+    def launch(config: KernelConfig, policy: Policy) -> str:
+        launched.append(config.slab_v)
+        raise error
+
+    with override_policy(policy), pytest.raises(type(error)) as raised:
+        launch_with_config(e, c, False, "", launch)
+    assert raised.value is error
+    assert launched == [256]
+    assert resolved()[key].source == "disk"
+    assert sources.cache_path(_settings(), H100, key).exists()
+
+
 def test_linear_log_probs_falls_back_from_a_config_that_fails_to_launch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -594,7 +649,7 @@ def test_linear_log_probs_falls_back_from_a_config_that_fails_to_launch(
     def refusing(plan, config, *args):
         launched.append(config.slab_v)
         if config.slab_v == 256:
-            raise TypeError("unsupported operand type(s) for &: 'float' and 'int'")
+            raise _refusal()
         return real(plan, config, *args)
 
     monkeypatch.setattr(log_probs_ops, "row_and_filter_stats", refusing)
@@ -683,7 +738,7 @@ def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> 
     _bundle(tmp_path / "bundled", key, {"slab_v": 512})
     launched: list[KernelConfig] = []
     everything = {"512", str(heuristic_config(key).slab_v)}
-    with override_policy(policy), pytest.raises(TypeError, match="unsupported operand"):
+    with override_policy(policy), pytest.raises(OutOfResources, match="shared memory"):
         launch_with_config(e, c, False, "", _refusing_launch(everything, launched))
     assert [config.slab_v for config in launched] == [512, heuristic_config(key).slab_v]
 
@@ -691,7 +746,7 @@ def test_when_every_rung_fails_to_launch_the_error_is_raised(tmp_path: Path) -> 
 def test_an_override_that_fails_to_launch_is_raised_at_once() -> None:
     e, c, _targets = _small_inputs()
     launched: list[KernelConfig] = []
-    with override_config(KernelConfig(slab_v=2048)), override_policy(Policy()), pytest.raises(TypeError):
+    with override_config(KernelConfig(slab_v=2048)), override_policy(Policy()), pytest.raises(OutOfResources):
         launch_with_config(e, c, False, "", _refusing_launch({"2048"}, launched))
     assert len(launched) == 1
 

@@ -14,6 +14,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.keys import ProblemKey
@@ -180,25 +182,40 @@ def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, fi
     return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy)), policy)
 
 
+LAUNCH_OUT_OF_RESOURCES = "Triton Error [CUDA]: too many resources requested for launch"
+"""What Triton's launcher raises (a RuntimeError) where the driver refuses a kernel's registers
+times threads: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, which leaves the context usable."""
+
+
+def refused_by_triton(error: Exception) -> bool:
+    """Whether `error` is Triton refusing to compile or launch a config's kernel: its compiler's
+    error, ptxas's, a kernel that needs more shared memory, threads or registers than the GPU
+    has. Only these say the config is bad. Any other error (a bug, the caller's inputs, an
+    interpreter's error, running out of memory, a sticky CUDA error after which every launch
+    fails) would fail the next config alike, or says nothing about it."""
+    return (isinstance(error, (CompilationError, OutOfResources, PTXASError))
+            or type(error) is RuntimeError and str(error) == LAUNCH_OUT_OF_RESOURCES)
+
+
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
                        launch: Callable[[KernelConfig, Policy], T], key_v: int | None = None) -> T:
     """`launch(config, policy)` with the call's settings: `settings` where they hold a config
     (traced_settings), else the active Policy and the config resolved now (for `key_v` as
     problem_key takes it). Every forward op launches through here. A resolved config
-    from outside the process that fails to launch (Triton refusing it) costs this call one
+    from outside the process that Triton refuses (refused_by_triton) costs this call one
     failed launch per source: the ladder drops that source for the key and the next rung's
     config launches instead. A traced call cannot take another (the graph's sizes and its
     backward were made for its config): its failure is raised, with its source dropped for
-    the next trace where that config is still the one the ladder gives for the key. Running
-    out of memory says nothing about the config and is raised as it is."""
+    the next trace where that config is still the one the ladder gives for the key. Any
+    other error is raised as it is, the config kept."""
     config, policy = launch_settings(settings, e, c, filtered, key_v)
     key = problem_key(e, c, filtered, policy, key_v)
     while True:
         try:
             return launch(config, policy)
-        except torch.OutOfMemoryError:
-            raise
         except Exception as error:
+            if not refused_by_triton(error):
+                raise
             if _encoded_part(settings):
                 if resolve_config(key) != config or launch_failed(key, error, config):
                     raise RuntimeError(
