@@ -38,7 +38,7 @@ from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
 from cce_compile.ops import log_probs as log_probs_ops
-from cce_compile.ops.problem import encode_settings, launch_with_config, problem_key
+from cce_compile.ops.problem import encode_settings, launch_backward_with_config, launch_with_config, problem_key
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
 from cce_compile.resolve import ladder as resolve
@@ -765,6 +765,89 @@ def test_a_traced_config_that_fails_to_launch_is_raised_and_only_its_own_source_
                 launch_with_config(e, c, False, traced, _refusing_launch({"256"}, launched))
             assert resolve_config(key).slab_v == 512
     assert [config.slab_v for config in launched] == [256, 256]
+
+
+def _refusing_backward(monkeypatch: pytest.MonkeyPatch, refused: int) -> list[int]:
+    """The loss's backward refused by Triton for the configs of slab_v `refused`; returns the
+    slab_v of every config it is given."""
+    real = library.run_backward
+    launched: list[int] = []
+
+    def refusing(plan, config, *args):
+        launched.append(config.slab_v)
+        if config.slab_v == refused:
+            raise _refusal()
+        return real(plan, config, *args)
+
+    monkeypatch.setattr(library, "run_backward", refusing)
+    return launched
+
+
+def test_a_config_the_backward_alone_fails_to_launch_falls_back_in_exact_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """memory="low"'s backward launches with the forward's config. Where its kernels are
+    refused after the forward's launched, the backward raised: the recompute reads only the
+    forward's lse, so it takes the next rung's config as the forward would."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    targets = _small_inputs()[2]
+    launched = _refusing_backward(monkeypatch, 256)
+    e.requires_grad_(True)
+    with override_policy(policy):
+        linear_cross_entropy(e, c, targets, memory="low").backward()
+    assert launched == [256, 512]
+    assert resolved()[key].source == "bundled"
+    assert not sources.cache_path(_settings(), H100, key).exists()
+    expected = e.detach().clone().requires_grad_(True)
+    F.cross_entropy(expected @ c.T, targets).backward()
+    torch.testing.assert_close(e.grad, expected.grad)
+
+
+def test_a_config_the_filtered_backward_fails_to_launch_is_raised_and_dropped_for_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Filtered mode's backward reads the kept tiles the forward laid out by its config: it
+    cannot take another. It raises, naming why, and the next call runs with the next rung."""
+    e, c, targets = _small_inputs()
+    policy = Policy()
+    key = problem_key(e, c, True, policy)
+    sources.write_cache(_settings(), H100, key, sources.Found({"slab_v": 256}, "exact"))
+    _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+    launched = _refusing_backward(monkeypatch, 256)
+    e.requires_grad_(True)
+    with override_policy(policy):
+        with pytest.raises(RuntimeError, match="filtered mode's backward reads the forward's tiles") as raised:
+            linear_cross_entropy(e, c, targets, filter_eps=1e-30, memory="low").backward()
+        assert isinstance(raised.value.__cause__, OutOfResources)
+        assert not sources.cache_path(_settings(), H100, key).exists()
+        linear_cross_entropy(e, c, targets, filter_eps=1e-30, memory="low").backward()
+    assert launched == [256, 512]
+
+
+def test_a_traced_config_the_backward_fails_to_launch_is_raised_as_the_forwards_is(tmp_path: Path) -> None:
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[KernelConfig] = []
+    with override_policy(policy):
+        traced = platform.package_source_version() + "." + encode_settings(resolve_config(key), policy)
+        with pytest.raises(RuntimeError, match=r"traced with failed to launch.*torch._dynamo.reset\(\)"):
+            launch_backward_with_config(e, c, False, traced, _refusing_launch({"256"}, launched))
+        assert resolve_config(key).slab_v == 512
+    assert [config.slab_v for config in launched] == [256]
+
+
+def test_an_override_the_backward_fails_to_launch_off_its_thread_is_raised(tmp_path: Path) -> None:
+    """Autograd runs a CUDA backward on a device thread, where the forward's override is not
+    active: its failure there once counted as the memoized config's (another thread's drop),
+    and the backward launched the ladder's config instead of raising."""
+    e, c, policy, key = _failing_cache_above_a_bundle(tmp_path)
+    launched: list[KernelConfig] = []
+    with override_policy(policy):
+        assert resolve_config(key).slab_v == 256
+        overridden = encode_settings(KernelConfig(slab_v=2048), policy)
+        with pytest.raises(OutOfResources):
+            launch_backward_with_config(e, c, False, overridden, _refusing_launch({"2048"}, launched))
+    assert [config.slab_v for config in launched] == [2048]
+    assert resolved()[key].source == "disk"
 
 
 # (4) the disk cache -------------------------------------------------------------------

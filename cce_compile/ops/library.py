@@ -35,7 +35,8 @@ from .forward import run_forward
 from .forward_fused import run_fused, scale_unless_one
 from .launch import KernelLauncher, on_device_of
 from .precision import without_autocast
-from .problem import backward_settings, cdiv, decode_settings, launch_settings, launch_with_config, options_of, problem_of
+from .problem import (backward_settings, cdiv, launch_backward_with_config, launch_settings, launch_with_config,
+                      options_of, problem_of)
 
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -114,17 +115,21 @@ def linear_cross_entropy_backward(
     logit_scale: float, need_grad_e: bool, need_grad_c: bool, settings: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias), with the forward's config and policy (`settings`,
-    problem.encode_settings). A gradient not needed (a frozen head under LoRA: need_grad_c
-    False) comes back empty and its GEMMs never run; grad_bias is empty when there is no bias."""
+    problem.encode_settings; problem.launch_backward_with_config says when it takes another).
+    A gradient not needed (a frozen head under LoRA: need_grad_c False) comes back empty and its
+    GEMMs never run; grad_bias is empty when there is no bias."""
     with on_device_of(e):
-        kernel_config, launch_policy = decode_settings(settings)
         options = options_of(bias, weight, softcap, label_smoothing, filter_eps, logit_scale)
-        plan = plan_launch(problem_of(e, c), options, kernel_config, launch_policy)
-        return gradient_outputs(c, *run_backward(
-            plan, kernel_config, grad_loss, grad_lse, e, c, targets, bias, weight, lse,
-            kept_tiles_of(kept_tiles, c, kernel_config), tile_lse,
-            vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
-        ))
+
+        def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor]:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            return gradient_outputs(c, *run_backward(
+                plan, config, grad_loss, grad_lse, e, c, targets, bias, weight, lse,
+                kept_tiles_of(kept_tiles, c, config), tile_lse,
+                vocab_order, ignore_index, label_smoothing, softcap, filter_eps, need_grad_e, need_grad_c,
+            ))
+
+        return launch_backward_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
 def gradient_outputs(c: Tensor, grad_e: Tensor, grad_c: Tensor,

@@ -29,7 +29,7 @@ from .launch import on_device_of
 from .library import fake_filter_stats, fake_gradients, gradient_outputs, kept_tiles_of, no_double_backward
 from .loss_terms import log_prob_coefficients, log_prob_terms
 from .precision import without_autocast
-from .problem import backward_settings, decode_settings, launch_with_config, options_of, problem_of
+from .problem import backward_settings, launch_backward_with_config, launch_with_config, options_of, problem_of
 
 LogProbOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -94,24 +94,27 @@ def linear_log_probs_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (grad_e, grad_c, grad_bias) for upstream gradients of the log-probs and (where not
     None) the entropies, with the forward's lse less the mean logit (read with grad_entropy
-    only), filter statistics, config and policy (`settings`).
-    A gradient not needed comes back empty, grad_bias empty without a bias."""
+    only), filter statistics, config and policy (`settings`; problem.launch_backward_with_config
+    says when it takes another). A gradient not needed comes back empty, grad_bias empty without
+    a bias."""
     with on_device_of(e):
-        kernel_config, launch_policy = decode_settings(settings)
         entropy = grad_entropy is not None
-        plan = plan_launch(problem_of(e, c), _options(bias, softcap, entropy, filter_eps, logit_scale), kernel_config,
-                           launch_policy)
+        options = _options(bias, softcap, entropy, filter_eps, logit_scale)
         row_lse_minus_mean = lse_minus_mean if entropy else None
         coef_softmax, coef_target, coef_entropy = log_prob_coefficients(
             grad_log_probs, grad_entropy, row_lse_minus_mean, tokens, c.shape[0], ignore_index)
-        return gradient_outputs(c, *backward_from_coefficients(
-            plan, kernel_config,
-            Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean),
-            e, c, tokens, bias,
-            None, lse, FilterStats(kept_tiles_of(kept_tiles, c, kernel_config), tile_lse, tile_mean_logit, vocab_order),
-            0.0, softcap, filter_eps,
-            need_grad_e, need_grad_c,
-        ))
+        coefficients = Coefficients(coef_softmax, coef_target, coef_target, coef_entropy, row_lse_minus_mean)
+
+        def launch(config: KernelConfig, policy: Policy) -> tuple[Tensor, Tensor, Tensor]:
+            plan = plan_launch(problem_of(e, c), options, config, policy)
+            return gradient_outputs(c, *backward_from_coefficients(
+                plan, config, coefficients, e, c, tokens, bias,
+                None, lse, FilterStats(kept_tiles_of(kept_tiles, c, config), tile_lse, tile_mean_logit, vocab_order),
+                0.0, softcap, filter_eps,
+                need_grad_e, need_grad_c,
+            ))
+
+        return launch_backward_with_config(e, c, filter_eps > 0.0, settings, launch)
 
 
 @linear_log_probs_backward.register_fake

@@ -197,6 +197,13 @@ def refused_by_triton(error: Exception) -> bool:
             or type(error) is RuntimeError and str(error) == LAUNCH_OUT_OF_RESOURCES)
 
 
+TRACED_CONFIG_FAILED = ("the kernel config this call was traced with failed to launch ({error}); "
+                        "torch._dynamo.reset() (or a new process) traces again with the next one")
+FILTERED_CONFIG_FAILED = ("the kernel config this call's forward ran with failed to launch in its backward ({error}); "
+                          "filtered mode's backward reads the forward's tiles, laid out for that config, so it cannot "
+                          "take another: the next call runs with the next one")
+
+
 def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
                        launch: Callable[[KernelConfig, Policy], T], key_v: int | None = None) -> T:
     """`launch(config, policy)` with the call's settings: `settings` where they hold a config
@@ -209,6 +216,38 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
     the next trace where that config is still the one the ladder gives for the key. Any
     other error is raised as it is, the config kept."""
     config, policy = launch_settings(settings, e, c, filtered, key_v)
+    fixed = TRACED_CONFIG_FAILED if _encoded_part(settings) else None
+    return _launch_falling_back(e, c, filtered, config, policy, launch, key_v, fixed)
+
+
+def launch_backward_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
+                                launch: Callable[[KernelConfig, Policy], T]) -> T:
+    """`launch(config, policy)` with the forward's config and Policy (`settings`,
+    backward_settings): the backward ops of the loss and the log-probs launch through here.
+    Where Triton refuses that config (the forward's kernels launched, the backward's did not),
+    an eager call in exact mode falls back as the forward does: the recompute reads only the
+    forward's log-sum-exps, which every config computes alike. A traced call cannot take
+    another config (as its forward), nor filtered mode, whose kept tiles and tile statistics
+    the forward laid out by its config's tiles: their failure is raised, naming the way out,
+    with the config's source dropped for the next call or trace."""
+    config, policy = decode_settings(settings)
+    fixed = TRACED_CONFIG_FAILED if _traced(settings) else FILTERED_CONFIG_FAILED if filtered else None
+    return _launch_falling_back(e, c, filtered, config, policy, launch, None, fixed)
+
+
+def _traced(settings: str) -> bool:
+    """Whether a backward op's `settings` are a traced call's: traced_settings' version and "."
+    before the encoded config, where an eager call's are the encoded config alone."""
+    return _encoded_part(settings) != settings
+
+
+def _launch_falling_back(e: Tensor, c: Tensor, filtered: bool, config: KernelConfig, policy: Policy,
+                         launch: Callable[[KernelConfig, Policy], T], key_v: int | None, fixed: str | None) -> T:
+    """`launch(config, policy)`, and where Triton refuses the config, the ladder's next for the
+    call's key (launch_failed) until one launches or no rung is left. `fixed`: for a call that
+    cannot take another config, the message (formatted with the error) of the RuntimeError its
+    refusal is raised as where later calls take another (the config's source is dropped now, or
+    was already); None for a call that can."""
     key = problem_key(e, c, filtered, policy, key_v)
     while True:
         try:
@@ -216,11 +255,9 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
         except Exception as error:
             if not refused_by_triton(error):
                 raise
-            if _encoded_part(settings):
+            if fixed is not None:
                 if resolve_config(key) != config or launch_failed(key, error, config):
-                    raise RuntimeError(
-                        f"cce_compile: the kernel config this call was traced with failed to launch ({error}); "
-                        "torch._dynamo.reset() (or a new process) traces again with the next one") from error
+                    raise RuntimeError("cce_compile: " + fixed.format(error=error)) from error
                 raise
             if not launch_failed(key, error, config):
                 raise

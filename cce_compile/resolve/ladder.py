@@ -140,13 +140,15 @@ def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig) -> bo
     from now on in this process (a disk cache file is removed too), so the next resolution
     takes the next rung. False when there is no rung left to take (an override, the heuristic).
     Where another thread already dropped `config` (the memo holds another config, or none yet),
-    nothing more is dropped and the caller resolves again: the source now memoized never failed."""
+    nothing more is dropped and the caller resolves again: the source now memoized never failed.
+    A config no rung gave for `key` (an override the forward ran under, whose backward autograd
+    runs on a device thread that does not see it) is no rung's either: False."""
     if active_override() is not None:
         return False
     with _memo_lock:
         current = _memo.get(key)
         if current is None or current.config != config:
-            return True
+            return config in _failed_configs.get(key, frozenset())
         failed = _memo.pop(key, None)
         if failed is None or failed.source == "heuristic":
             if failed is not None:
