@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import InterpreterError, OutOfResources, PTXASError
 from typer.testing import CliRunner
@@ -107,7 +108,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(sources.CACHE_DIR_ENV, str(tmp_path / "configs"))
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path / "bundled")
-    monkeypatch.setattr(resolve, "local_platform", lambda device: H100)
+    monkeypatch.setattr(resolve, "local_platform", lambda device, gpu=None: H100)
     resolve.reset()
     yield
     resolve.reset()
@@ -850,6 +851,27 @@ def test_an_override_the_backward_fails_to_launch_off_its_thread_is_raised(tmp_p
     assert resolved()[key].source == "disk"
 
 
+def test_a_call_resolves_for_its_operands_gpu_not_the_current_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host of several GPUs the config was looked up (tuned configs, shared memory, the
+    cache file a refused one is removed from) for the current GPU's platform, not for the
+    operands': torch.compile traces a call outside the op's device guard. Fake tensors on
+    cuda:1 stand in for the operands, as they do where a call is traced."""
+    asked: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(resolve, "local_platform", lambda device, gpu=None: asked.append((device, gpu)) or H100)
+    policy = Policy()
+    with FakeTensorMode():
+        e = torch.empty(SMALL["n"], SMALL["d"], device="cuda:1")
+        c = torch.empty(SMALL["v"], SMALL["d"], device="cuda:1")
+        key = problem_key(e, c, False, policy)
+        sources.write_cache(_settings(), H100, key, sources.Found({"slab_v": 256}, "exact"))
+        _bundle(tmp_path / "bundled", key, {"slab_v": 512})
+        with override_policy(policy):
+            assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, [])) == "ran with slab_v=512"
+    assert asked == [("cuda", 1)] * 3, "resolved, the refused config's cache removed, resolved again"
+
+
 # (4) the disk cache -------------------------------------------------------------------
 
 
@@ -1073,7 +1095,7 @@ def _rank_main_body(rank: int, root: str) -> None:
     """One gloo rank with its own disk cache and override: eager calls, then a compiled one
     that resolves a new key at trace time (where Dynamo traces the call: ops/problem.traced_settings)."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
-    resolve.local_platform = lambda device: H100
+    resolve.local_platform = lambda device, gpu=None: H100
     for use, key in enumerate((SMALL_KEY, replace(SMALL_KEY, n_bucket=512))):
         sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
     launched: list[KernelConfig] = []
@@ -1114,7 +1136,7 @@ def _failing_rank_main_body(rank: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
-        def broken(device: str):
+        def broken(device: str, gpu: int | None = None):
             store.set("test/rank 0 resolves", "")
             raise RuntimeError("no GPU identity")
 
@@ -1141,7 +1163,7 @@ def _unordered_rank_main_body(rank: int, root: str) -> None:
     whole CCE_CONFIG_WAIT_S, waiting for rank 0)."""
     os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1",
                        resolve.WAIT_ENV: "8"})
-    resolve.local_platform = lambda device: H100
+    resolve.local_platform = lambda device, gpu=None: H100
     keys = [SMALL_KEY, replace(SMALL_KEY, n_bucket=512)]
     for use, key in enumerate(keys):
         sources.write_cache(_settings(), H100, key, sources.Found(_rank_config(rank, use), "exact"))
@@ -1177,7 +1199,7 @@ def _slow_rank_main(rank: int, root: str, wait: str) -> None:
     store = dist.distributed_c10d._get_default_store()
     try:
         if rank == 0:
-            def slow(device: str) -> platform.Platform:
+            def slow(device: str, gpu: int | None = None) -> platform.Platform:
                 store.set("test/rank 0 resolves", "")
                 time.sleep(5)
                 return H100
@@ -1185,7 +1207,7 @@ def _slow_rank_main(rank: int, root: str, wait: str) -> None:
             resolve.local_platform = slow
             resolution_for(SMALL_KEY)
         else:
-            resolve.local_platform = lambda device: H100
+            resolve.local_platform = lambda device, gpu=None: H100
             store.wait(["test/rank 0 resolves"])
             started = time.monotonic()
             source = resolution_for(SMALL_KEY).source

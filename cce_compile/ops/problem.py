@@ -100,8 +100,15 @@ def problem_key(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int
                   traced_n_bucket(e.shape[0]), filtered, policy)
 
 
+def gpu_of(e: Tensor) -> int | None:
+    """The CUDA device a call's config is resolved for: its operands', which on a host of
+    several GPUs need not be the current one (torch.compile traces outside the op's device
+    guard, ops/launch.on_device_of); None off CUDA."""
+    return e.device.index if e.is_cuda else None
+
+
 def config_for(e: Tensor, c: Tensor, filtered: bool, policy: Policy, key_v: int | None = None) -> KernelConfig:
-    return resolve_config(problem_key(e, c, filtered, policy, key_v))
+    return resolve_config(problem_key(e, c, filtered, policy, key_v), gpu_of(e))
 
 
 @lru_cache(maxsize=64)
@@ -168,7 +175,7 @@ def traced_settings(e: Tensor, c: Tensor, filtered: bool, key_v: int | None = No
         return version
     v = operator.index(c.shape[0] if key_v is None else key_v)
     return version + _settings_for_key(e.is_cuda, v, operator.index(c.shape[1]), dtype_name(e.dtype),
-                                       traced_n_bucket(e.shape[0]), filtered)
+                                       traced_n_bucket(e.shape[0]), filtered, gpu_of(e))
 
 
 @torch.compiler.assume_constant_result
@@ -177,9 +184,9 @@ def _traced_source_version() -> str:
 
 
 @torch.compiler.assume_constant_result
-def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool) -> str:
+def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool, gpu: int | None) -> str:
     policy = active_policy()
-    return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy)), policy)
+    return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy), gpu), policy)
 
 
 LAUNCH_OUT_OF_RESOURCES = "Triton Error [CUDA]: too many resources requested for launch"
@@ -248,7 +255,7 @@ def _launch_falling_back(e: Tensor, c: Tensor, filtered: bool, config: KernelCon
     cannot take another config, the message (formatted with the error) of the RuntimeError its
     refusal is raised as where later calls take another (the config's source is dropped now, or
     was already); None for a call that can."""
-    key = problem_key(e, c, filtered, policy, key_v)
+    key, gpu = problem_key(e, c, filtered, policy, key_v), gpu_of(e)
     while True:
         try:
             return launch(config, policy)
@@ -256,12 +263,12 @@ def _launch_falling_back(e: Tensor, c: Tensor, filtered: bool, config: KernelCon
             if not refused_by_triton(error):
                 raise
             if fixed is not None:
-                if resolve_config(key) != config or launch_failed(key, error, config):
+                if resolve_config(key, gpu) != config or launch_failed(key, error, config, gpu):
                     raise RuntimeError("cce_compile: " + fixed.format(error=error)) from error
                 raise
-            if not launch_failed(key, error, config):
+            if not launch_failed(key, error, config, gpu):
                 raise
-        config = resolve_config(key)
+        config = resolve_config(key, gpu)
 
 
 def kernel_flags(e: Tensor) -> dict[str, bool]:

@@ -98,13 +98,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_unlock_in_forked_child)
 
 
-def resolve_config(key: ProblemKey) -> KernelConfig:
-    """The config for `key`: an active override, else the memoized ladder (under
-    torch.distributed the choice of the first rank to meet the key, so every rank launches the
-    same kernels)."""
+def resolve_config(key: ProblemKey, gpu: int | None = None) -> KernelConfig:
+    """The config for `key` on CUDA device `gpu` (the operands'; platform.local_platform): an
+    active override, else the memoized ladder (under torch.distributed the choice of the first
+    rank to meet the key, so every rank launches the same kernels)."""
     override = active_override()
     if override is None:
-        return resolution_for(key).config
+        return resolution_for(key, gpu).config
     if not _distributed():
         return override
     with _memo_lock:  # the n-th override use of a key on every rank names the same entry
@@ -112,10 +112,11 @@ def resolve_config(key: ProblemKey) -> KernelConfig:
     return _from_first_rank(key, lambda: Resolution(override, "override", "none"), f"override-{use}").config
 
 
-def resolution_for(key: ProblemKey) -> Resolution:
-    """The ladder's answer for `key` (overrides aside), resolved on first use and then
-    remembered for the process; logged once per key. Under torch.distributed, the answer of
-    the first rank to meet the key (see _from_first_rank)."""
+def resolution_for(key: ProblemKey, gpu: int | None = None) -> Resolution:
+    """The ladder's answer for `key` (overrides aside), resolved on first use for the platform
+    of CUDA device `gpu` (its GPU's tuned configs and shared memory) and then remembered for
+    the process, whichever GPU asks next; logged once per key. Under torch.distributed, the
+    answer of the first rank to meet the key (see _from_first_rank)."""
     with _memo_lock:
         resolution = _memo.get(key)
         if resolution is not None:
@@ -127,18 +128,18 @@ def resolution_for(key: ProblemKey) -> Resolution:
             # under a name of its own.
             purpose = "ladder" + "".join(f"-without-{source}" for source in sorted(skip))
             resolution = _from_first_rank(
-                key, lambda: look_up(key, local_platform(key.device), skip=skip, refused=refused), purpose)
+                key, lambda: look_up(key, local_platform(key.device, gpu), skip=skip, refused=refused), purpose)
         else:
-            resolution = look_up(key, local_platform(key.device), skip=skip, refused=refused)
+            resolution = look_up(key, local_platform(key.device, gpu), skip=skip, refused=refused)
         _memo[key] = resolution
     log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
     return resolution
 
 
-def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig) -> bool:
-    """`config`, resolved for `key`, failed to launch with `error`: skip its source for `key`
-    from now on in this process (a disk cache file is removed too), so the next resolution
-    takes the next rung. False when there is no rung left to take (an override, the heuristic).
+def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig, gpu: int | None = None) -> bool:
+    """`config`, resolved for `key`, failed to launch with `error` on CUDA device `gpu`: skip its
+    source for `key` from now on in this process (that GPU's disk cache file is removed too), so
+    the next resolution takes the next rung. False when there is no rung left to take (an override, the heuristic).
     Where another thread already dropped `config` (the memo holds another config, or none yet),
     nothing more is dropped and the caller resolves again: the source now memoized never failed.
     A config no rung gave for `key` (an override the forward ran under, whose backward autograd
@@ -162,7 +163,7 @@ def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig) -> bo
     log.warning("the %s config for %s failed to launch (%s: %s); trying the next source",
                 failed.source, key, type(error).__name__, error)
     if "disk" in skipped:
-        sources.remove_cache(sources.Settings.from_env(), local_platform(key.device), key)
+        sources.remove_cache(sources.Settings.from_env(), local_platform(key.device, gpu), key)
     return True
 
 

@@ -85,13 +85,15 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def local_platform(device: str) -> Platform:
-    """This process's platform for a ProblemKey.device ("cuda", "cpu", "interpreter")."""
+def local_platform(device: str, gpu: int | None = None) -> Platform:
+    """This process's platform for a ProblemKey.device ("cuda", "cpu", "interpreter"): on CUDA,
+    GPU `gpu`'s (the operands', which on a host of several GPUs need not be the current one),
+    the current GPU's where None (the tuner and `cce lookup` run on it)."""
     if device != "cuda":
         return Platform(device, None, None, None, kernel_version(), triton_version())
     import torch
 
-    return _cuda_platform(torch.cuda.current_device())
+    return _cuda_platform(torch.cuda.current_device() if gpu is None else gpu)
 
 
 @lru_cache(maxsize=None)
