@@ -14,8 +14,6 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources, PTXASError
 
 from ..config.kernel_config import KernelConfig, TileConfig
 from ..config.keys import ProblemKey
@@ -189,21 +187,6 @@ def _settings_for_key(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, fi
     return encode_settings(resolve_config(key_of(on_cuda, v, d, dtype, bucket, filtered, policy), gpu), policy)
 
 
-LAUNCH_OUT_OF_RESOURCES = "Triton Error [CUDA]: too many resources requested for launch"
-"""What Triton's launcher raises (a RuntimeError) where the driver refuses a kernel's registers
-times threads: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, which leaves the context usable."""
-
-
-def refused_by_triton(error: Exception) -> bool:
-    """Whether `error` is Triton refusing to compile or launch a config's kernel: its compiler's
-    error, ptxas's, a kernel that needs more shared memory, threads or registers than the GPU
-    has. Only these say the config is bad. Any other error (a bug, the caller's inputs, an
-    interpreter's error, running out of memory, a sticky CUDA error after which every launch
-    fails) would fail the next config alike, or says nothing about it."""
-    return (isinstance(error, (CompilationError, OutOfResources, PTXASError))
-            or type(error) is RuntimeError and str(error) == LAUNCH_OUT_OF_RESOURCES)
-
-
 TRACED_CONFIG_FAILED = ("the kernel config this call was traced with failed to launch ({error}); "
                         "torch._dynamo.reset() (or a new process) traces again with the next one")
 FILTERED_CONFIG_FAILED = ("the kernel config this call's forward ran with failed to launch in its backward ({error}); "
@@ -216,12 +199,15 @@ def launch_with_config(e: Tensor, c: Tensor, filtered: bool, settings: str,
     """`launch(config, policy)` with the call's settings: `settings` where they hold a config
     (traced_settings), else the active Policy and the config resolved now (for `key_v` as
     problem_key takes it). Every forward op launches through here. A resolved config
-    from outside the process that Triton refuses (refused_by_triton) costs this call one
-    failed launch per source: the ladder drops that source for the key and the next rung's
-    config launches instead. A traced call cannot take another (the graph's sizes and its
-    backward were made for its config): its failure is raised, with its source dropped for
-    the next trace where that config is still the one the ladder gives for the key. Any
-    other error is raised as it is, the config kept."""
+    from outside the process that fails to launch costs this call one failed launch per
+    source: the ladder drops that source for the key and the next rung's config launches
+    instead. Any error counts: Triton refuses a config in many ways (its compiler's and ptxas's
+    errors, out of resources, a RuntimeError from an MLIR pass), and an error that is not the
+    config's (a bug) is raised anyway from the last rung, the heuristic. A traced call cannot
+    take another (the graph's sizes and its backward were made for its config): its failure is
+    raised, with its source dropped for the next trace where that config is still the one the
+    ladder gives for the key. Running out of memory says nothing about the config and is
+    raised as it is."""
     config, policy = launch_settings(settings, e, c, filtered, key_v)
     fixed = TRACED_CONFIG_FAILED if _encoded_part(settings) else None
     return _launch_falling_back(e, c, filtered, config, policy, launch, key_v, fixed)
@@ -231,7 +217,7 @@ def launch_backward_with_config(e: Tensor, c: Tensor, filtered: bool, settings: 
                                 launch: Callable[[KernelConfig, Policy], T]) -> T:
     """`launch(config, policy)` with the forward's config and Policy (`settings`,
     backward_settings): the backward ops of the loss and the log-probs launch through here.
-    Where Triton refuses that config (the forward's kernels launched, the backward's did not),
+    Where that config fails to launch (the forward's kernels launched, the backward's did not),
     an eager call in exact mode falls back as the forward does: the recompute reads only the
     forward's log-sum-exps, which every config computes alike. A traced call cannot take
     another config (as its forward), nor filtered mode, whose kept tiles and tile statistics
@@ -250,18 +236,18 @@ def _traced(settings: str) -> bool:
 
 def _launch_falling_back(e: Tensor, c: Tensor, filtered: bool, config: KernelConfig, policy: Policy,
                          launch: Callable[[KernelConfig, Policy], T], key_v: int | None, fixed: str | None) -> T:
-    """`launch(config, policy)`, and where Triton refuses the config, the ladder's next for the
+    """`launch(config, policy)`, and where the config fails to launch, the ladder's next for the
     call's key (launch_failed) until one launches or no rung is left. `fixed`: for a call that
     cannot take another config, the message (formatted with the error) of the RuntimeError its
-    refusal is raised as where later calls take another (the config's source is dropped now, or
+    failure is raised as where later calls take another (the config's source is dropped now, or
     was already); None for a call that can."""
     key, gpu = problem_key(e, c, filtered, policy, key_v), gpu_of(e)
     while True:
         try:
             return launch(config, policy)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as error:
-            if not refused_by_triton(error):
-                raise
             if fixed is not None:
                 if resolve_config(key, gpu) != config or launch_failed(key, error, config, gpu):
                     raise RuntimeError("cce_compile: " + fixed.format(error=error)) from error
