@@ -16,12 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 from typer.testing import CliRunner
 
 from cce_compile.cli import db as cli_db
 from cce_compile.cli.main import app as cce
 from service.process import REPO_ROOT, serving, serving_process
 from tests.db_fixtures import bearer, lookup_params, measurement_data
+from tests.test_service_schema import assert_declared
+from tuning_db.engine import make_engine
 from tuning_db.migrate import head_revision
 
 READ_TOKEN, WRITE_TOKEN, ADMIN_TOKEN = "read-token-0002", "write-token-0002", "admin-token-0002"
@@ -312,3 +315,33 @@ def test_a_retried_measurement_does_not_revive_its_retired_entry(tmp_path: Path,
         assert again["already_stored"] and not again["is_best"], again
         source = _lookup(base_url)["source"]
         assert source is not None and source["measurement_uid"] != bogus["measurement_uid"], source
+
+
+def test_an_entry_stored_with_a_time_the_first_release_took_is_answered_as_the_schema_declares(
+    tmp_path: Path, db_url: str
+) -> None:
+    """The first release took any positive time (median_ms 5e-324), and such a row is served as
+    stored: its speedup, default_ms / median_ms, overflowed to infinity, which JSON cannot carry,
+    so lookups, listings and the retire answered `"speedup": null` where /openapi.json declared
+    a number (a generated client refused the answer)."""
+    engine = make_engine(db_url)
+    with serving(tmp_path / "serve.log", "--db-url", db_url, "--log-level", "warning", env=TOKENS_ENV) as base_url:
+        openapi = httpx.get(f"{base_url}/openapi.json").json()
+        stored = httpx.post(f"{base_url}/v1/measurements", json=measurement_data(), headers=bearer(WRITE_TOKEN))
+        assert stored.status_code == 201, stored.text
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE measurements SET median_ms = :tiny, p20_ms = :tiny"), {"tiny": 5e-324})
+            connection.execute(text("UPDATE best_configs SET median_ms = :tiny"), {"tiny": 5e-324})
+        engine.dispose()
+        entry_id = stored.json()["entry_id"]
+        answers = [
+            ("GET", "/v1/configs/best", httpx.get(f"{base_url}/v1/configs/best", params=lookup_params(),
+                                                   headers=bearer(READ_TOKEN))),
+            ("GET", "/v1/configs", httpx.get(f"{base_url}/v1/configs", headers=bearer(READ_TOKEN))),
+            ("POST", "/v1/configs/{entry_id}/retire", httpx.post(f"{base_url}/v1/configs/{entry_id}/retire",
+                                                                 headers=bearer(ADMIN_TOKEN))),
+        ]
+    for method, template, response in answers:
+        assert response.status_code == 200, response.text
+        assert_declared(openapi, method, template, response)
+    assert answers[0][2].json()["source"]["median_ms"] == 5e-324

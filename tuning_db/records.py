@@ -278,7 +278,10 @@ class BestEntry(BaseModel):
     p20_ms: float
     p80_ms: float
     default_ms: float
-    speedup: float = Field(description="default_ms / median_ms")
+    speedup: float | None = Field(
+        description="default_ms / median_ms; null where that is not finite (a time the first release took, "
+        "such as 5e-324 ms)"
+    )
     tokens: int
     method: str
     submitter: str

@@ -10,6 +10,7 @@ own row lock, so concurrent writers can never lose the faster one.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -280,12 +281,19 @@ def _measurement_fields(row: Row[Any]) -> dict[str, Any]:
     }
 
 
+def _finite(value: float) -> float | None:
+    """`value`, or None where it is not finite: a row the first release stored (it took any
+    positive time, 5e-324 ms) is served as it is, and its speedup overflows to infinity, which
+    JSON cannot carry (it was answered as null where the schema declared a number)."""
+    return value if math.isfinite(value) else None
+
+
 def _entry(row: Row[Any]) -> BestEntry:
     return BestEntry(
         **_measurement_fields(row),
         entry_id=row.entry_id,
         n_bucket=row.n_bucket,
-        speedup=row.default_ms / row.median_ms,
+        speedup=_finite(row.default_ms / row.median_ms),
         measurement_uid=row.measurement_uid,
         measured_at=as_utc(row.measured_at),
         updated_at=as_utc(row.updated_at),
