@@ -584,6 +584,22 @@ def test_an_import_created_at_outside_the_storable_range_is_refused_before_writi
     assert measurement_count(engine) == 0
 
 
+def test_an_import_checks_every_gpu_it_names_past_one_query_of_them(engine: Engine) -> None:
+    """The stored GPUs an import names are looked up IN_QUERY_CHUNK names a query (one query of
+    them all failed on PostgreSQL past 65,535 names): a conflict with the last name, in the
+    last query and the last batch, is still refused before any batch is written."""
+    count = max(store.IN_QUERY_CHUNK, store.IMPORT_BATCH_LINES) + 5
+    last = {"name": f"GPU {count + 1:05}", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1}
+    store.record_measurement(engine, measurement(gpu=last))
+    before = store.export_jsonl(engine)
+    gpus = {number: {**last, "name": f"GPU {number:05}"} for number in range(2, count + 2)}
+    gpus[count + 1] = {**last, "sm_count": 114}
+    with pytest.raises(store.ImportFormatError, match="114") as raised:
+        store.import_jsonl(engine, _import_file(count, gpu_of=gpus))
+    assert raised.value.line_number == count + 1
+    assert store.export_jsonl(engine) == before
+
+
 @pytest.mark.parametrize(
     ("created_at", "exported_as"),
     [

@@ -126,8 +126,9 @@ SQLITE_BATCH_PAUSE_S = 0.15
 """The import's pause between batches on SQLite. Its lock is not fair: a waiting writer
 polls (every 100 ms once it has waited a while), so an importer that begins its next batch
 right after a commit would keep the lock for the whole file. The pause lets one poll in."""
-UID_QUERY_CHUNK = 500
-"""Uids per IN (...) when an import looks for the measurements it already holds."""
+IN_QUERY_CHUNK = 500
+"""Values per IN (...) when an import looks for the GPUs and measurements it already holds: one
+list of them all exceeded PostgreSQL's 65,535 parameters a statement."""
 
 
 T = TypeVar("T")
@@ -563,12 +564,13 @@ def _check_file_consistency(entries: list[ImportLine]) -> None:
 
 def _check_against_store(session: Session, entries: list[ImportLine]) -> None:
     """Refuse the file before writing if a GPU or a uid it names is stored differently."""
-    names = {line.gpu.name for _, line in entries}
-    stored_gpus = {gpu.name: gpu for gpu in session.scalars(select(Gpu).where(Gpu.name.in_(names)))}
+    names = sorted({line.gpu.name for _, line in entries})
+    stored_gpus = {
+        gpu.name: gpu for chunk in _chunks(names) for gpu in session.scalars(select(Gpu).where(Gpu.name.in_(chunk)))
+    }
     uids = [line.measurement_uid for _, line in entries]
     stored: dict[str, tuple[Measurement, str]] = {}
-    for start in range(0, len(uids), UID_QUERY_CHUNK):
-        chunk = uids[start : start + UID_QUERY_CHUNK]
+    for chunk in _chunks(uids):
         rows = session.execute(
             select(Measurement, Gpu.name).join(Gpu, Measurement.gpu_id == Gpu.id).where(Measurement.uid.in_(chunk))
         )
@@ -582,6 +584,12 @@ def _check_against_store(session: Session, entries: list[ImportLine]) -> None:
                 _check_same_content(measurement, line, same_gpu=gpu_name == line.gpu.name)
         except ConflictError as error:
             raise ImportFormatError(number, str(error)) from None
+
+
+def _chunks(values: list[str]) -> Iterator[list[str]]:
+    """`values` in lists of IN_QUERY_CHUNK, one IN (...) each."""
+    for start in range(0, len(values), IN_QUERY_CHUNK):
+        yield values[start : start + IN_QUERY_CHUNK]
 
 
 def _key_of(line: ExportLine) -> tuple[Any, ...]:
