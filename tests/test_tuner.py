@@ -751,6 +751,36 @@ def test_the_plan_counts_every_candidate_its_first_sweep_tries(v: int, d: int, n
         assert space.first_pass(start) <= space.size(start), space.kernel
 
 
+@pytest.mark.parametrize(("v", "d", "n", "dtype"), [
+    (16, 64, 64, "bfloat16"), (4096, 16, 8, "bfloat16"), (1, 1, 1, "float32"), (16, 16, 16, "float16"),
+])
+def test_a_problem_smaller_than_the_tiles_gets_tiles_clipped_to_it(v: int, d: int, n: int, dtype: str) -> None:
+    """Every candidate tile was 32 to 256 wide and none wider than the problem was admitted, so a
+    dimension below 32 (64 for the rows and columns) left the search nothing: `cce tune --vocab 16`
+    planned 'first sweep 0' for every kernel. Wider tiles are now clipped to the padded dimension
+    (16 at least: Triton's smallest dot), so every kernel has candidates, all within the problem."""
+    problem = Problem(n=n, v=v, d=d, dtype=dtype, mode="exact")
+    limits = Limits(shared_memory_bytes=232_448, element_bytes=problem.element_bytes)
+    start = heuristic_config(problem.key("cuda"))
+    for space in kernel_spaces(problem, "cuda", limits):
+        tried = [candidate for axis in space.axes for candidate in space.along(start, axis)]
+        assert 0 < space.first_pass(start) <= space.size(start), space.kernel
+        assert all(space.admits(getattr(candidate, space.kernel)) for candidate in tried
+                   if getattr(candidate, space.kernel) != getattr(start, space.kernel)), space.kernel
+
+
+@pytest.mark.interpreter
+def test_a_clipped_candidate_is_checked_and_timed() -> None:
+    """On V = D = N = 16 the interpreter's 32-wide tiles are clipped to 16: the candidate runs,
+    computes the default config's results and is timed."""
+    problem = Problem(n=16, v=16, d=16, dtype="float32", mode="exact")
+    space = KernelSpace("forward", {"block_n": (64,)}, problem, device_limits(problem))
+    tuner = Tuner(problem, "interpreter", [space], WallClockTimer(warmup=0, runs=1), budget_s=600, input_sets=1)
+    [trial] = tuner.run().trials
+    assert trial.status == "timed", trial.detail
+    assert (trial.config.forward.block_m, trial.config.forward.block_n, trial.config.forward.block_k) == (16, 16, 16)
+
+
 def test_persistent_kernels_drop_the_axes_they_ignore() -> None:
     """The 16-bit forward runs persistent in both modes (no vocab splits), and exact mode's
     fused forward (on tensor descriptors off a Hopper) clamps its stages to what fits beside

@@ -1,7 +1,8 @@
 """What the tuner may try: per kernel, the values each launch parameter can take, pruned to
-what fits the GPU (shared memory for the pipelined buffers, accumulator registers) and the
-problem (no tile wider than the padded dimension it covers), and deduplicated by what the
-op actually launches (many slab_v or vocab_splits values end in the same launches).
+what fits the GPU (shared memory for the pipelined buffers, accumulator registers), fitted to
+the problem (a block wider than the padded dimension it covers is clipped to it), and
+deduplicated by what the op actually launches (many slab_v or vocab_splits values end in the
+same launches).
 
 The search walks these axes one at a time from the current config (coordinate descent);
 the whole grid is only counted, for the plan.
@@ -25,6 +26,8 @@ from cce_compile.resolve.platform import local_platform
 
 PLANNING_SHARED_MEMORY = 232448
 """Shared memory per block (opt-in) of an H100/H200, for planning on a machine without a GPU."""
+MIN_BLOCK = 16
+"""The narrowest block of a tile: Triton's dots need 16 rows, columns and steps of K."""
 MAX_ACCUMULATOR_REGISTERS = 256
 """fp32 accumulator registers per thread (block_m * block_n / threads) above which a tile spills."""
 
@@ -130,20 +133,28 @@ class KernelSpace:
             return None
         try:
             if axis in TILE_FIELDS:
-                tile = replace(getattr(config, self.kernel), **{axis: value})
+                tile = self.clipped(replace(getattr(config, self.kernel), **{axis: value}))
                 return replace(config, **{self.kernel: tile}) if self.admits(tile) else None
             return replace(config, **{axis: value})
         except ConfigError:
             return None
 
+    def clipped(self, tile: TileConfig) -> TileConfig:
+        """`tile` with every block no wider than the dimension it covers, padded to a power of
+        two and to MIN_BLOCK. Where a problem is smaller than the axes' values (V, D or N below
+        32), the clipped tiles are its candidates: unclipped, none is admitted, and neither is a
+        step from a start tile wider than the problem (the heuristic's), so the search had
+        nothing to try."""
+        m, n, k = (max(MIN_BLOCK, next_pow2(dim)) for dim in self.problem.gemm_dims(self.kernel))
+        return replace(tile, block_m=min(tile.block_m, m), block_n=min(tile.block_n, n), block_k=min(tile.block_k, k))
+
     def admits(self, tile: TileConfig) -> bool:
         """Fits the GPU, and no block is wider than the padded dimension it covers."""
-        m, n, k = (max(16, next_pow2(dim)) for dim in self.problem.gemm_dims(self.kernel))
-        return self.limits.fits(tile) and tile.block_m <= m and tile.block_n <= n and tile.block_k <= k
+        return self.limits.fits(tile) and tile == self.clipped(tile)
 
     def along(self, config: KernelConfig, axis: str) -> Iterator[KernelConfig]:
-        """The admitted configs that differ from `config` in `axis` alone and launch
-        differently from it and from each other."""
+        """The admitted configs that differ from `config` in `axis` alone (and in its tile's
+        blocks clipped to the problem) and launch differently from it and from each other."""
         seen = {self.launches(config)}
         for value in self.axes[axis]:
             candidate = self.with_value(config, axis, value)
@@ -199,10 +210,10 @@ class KernelSpace:
         with `start`'s own value added."""
         start_tile = getattr(start, self.kernel)
         tile_values = [{*self.axes.get(name, ()), getattr(start_tile, name)} for name in TILE_FIELDS]
-        tiles = [TileConfig(**dict(zip(TILE_FIELDS, values))) for values in itertools.product(*tile_values)]
+        tiles = {self.clipped(TileConfig(**dict(zip(TILE_FIELDS, values)))) for values in itertools.product(*tile_values)}
         # The start's own tile is what the op launches (the heuristic's 128-row tile at N = 16): the
         # other axes are searched with it (along) whether or not a tile that wide is admitted.
-        admitted = [tile for tile in tiles if tile == start_tile or self.admits(tile)]
+        admitted = [tile for tile in {start_tile, *tiles} if tile == start_tile or self.admits(tile)]
         extra = [name for name in self.axes if name not in TILE_FIELDS]
         return len({
             self.launches(replace(start, **{self.kernel: tile}, **dict(zip(extra, values))))
