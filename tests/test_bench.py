@@ -40,6 +40,15 @@ def test_lm_like_inputs_are_deterministic_and_never_zero() -> None:
     assert int(targets.min()) >= 0 and int(targets.max()) < 1031
 
 
+def test_lm_like_inputs_refuse_a_hidden_size_of_one() -> None:
+    """At D = 1 every input came out NaN (nothing is orthogonal to the shared direction), and
+    `cce tune` dropped every candidate against a NaN reference and exited 0."""
+    assert lm_like_inputs(4, 2, 16, torch.float32, "cpu", seed=0)[0].isfinite().all()
+    for make in (lm_like_inputs, heavy_tail_inputs):
+        with pytest.raises(ValueError, match="hidden size of 2 at least, got 1"):
+            make(4, 1, 16, torch.float32, "cpu", seed=0)
+
+
 def test_lm_like_loss_is_calibrated_on_rows_it_was_not_calibrated_on() -> None:
     e, c, targets = lm_like_inputs(768, 97, 1031, torch.float32, "cpu", seed=0, target_loss=3.0)
     held_out = softmax_stats(e[256:], c, targets[256:], rows=512)

@@ -555,6 +555,25 @@ def test_tune_checks_where_it_writes_before_tuning(tmp_path: Path) -> None:
     assert_one_line_failure(cce(*problem, "--out", str(tmp_path)), "--out", "is a directory")
 
 
+def test_tune_refuses_a_problem_it_cannot_tune_or_publish_before_the_plan() -> None:
+    """A problem outside the tuning database's bounds (those `cce lookup` refuses) was tuned, on
+    the GPU's time, and then every measurement refused; D = 1 was tuned on NaN inputs (the LM-like
+    inputs need a second direction), every candidate dropped, and the run exited 0; a seed torch
+    cannot take failed after the plan as 'ValueError: Overflow when unpacking long long'."""
+    problem = {"--vocab": "64", "--hidden": "16", "--tokens": "16"}
+    for option, value, says in (
+        ("--vocab", str(2**31), "less than or equal to 2147483647"),
+        ("--hidden", str(2**20 + 1), "less than or equal to 1048576"),
+        ("--tokens", str(2**40 + 1), "less than or equal to 1099511627776"),
+        ("--hidden", "1", "the tuner's LM-like inputs need a hidden size of 2 at least"),
+        ("--seed", str(2**64), "less than or equal to 9223372036854775807"),
+    ):
+        args = (part for item in {**problem, option: value}.items() for part in item)
+        done = cce("tune", *args, "--dry-run")
+        assert_one_line_failure(done, "Invalid value for", option, says)
+        assert done.returncode == 2 and "cce tune plan" not in done.stdout
+
+
 def test_bench_checks_its_shapes_and_out_before_importing_torch(tmp_path: Path) -> None:
     """A shape or an --out that cannot be used is refused without torch (seconds to import, and
     what a broken install fails on); the error names the option (it said `Invalid value: shape`)."""

@@ -45,6 +45,9 @@ TILE = 128
 
 InputSet = tuple[Tensor, Tensor, Tensor]
 """(e, c, targets), as the op takes them."""
+LM_LIKE_MIN_HIDDEN = 2
+"""The LM-like model needs a direction beside the shared one: at D = 1 the classifier's own
+parts (orthogonal to it) are zero, and dividing by their norms makes every input NaN."""
 
 _ZIPF_EXPONENT = 1.05
 _ZIPF_OFFSET = 2.7  # Zipf-Mandelbrot offset: the most frequent token has p ~ 0.1 at V ~ 1e5.
@@ -122,6 +125,8 @@ def lm_like_inputs(
     logit k by the boost exactly (m adds e_i . m to all of row i's logits, which the softmax
     ignores). Only a 256-row subsample's logits are ever formed (for the calibration).
     """
+    if d < LM_LIKE_MIN_HIDDEN:
+        raise ValueError(f"LM-like inputs need a hidden size of {LM_LIKE_MIN_HIDDEN} at least, got {d}")
     gen = _seeded(device, seed)
     ranks = torch.arange(v, device=device, dtype=torch.float64)
     zipf = (ranks + _ZIPF_OFFSET) ** -_ZIPF_EXPONENT

@@ -54,7 +54,7 @@ def lookup(
     from cce_compile.resolve.ladder import look_up
 
     dtype_name = checked_problem_options(dtype, mode)
-    _check_as_the_service_does(gpu=gpu, vocab=vocab, hidden=hidden, tokens=tokens)
+    check_as_the_service_does(gpu=gpu, vocab=vocab, hidden=hidden, tokens=tokens)
     require_stdout()
     platform = _platform(gpu)
     device = platform.gpu if platform.gpu in ("cpu", "interpreter") else "cuda"
@@ -79,9 +79,10 @@ def lookup(
     _print_table(platform.gpu, key, resolution)
 
 
-def _check_as_the_service_does(**options: str | int | None) -> None:
+def check_as_the_service_does(**options: str | int | None) -> None:
     """The options by the service's own rules (tuning_db.records), so that a problem it refuses
-    with 422 is refused here too, not answered with the heuristic's config. Imported here:
+    with 422 is refused here too, not answered with the heuristic's config (by `cce lookup`) or
+    tuned only to have every measurement refused (by `cce tune`). Imported here:
     `python -m cce_compile.cli.tune` imports this module without pydantic."""
     from pydantic import TypeAdapter, ValidationError
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from cce_compile.cli.errors import fail, refuse_empty, run_alone
-from cce_compile.cli.lookup import checked_problem_options
+from cce_compile.cli.lookup import check_as_the_service_does, checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
     from cce_compile.config.kernel_config import KernelConfig
@@ -57,16 +57,22 @@ def tune(
         float, typer.Option("--budget-s", min=0.0, help="start no candidate after this many seconds")
     ] = 60.0,
     input_sets: Annotated[int, typer.Option(min=1, help="input copies the timings rotate over")] = 3,
-    seed: Annotated[int, typer.Option(help="seed of the LM-like inputs")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="seed of the LM-like inputs")] = 0,
     submitter: Annotated[Optional[str], typer.Option(help="the measurements' submitter; default: cce-tune-$USER")] = None,
 ) -> None:
     """Tune the kernel config for one problem: coordinate descent from the heuristic, one
     kernel at a time, every candidate checked against the default config's results."""
+    from cce_compile.bench.inputs import LM_LIKE_MIN_HIDDEN
     from cce_compile.plan.policy import active_policy
     from cce_compile.tuning import candidates, publish as results
     from cce_compile.tuning.tuner import Tuner, default_timer
 
     dtype_name = checked_problem_options(dtype, mode)
+    # A problem the tuning database refuses would have every measurement refused after the run.
+    check_as_the_service_does(vocab=vocab, hidden=hidden, tokens=tokens)
+    if hidden < LM_LIKE_MIN_HIDDEN:
+        raise typer.BadParameter(f"{hidden}: the tuner's LM-like inputs need a hidden size of "
+                                 f"{LM_LIKE_MIN_HIDDEN} at least", param_hint="--hidden")
     if publish and db_url:
         raise typer.BadParameter("give --publish or --db-url, not both", param_hint="--publish")
     _check_writable(out, "--out")
