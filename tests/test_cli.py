@@ -572,6 +572,8 @@ def test_tune_refuses_a_problem_it_cannot_tune_or_publish_before_the_plan() -> N
         done = cce("tune", *args, "--dry-run")
         assert_one_line_failure(done, "Invalid value for", option, says)
         assert done.returncode == 2 and "cce tune plan" not in done.stdout
+    negative_seed = cce("tune", *(part for item in problem.items() for part in item), "--seed", "-1", "--dry-run")
+    assert negative_seed.returncode == 0 and "cce tune plan" in negative_seed.stderr, negative_seed.stderr
 
 
 def test_bench_checks_its_shapes_and_out_before_importing_torch(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def tune(
         float, typer.Option("--budget-s", min=0.0, help="start no candidate after this many seconds")
     ] = 60.0,
     input_sets: Annotated[int, typer.Option(min=1, help="input copies the timings rotate over")] = 3,
-    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="seed of the LM-like inputs")] = 0,
+    seed: Annotated[int, typer.Option(min=-(2**63), max=2**63 - 1, help="seed of the LM-like inputs")] = 0,
     submitter: Annotated[Optional[str], typer.Option(help="the measurements' submitter; default: cce-tune-$USER")] = None,
 ) -> None:
     """Tune the kernel config for one problem: coordinate descent from the heuristic, one
