@@ -95,11 +95,7 @@ def _check_inputs(
         raise TypeError(f"e must be float32, float16 or bfloat16, got {e.dtype}")
     if c.dtype != e.dtype:
         raise TypeError(f"c must have e's dtype {e.dtype}, got {c.dtype}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"{targets_name} must be an integer tensor (an integer dtype that fits int64, e.g. int64 or int32), got {targets.dtype}")
-    if targets.dtype == torch.uint64:  # read as int64, values from 2**63 would wrap to negative ones (ignore_index too)
-        raise TypeError(f"{targets_name} must be an integer tensor that fits int64 (e.g. int64, int32 or uint32), "
-                        "got torch.uint64")
+    check_target_dtype(targets, targets_name)
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"{targets_name} must have shape {tuple(e.shape[:-1])} (e's leading dims), "
                          f"got {tuple(targets.shape)}")
@@ -112,6 +108,16 @@ def _check_inputs(
         raise ValueError(f"bias must have shape ({v},) and dtype {c.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     check_loss_options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                        z_loss=z_loss, softcap=softcap, memory=memory, temperature=temperature)
+
+
+def check_target_dtype(targets: Tensor, name: str) -> None:
+    """Targets are read as int64 (shift_targets casts them so): a float one would be truncated to
+    a token (3.7 scored as 3), a bool one scored as tokens 0 and 1, so only integer dtypes pass."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (an integer dtype that fits int64, e.g. int64 or int32), got {targets.dtype}")
+    if targets.dtype == torch.uint64:  # read as int64, values from 2**63 would wrap to negative ones (ignore_index too)
+        raise TypeError(f"{name} must be an integer tensor that fits int64 (e.g. int64, int32 or uint32), "
+                        "got torch.uint64")
 
 
 def _check_weight(weight: object, v: int | None) -> None:

@@ -152,6 +152,20 @@ def test_shift_labels_may_come_flat_at_any_batch_as_hfs_loss_flattens_them() -> 
         patched(input_ids, labels=labels.flatten())  # flat labels would shift across the samples' ends
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("keyword", ["labels", "shift_labels"])
+def test_labels_that_are_no_integers_are_refused_by_name_as_hfs_loss_refuses_them(dtype: torch.dtype,
+                                                                                    keyword: str) -> None:
+    """HF's cross-entropy refuses float or bool labels; the label shift cast them to int64 first,
+    so float labels were truncated (3.7 scored as token 3) and bool ones scored as tokens 0 and 1,
+    silently; float shift_labels were refused as the op's `targets`, which the caller never passed."""
+    _, patched = twins("llama")
+    input_ids, labels = batch(seed=4)
+    wrong = (labels.float() + 0.7) if dtype == torch.float32 else labels > 200
+    with pytest.raises(TypeError, match=rf"^{keyword} must be an integer tensor .* got {dtype}"):
+        patched(input_ids, **{"labels": labels, keyword: wrong})
+
+
 @parametrize_families
 def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fused_outputs: list) -> None:
     """A LoRA-style step (lm_head frozen): the patched model's loss and the trained layers'

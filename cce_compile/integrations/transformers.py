@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ..api import check_flags, check_loss_options, linear_cross_entropy, shift_targets
+from ..api import check_flags, check_loss_options, check_target_dtype, linear_cross_entropy, shift_targets
 from ..ops.problem import SUPPORTED_DTYPES
 from ..plan.launch import Memory
 
@@ -307,8 +307,10 @@ def causal_lm_loss(
     """
     kept = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
     if shift_labels is None:
+        check_target_dtype(labels, "labels")  # before the shift, which casts them to int64
         shift_labels = shift_targets(batched("labels", labels, hidden_states, False, kept), options.ignore_index)
     else:
+        check_target_dtype(shift_labels, "shift_labels")
         shift_labels = batched("shift_labels", shift_labels, hidden_states, True, kept)
     kept_hidden = slice_logits_to_keep(hidden_states, logits_to_keep)
     kept_targets = slice_logits_to_keep(shift_labels.unsqueeze(-1), logits_to_keep).squeeze(-1)
