@@ -184,6 +184,33 @@ def test_frozen_head_matches_hf_without_computing_its_gradient(family: str, fuse
     assert fused_outputs and all(grad_c == 0 < grad_e for grad_e, grad_c in fused_outputs)
 
 
+@pytest.mark.parametrize("options", [{}, {"return_logits": True}])
+def test_a_parametrized_heads_weight_is_computed_once_a_step_as_hfs_one_call_does(options: dict) -> None:
+    """A parametrization recomputes lm_head.weight on every read, and spectral_norm's, in training,
+    advances its power iteration each time. The patched forward read it twice for the loss (three
+    times with return_logits, whose logits call the head), so its spectral norm estimate ran
+    ahead of HF's: gradients 1e-3 off at the first step, 1e-2 at the third, silently. Over three
+    steps, with grad and without (evaluation in training mode), loss, logits and gradients are HF's."""
+    reference = tiny_model("llama")
+    torch.nn.utils.parametrizations.spectral_norm(reference.lm_head)
+    patched = patch(copy.deepcopy(reference), **options)
+    for seed in range(3):
+        input_ids, labels = batch(seed=seed)
+        for model in (reference, patched):
+            model.zero_grad()
+        expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+        assert_close(actual.loss, expected.loss, rtol=1e-5)
+        if options:
+            assert_close(actual.logits, expected.logits.detach(), rtol=1e-5)
+        expected.loss.backward()
+        actual.loss.backward()
+        for name, parameter in reference.named_parameters():
+            assert_close(patched.get_parameter(name).grad, parameter.grad)
+        with torch.no_grad():
+            expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+        assert_close(actual.logits, expected.logits, rtol=1e-5)
+
+
 @pytest.mark.parametrize("hooked", ["pre-hook", "prune", "weight_norm"])
 def test_a_head_with_forward_hooks_is_refused(hooked: str) -> None:
     """The loss reads lm_head.weight without calling lm_head, so its forward hooks would never run:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -198,7 +199,8 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
         raise TypeError("lm_head has forward hooks (pruning, weight_norm or spectral_norm, a hook of yours), which "
                         "the fused loss, reading lm_head.weight without calling lm_head, would skip; remove them "
                         "(torch.nn.utils.parametrize's weights are read through)")
-    if hasattr(head.weight, "ds_id"):  # the mark ZeRO-3 puts on the parameters it partitions
+    weight = head.weight  # read once: a parametrization recomputes it on every read (spectral_norm's power iteration)
+    if hasattr(weight, "ds_id"):  # the mark ZeRO-3 puts on the parameters it partitions
         raise ValueError("lm_head: its weight is partitioned by DeepSpeed ZeRO-3, which gathers it only when lm_head "
                          "itself runs, and cce_compile reads lm_head.weight without calling it; use ZeRO stage 1 or 2, "
                          "or leave this model to its own forward")
@@ -207,7 +209,7 @@ def linear_head(head: nn.Module) -> tuple[Tensor, Tensor | None]:
     bias = getattr(head, "bias", None)
     if bias is None:  # PEFT's TrainableTokensWrapper: .weight is its merged weight, the bias its base layer's
         bias = getattr(getattr(head, "original_module", None), "bias", None)
-    return head.weight, bias
+    return weight, bias
 
 
 def _trainable_tokens_weight(head: nn.Module) -> Tensor | None:
@@ -414,15 +416,18 @@ def _patched_forward(
         # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
         ignore_index = kwargs.get("ignore_index")
         call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
-        loss = causal_lm_loss(
-            outputs.last_hidden_state, self.lm_head, labels,
-            logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
-            num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=call_options,
-        )
-        logits = None
-        if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
-            with torch.no_grad():
-                logits = _soft_capped(self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)), softcap)
+        # a parametrized head's weight computed once for the loss and the logits, as HF's one call computes it
+        with parametrize.cached():
+            loss = causal_lm_loss(
+                outputs.last_hidden_state, self.lm_head, labels,
+                logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
+                num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=call_options,
+            )
+            logits = None
+            if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
+                with torch.no_grad():
+                    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+                    logits = _soft_capped(self.lm_head(hidden), softcap)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
             **{_CACHE: getattr(outputs, _CACHE)},
