@@ -946,7 +946,7 @@ def test_a_float64_model_is_refused_naming_its_dtype() -> None:
 def test_a_loss_function_set_on_the_model_is_refused_not_replaced() -> None:
     """transformers' `model.loss_function = f` makes HF's forward compute f(logits, labels, ...);
     the patched forward computed the plain cross-entropy in its place, silently (5.86 against
-    the custom loss's 11.72 here). Refused, naming the setter, with labels; without them the
+    the custom loss's 11.72 here). Refused, naming the function, with labels; without them the
     model generates as HF's."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -957,8 +957,38 @@ def test_a_loss_function_set_on_the_model_is_refused_not_replaced() -> None:
     reference.loss_function = doubled
     patched = patch(copy.deepcopy(reference))
     input_ids, labels = batch(seed=18)
-    with pytest.raises(TypeError, match=r"^LlamaForCausalLM: its loss_function was set \(model\.loss_function = \.\.\.\)"):
+    with pytest.raises(TypeError, match=r"^LlamaForCausalLM: its loss_function is .*doubled, not transformers' ForCausalLMLoss \(model\.loss_function = \.\.\."):
         patched(input_ids, labels=labels)
     assert_close(patched(input_ids).logits, reference(input_ids).logits, rtol=1e-5)
     del patched._loss_function
     assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss / 2, rtol=1e-5)
+
+
+class WithOwnLoss(FAMILIES["llama"]):  # type: ignore[misc, valid-type]
+    """A user's subclass that changes the loss through HF's loss_function, not its forward."""
+
+    @property
+    def loss_function(self) -> object:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return lambda *args, **kwargs: 2 * ForCausalLMLoss(*args, **kwargs)
+
+
+@pytest.mark.parametrize("change", ["subclass", "loss_type"])
+def test_a_loss_function_other_than_hfs_causal_lm_loss_is_refused_not_replaced(change: str) -> None:
+    """HF's forward computes self.loss_function, which a subclass may override and which
+    model.loss_type picks from transformers' LOSS_MAPPING; only one set on the instance was
+    refused, so the patched forward replaced a subclass's loss (12.72 here) or the masked-LM
+    loss of loss_type "ForMaskedLM" (6.43, no shift) by the causal cross-entropy (6.36), silently.
+    Refused by what it is; HF's own again (loss_type "ForCausalLM"), it trains as HF's."""
+    reference = tiny_model("llama", WithOwnLoss if change == "subclass" else None)
+    if change == "loss_type":
+        reference.loss_type = "ForMaskedLM"
+    patched = patch(copy.deepcopy(reference))
+    input_ids, labels = batch(seed=19)
+    with pytest.raises(TypeError, match=r"its loss_function is .*, not transformers' ForCausalLMLoss"):
+        patched(input_ids, labels=labels)
+    assert_close(patched(input_ids).logits, reference(input_ids).logits, rtol=1e-5)
+    if change == "loss_type":
+        patched.loss_type = reference.loss_type = "ForCausalLM"
+        assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from transformers.cache_utils import Cache
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
@@ -406,11 +407,14 @@ def _patched_forward(
         }
         if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        if getattr(self, "_loss_function", None) is not None:  # what `model.loss_function = f` sets; HF's forward calls f
+        loss_function = self.loss_function  # what HF's forward calls: set on the model, a subclass's, or loss_type's
+        if loss_function is not ForCausalLMLoss:
             raise TypeError(
-                f"{type(self).__name__}: its loss_function was set (model.loss_function = ...), a loss the patched "
-                "forward would replace by linear_cross_entropy's; unpatch() the model, or `del model._loss_function` to "
-                "train with the patched loss")
+                f"{type(self).__name__}: its loss_function is {getattr(loss_function, '__qualname__', loss_function)}, "
+                "not transformers' ForCausalLMLoss (model.loss_function = ..., a subclass's loss_function, or "
+                "model.loss_type), a loss the patched forward would replace by linear_cross_entropy's; unpatch() the "
+                "model, or give it HF's back (`del model._loss_function`, model.loss_type = 'ForCausalLM') to train "
+                "with the patched loss")
         outputs = self.model(**model_inputs, **kwargs)
         softcap = self.config.final_logit_softcapping if softcapped else None
         # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
