@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -782,6 +783,18 @@ def test_a_float64_default_dtype_keeps_the_loss_float32_eager_and_compiled(memor
         torch._dynamo.reset()
 
 
+def _scalar_of_e(call: str) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """(e, a scalar function of e): the loss in memory mode `call`, or the summed log-probs."""
+    e, c, t = make_inputs("zipf", (6,), 30, 8, torch.float32, seed=5)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        if call == "log_probs":
+            return cce_compile.linear_log_probs(x, c, t).sum()
+        return cce_compile.linear_cross_entropy(x, c, t, memory=call)
+
+    return e, loss
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
 @pytest.mark.parametrize("call", ["workspace", "low", "log_probs"])
 def test_a_compiled_jvp_is_refused_not_given_a_zero_tangent(transform: str, call: str) -> None:
@@ -790,12 +803,7 @@ def test_a_compiled_jvp_is_refused_not_given_a_zero_tangent(transform: str, call
     an error. Dynamo traces the dual level and the operands' tangents, so the refusal is made
     there: as Dynamo's Unsupported under fullgraph, the package's message in it, and without
     fullgraph the eager call's error."""
-    e, c, t = make_inputs("zipf", (6,), 30, 8, torch.float32, seed=5)
-
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        if call == "log_probs":
-            return cce_compile.linear_log_probs(x, c, t).sum()
-        return cce_compile.linear_cross_entropy(x, c, t, memory=call)
+    e, loss = _scalar_of_e(call)
 
     def forward_mode(x: torch.Tensor) -> torch.Tensor:
         if transform == "jvp":
@@ -821,12 +829,7 @@ def test_a_compiled_grad_is_refused_by_name(transform: str, call: str) -> None:
     innermost transform's key, so the refusal is made there: Dynamo's Unsupported with the
     package's message under fullgraph, the eager error without it. A compiled vmap still runs
     (test_a_compiled_vmap_differentiates_its_batched_operands)."""
-    e, c, t = make_inputs("zipf", (6,), 30, 8, torch.float32, seed=5)
-
-    def loss(x: torch.Tensor) -> torch.Tensor:
-        if call == "log_probs":
-            return cce_compile.linear_log_probs(x, c, t).sum()
-        return cce_compile.linear_cross_entropy(x, c, t, memory=call)
+    e, loss = _scalar_of_e(call)
 
     def reverse_mode(x: torch.Tensor) -> torch.Tensor:
         if transform == "grad":
