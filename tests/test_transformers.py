@@ -992,3 +992,21 @@ def test_a_loss_function_other_than_hfs_causal_lm_loss_is_refused_not_replaced(c
     if change == "loss_type":
         patched.loss_type = reference.loss_type = "ForCausalLM"
         assert_close(patched(input_ids, labels=labels).loss, reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+
+class MyLlama(FAMILIES["llama"]):  # type: ignore[misc, valid-type]
+    """A user's subclass whose name holds no LOSS_MAPPING key: HF leaves its loss_type None."""
+
+
+def test_a_subclass_without_a_loss_type_compiles_fullgraph() -> None:
+    """HF's loss_function getter warns (warning_once, which Dynamo cannot trace) where loss_type is
+    None, as for a subclass named by its user, before it gives ForCausalLMLoss: the patched
+    forward's check of the loss read that getter, so such a model no longer compiled with
+    fullgraph=True (and broke the graph in two without it). Its loss is HF's causal one, as
+    HF's getter gives it, so it is read without the warning."""
+    model = patch(tiny_model("llama", MyLlama))
+    assert model.loss_type is None
+    input_ids, labels = batch(seed=5)
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(lambda ids, target: model(ids, labels=target).loss, fullgraph=True, backend="eager")
+    assert_close(compiled_loss(input_ids, labels), model(input_ids, labels=labels).loss, rtol=1e-5)

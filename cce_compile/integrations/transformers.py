@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from transformers.cache_utils import Cache
-from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
@@ -289,6 +289,18 @@ def through_head(
     return hook.post_forward(head, compute(hidden, *linear_head(head)))
 
 
+def _hf_loss_function(model: PreTrainedModel) -> Callable[..., Any]:
+    """What HF's forward calls as self.loss_function: one set on the model, a subclass's, or
+    loss_type's in LOSS_MAPPING. Where none is set and loss_type names none (None for a subclass
+    of the user's naming), HF's getter gives ForCausalLMLoss after a warning_once, which Dynamo
+    cannot trace (torch.compile's fullgraph fails, the graph breaks in two without it): that
+    case is answered here without the getter."""
+    if (not hasattr(model, "_loss_function") and type(model).loss_function is PreTrainedModel.loss_function
+            and getattr(model, "loss_type", None) not in LOSS_MAPPING):
+        return ForCausalLMLoss
+    return model.loss_function
+
+
 def causal_lm_loss(
     hidden_states: Tensor,
     lm_head: nn.Module,
@@ -407,7 +419,7 @@ def _patched_forward(
         }
         if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
             return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        loss_function = self.loss_function  # what HF's forward calls: set on the model, a subclass's, or loss_type's
+        loss_function = _hf_loss_function(self)
         if loss_function is not ForCausalLMLoss:
             raise TypeError(
                 f"{type(self).__name__}: its loss_function is {getattr(loss_function, '__qualname__', loss_function)}, "
