@@ -1221,6 +1221,26 @@ def test_a_rank_that_waits_no_time_resolves_on_its_own(wait: str, tmp_path: Path
     assert report["source"] == "heuristic" and report["s"] < 4
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fake_process_group_resolves_alone(rank: int) -> None:
+    """torch's fake process group (one process standing in for one rank of many: a dry run of a
+    sharded model, a test of its sharding) communicates nothing, and its FakeStore implements
+    nothing: every resolution raised ("Store::add" a pure virtual function; rank 0's publication
+    raised alike before the election), where there is no other rank to agree with."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        with override_policy(Policy()):
+            assert resolution_for(SMALL_KEY).source == "heuristic"
+            with override_config(KernelConfig(slab_v=2048)):
+                assert resolve_config(SMALL_KEY).slab_v == 2048
+            e, c, targets = _small_inputs()
+            assert torch.isfinite(linear_cross_entropy(e, c, targets))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.timeout(120)
 def test_a_failure_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     mp.spawn(_failing_rank_main, args=(str(tmp_path),), nprocs=2, join=True)

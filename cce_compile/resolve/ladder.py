@@ -238,12 +238,16 @@ def _accept(
 
 
 def _distributed() -> bool:
-    """Whether one rank decides for all: several ranks, unless CCE_CONFIG_BROADCAST=0."""
+    """Whether one rank decides for all: several ranks, unless CCE_CONFIG_BROADCAST=0 or the
+    process group is torch's fake one (a process standing in for one rank of many, as a dry
+    run of a sharded model has it), which has no other rank to agree with and whose FakeStore
+    implements no exchange."""
     import torch.distributed as dist
 
     if os.environ.get(BROADCAST_ENV, "1").strip() == "0":
         return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() != "fake")
 
 
 MAX_WAIT_S = 24 * 3600.0
