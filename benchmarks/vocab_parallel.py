@@ -197,8 +197,6 @@ def _benchmark(rank: int, args: argparse.Namespace, store: str) -> None:
 
 
 def main() -> None:
-    # The local-op baseline meets each rank's own shard size, a key rank 0 never resolves: wait briefly.
-    os.environ.setdefault("CCE_CONFIG_WAIT_S", "5")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--world", type=int, default=2)
