@@ -567,6 +567,7 @@ def test_tune_refuses_a_problem_it_cannot_tune_or_publish_before_the_plan() -> N
         ("--tokens", str(2**40 + 1), "less than or equal to 1099511627776"),
         ("--hidden", "1", "the tuner's LM-like inputs need a hidden size of 2 at least"),
         ("--seed", str(2**64), "less than or equal to 9223372036854775807"),
+        ("--budget-s", "inf", "inf is not a finite number"),  # never ended, and wrote Infinity into --out
     ):
         args = (part for item in {**problem, option: value}.items() for part in item)
         done = cce("tune", *args, "--dry-run")
@@ -587,6 +588,10 @@ def test_bench_checks_its_shapes_and_out_before_importing_torch(tmp_path: Path) 
     done = cce("bench", "--out", str(tmp_path / "file"), prelude=no_torch)
     assert_one_line_failure(done, "Invalid value for --out", "is not a folder")
     assert done.returncode == 2
+    for option, value in (("--rep-ms", "inf"), ("--warmup-ms", "inf"), ("--budget-s", "inf")):
+        done = cce("bench", option, value, prelude=no_torch)  # a timing or budget that never ends
+        assert_one_line_failure(done, f"Invalid value for '{option}'", f"{value} is not a finite number")
+        assert done.returncode == 2
 
 
 def test_the_gpu_commands_run_alone_fail_as_cce_does(tmp_path: Path) -> None:

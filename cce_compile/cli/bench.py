@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from cce_compile.bench.shapes import QUICK_SHAPES, SHAPES, parse_shape
-from cce_compile.cli.errors import fail, run_alone
+from cce_compile.cli.errors import fail, finite, run_alone
 
 
 def _split(values: list[str] | None, option: str) -> list[str]:
@@ -95,10 +95,11 @@ def bench(
                           "cce_* and torch; default: all three")] = None,
     quick: Annotated[bool, typer.Option(help="the small smoke-test shapes instead of the model shapes")] = False,
     out: Annotated[Path, typer.Option(help="results folder (bench.csv, latest.md, latest.png)")] = Path("benchmarks/results"),
-    warmup_ms: Annotated[float, typer.Option(min=1)] = 25.0,
-    rep_ms: Annotated[float, typer.Option(min=1)] = 100.0,
+    warmup_ms: Annotated[float, typer.Option(min=1, callback=finite)] = 25.0,
+    rep_ms: Annotated[float, typer.Option(min=1, callback=finite)] = 100.0,
     input_sets: Annotated[int, typer.Option(min=1, help="input draws cycled through while timing")] = 2,
-    budget_s: Annotated[Optional[float], typer.Option(min=0, help="start nothing new after this many seconds")] = None,
+    budget_s: Annotated[Optional[float], typer.Option(
+        min=0, callback=finite, help="start nothing new after this many seconds")] = None,
     uniform_all: Annotated[bool, typer.Option(
         help="time every impl on uniform inputs, not only the filtering ones and cce_exact")] = False,
     frozen_head: Annotated[bool, typer.Option(

@@ -7,6 +7,7 @@ the commands name the URL they failed on, as the user gave it, credentials inclu
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -39,6 +40,15 @@ def require_stdout() -> None:
 def _line(message: str) -> str:
     """`message` as the command's one error line, the credentials of its URLs hidden."""
     return f"cce: error: {redact_urls(' '.join(message.split()))}"
+
+
+def finite(value: float | None) -> float | None:
+    """An option callback refusing inf, which a range with a minimum alone lets through: a budget
+    or a timing of inf never ends, and reached the tune report's JSON as Infinity (nan too,
+    where an option's range does not refuse it)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def refuse_empty(message: str) -> Callable[[str | None], str | None]:

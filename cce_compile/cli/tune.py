@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from cce_compile.cli.errors import fail, refuse_empty, run_alone
+from cce_compile.cli.errors import fail, finite, refuse_empty, run_alone
 from cce_compile.cli.lookup import check_as_the_service_does, checked_problem_options
 
 if TYPE_CHECKING:  # the package imports torch: only inside the command
@@ -54,7 +54,7 @@ def tune(
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan and run nothing")] = False,
     budget_s: Annotated[
-        float, typer.Option("--budget-s", min=0.0, help="start no candidate after this many seconds")
+        float, typer.Option("--budget-s", min=0.0, callback=finite, help="start no candidate after this many seconds")
     ] = 60.0,
     input_sets: Annotated[int, typer.Option(min=1, help="input copies the timings rotate over")] = 3,
     seed: Annotated[int, typer.Option(min=-(2**63), max=2**63 - 1, help="seed of the LM-like inputs")] = 0,
