@@ -346,6 +346,17 @@ def test_an_empty_db_url_is_refused_not_the_default_database(tmp_path: Path) -> 
     assert done.returncode == 2
 
 
+def test_a_default_database_folder_that_cannot_be_made_says_how_to_name_another(tmp_path: Path) -> None:
+    """XDG_CACHE_HOME naming a file: the default SQLite file's folder cannot be made, and the
+    commands failed with a bare 'FileExistsError: [Errno 17] File exists' that named no way out."""
+    (tmp_path / "file").touch()
+    environment = {"XDG_CACHE_HOME": str(tmp_path / "file"), "CCE_TUNING_DB_URL": ""}
+    for args in (["export"], ["db", "upgrade"], ["serve", "--port", "18777"]):
+        done = cce(*args, env=environment)
+        assert_one_line_failure(done, "the default database's folder cannot be made", str(tmp_path / "file"),
+                                "--db-url or CCE_TUNING_DB_URL")
+
+
 def test_a_db_url_whose_driver_is_missing_names_the_option(tmp_path: Path) -> None:
     """A dialect SQLAlchemy knows whose driver is not installed: one line naming --db-url and the
     module, before serve, db or export touches anything; a scheme with no dialect is a bad option."""

@@ -34,11 +34,21 @@ WRITE_OPTION = "cce_write"
 """Execution option that marks a connection's transactions as writes (BEGIN IMMEDIATE)."""
 
 
+class DefaultDatabaseUnavailable(RuntimeError):
+    """No database was named and the default SQLite file's folder cannot be made."""
+
+
 def default_db_url() -> str:
     """The per-user SQLite file, so a single machine works with no setup. Its path is escaped
     in the URL: pasted as it is, a '?' in it began the URL's query (a cache dir `/home/a?b`
-    gave the database file `/home/a`) and a '%41' was read as 'A'."""
-    cache_dir = Path(platformdirs.user_cache_dir("cce_compile", ensure_exists=True))
+    gave the database file `/home/a`) and a '%41' was read as 'A'. A cache folder that cannot
+    be made (XDG_CACHE_HOME naming a file, a read-only home) raises saying how to name another."""
+    try:
+        cache_dir = Path(platformdirs.user_cache_dir("cce_compile", ensure_exists=True))
+    except OSError as error:
+        raise DefaultDatabaseUnavailable(
+            f"the default database's folder cannot be made ({error.strerror}: {error.filename}); give a "
+            f"database URL with --db-url or {DB_URL_ENV}") from None
     return URL.create("sqlite", database=str(cache_dir / "tuning.db")).render_as_string(hide_password=False)
 
 
