@@ -831,6 +831,18 @@ def test_a_softcap_in_another_familys_config_is_ignored_as_its_forward_does(fami
         assert_close(patched(input_ids, labels=labels).logits, reference(input_ids).logits, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf")])
+def test_a_softcap_the_loss_cannot_take_is_refused_by_its_config_field(softcap: float) -> None:
+    """A softcapping family's final_logit_softcapping that no loss can take (HF's forward divides by
+    it: 0 gives a NaN loss) was refused as "softcap", an argument the user never passed."""
+    family = next(f for f, cls in sorted(FAMILIES.items()) if declares_softcap(cls.config_class))
+    model = patch(tiny_model(family))
+    model.config.final_logit_softcapping = softcap
+    input_ids, labels = batch(seed=14)
+    with pytest.raises(ValueError, match=rf"{type(model.config).__name__}\.final_logit_softcapping: softcap must be"):
+        model(input_ids, labels=labels)
+
+
 def test_return_dict_false_keeps_hfs_positions() -> None:
     """HF returns (loss, logits, cache); the patched model once returned (loss, cache), since
     to_tuple drops the logits it does not compute: `loss, logits = model(...)` failed and

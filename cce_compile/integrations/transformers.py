@@ -301,6 +301,18 @@ def _hf_loss_function(model: PreTrainedModel) -> Callable[..., Any]:
     return model.loss_function
 
 
+def _config_softcap(config: Any, temperature: float) -> float | None:
+    """The config's final_logit_softcapping, refused by that name where the loss cannot take it
+    (HF's forward divides by it: 0 gave a NaN loss), not as the op's `softcap`, which the user
+    never passed."""
+    softcap = config.final_logit_softcapping
+    try:
+        check_loss_options(softcap=softcap, temperature=temperature)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{type(config).__name__}.final_logit_softcapping: {error}") from None
+    return softcap
+
+
 def causal_lm_loss(
     hidden_states: Tensor,
     lm_head: nn.Module,
@@ -428,7 +440,7 @@ def _patched_forward(
                 "model, or give it HF's back (`del model._loss_function`, model.loss_type = 'ForCausalLM') to train "
                 "with the patched loss")
         outputs = self.model(**model_inputs, **kwargs)
-        softcap = self.config.final_logit_softcapping if softcapped else None
+        softcap = _config_softcap(self.config, options.temperature) if softcapped else None
         # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
         ignore_index = kwargs.get("ignore_index")
         call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
