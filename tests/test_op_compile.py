@@ -186,9 +186,9 @@ def traced_buckets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     settings_for_key = problem._settings_for_key
 
     @torch.compiler.assume_constant_result
-    def spy(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool) -> str:
+    def spy(on_cuda: bool, v: int, d: int, dtype: str, bucket: int, filtered: bool, gpu: int | None) -> str:
         buckets.append(bucket)
-        return settings_for_key(on_cuda, v, d, dtype, bucket, filtered)
+        return settings_for_key(on_cuda, v, d, dtype, bucket, filtered, gpu)
 
     monkeypatch.setattr(problem, "_settings_for_key", spy)
     return buckets
