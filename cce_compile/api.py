@@ -30,7 +30,7 @@ _MEMORY = ("workspace", "low")
 
 
 def _resolve_filter_eps(filter_eps: float | str | None, dtype: torch.dtype) -> float:
-    """0.0 is exact mode. "auto": the dtype's epsilon / 8 (2**-10 for bf16 and fp32), four times
+    """The op's filter_eps, 0.0 (exact mode) for None. "auto": the dtype's epsilon / 8 (2**-10 for bf16 and fp32), four times
     the paper's eps / 32: what is skipped comes back as each tile's row sums and tilt
     (ops/filtering.SkippedTiles, Tilt), so the coarser filter keeps dE within 2.5-7e-3 of fp32
     on LM-like and heavy-tailed heads at 1.8-2.3 x a GEMM on the H200, where 2^-12 took 1.9-3.4 x
