@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, retrieve_current_functorch_interpreter
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
@@ -142,10 +142,9 @@ def _refuse_function_transforms(*operands: Tensor | None) -> None:
     torch.autograd.grad) is the supported way. vmap runs, gradients too (on the recompute). Under
     torch.compile, where Dynamo traces the transforms itself and the interpreters are not read,
     a jvp (jacfwd) is refused by its operands' tangents, which Dynamo traces with the dual level
-    (the check below), and a grad (vjp, jacrev) by the innermost transform (_traced_transform),
-    where the op would fail on fake tensors: see docs/integrations.md."""
+    (the check below); a compiled grad fails in torch's internals: see docs/integrations.md."""
     transforms = _active_transforms()  # none while compiling
-    refused = sorted((transforms | _traced_transform()) & {"jvp", "grad"})
+    refused = sorted(transforms & {"jvp", "grad"})
     if refused:
         raise NotImplementedError(f"linear_cross_entropy and linear_log_probs do not support torch.func's "
                                   f"{' and '.join(refused)}; use backward() or torch.autograd.grad")
@@ -162,15 +161,6 @@ def _active_transforms() -> set[str]:
     if torch.compiler.is_compiling():
         return set()
     return {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
-
-
-def _traced_transform() -> set[str]:
-    """While Dynamo traces a torch.func transform (torch.compile of a grad), the innermost one:
-    Dynamo folds the transform stack's depth and its top's key, not the whole stack that
-    _active_transforms reads. Empty outside a trace or a transform."""
-    if not torch.compiler.is_compiling() or torch._C._functorch.get_dynamic_layer_stack_depth() == 0:
-        return set()
-    return {retrieve_current_functorch_interpreter().key().name.lower()}
 
 
 def _in_transform(*operands: Tensor | None) -> bool:

@@ -820,32 +820,6 @@ def test_a_compiled_jvp_is_refused_not_given_a_zero_tangent(transform: str, call
         torch.testing.assert_close(compiled(e), loss(e))
 
 
-@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap of grad"])
-@pytest.mark.parametrize("call", ["workspace", "low", "log_probs"])
-def test_a_compiled_grad_is_refused_by_name(transform: str, call: str) -> None:
-    """torch.compile of a torch.func.grad (vjp, jacrev): Dynamo traces the transform, so the
-    eager check of the interpreters does not run, and the custom op failed on fake tensors
-    ("RuntimeError when making fake tensor call", the op's arguments dumped). Dynamo folds the
-    innermost transform's key, so the refusal is made there: Dynamo's Unsupported with the
-    package's message under fullgraph, the eager error without it. A compiled vmap still runs
-    (test_a_compiled_vmap_differentiates_its_batched_operands)."""
-    e, loss = _scalar_of_e(call)
-
-    def reverse_mode(x: torch.Tensor) -> torch.Tensor:
-        if transform == "grad":
-            return torch.func.grad(loss)(x)
-        if transform == "vjp":
-            return torch.func.vjp(loss, x)[1](torch.ones(()))[0]
-        if transform == "jacrev":
-            return torch.func.jacrev(loss)(x)
-        return torch.func.vmap(torch.func.grad(loss))(x[None].expand(2, -1, -1))
-
-    for fullgraph in (True, False):
-        torch._dynamo.reset()
-        with pytest.raises(Exception, match="torch.func's grad; use backward"):
-            torch.compile(reverse_mode, backend="aot_eager", fullgraph=fullgraph)(e)
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("call", ["loss", "log_probs"])
 def test_filtered_mode_on_the_kernels_compiles_a_declared_range_whose_row_blocks_may_be_one(call: str) -> None:
