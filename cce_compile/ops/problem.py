@@ -240,14 +240,15 @@ def _launch_falling_back(e: Tensor, c: Tensor, filtered: bool, config: KernelCon
     call's key (launch_failed) until one launches or no rung is left. `fixed`: for a call that
     cannot take another config, the message (formatted with the error) of the RuntimeError its
     failure is raised as where later calls take another (the config's source is dropped now, or
-    was already); None for a call that can."""
-    key, gpu = problem_key(e, c, filtered, policy, key_v), gpu_of(e)
+    was already); None for a call that can. The key is made only once a launch fails: every
+    backward call comes through here."""
     while True:
         try:
             return launch(config, policy)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
+            key, gpu = problem_key(e, c, filtered, policy, key_v), gpu_of(e)
             if fixed is not None:
                 if resolve_config(key, gpu) != config or launch_failed(key, error, config, gpu):
                     raise RuntimeError("cce_compile: " + fixed.format(error=error)) from error
