@@ -11,7 +11,9 @@ import contextlib
 import copy
 import functools
 import inspect
+import io
 import pathlib
+import pickle
 import types
 
 import pytest
@@ -455,6 +457,52 @@ def test_no_grad_and_unpatch_give_hf_logits_back(family: str) -> None:
     assert_close(restored.loss, expected.loss, rtol=1e-5)
 
 
+def pickle_round_trips(model: PreTrainedModel) -> list[PreTrainedModel]:
+    """The model through pickle and through torch.save / torch.load (a whole module saved, as
+    multiprocessing spawn and launchers pickle it)."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return [pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
+
+
+@parametrize_families
+def test_a_patched_instance_pickles_into_a_patched_model_of_its_own(family: str) -> None:
+    """pickle.dumps(patched) failed: the instance's forward was a function local to patch(),
+    which pickle cannot name. The copy unpickles patched, with the patch's options (label
+    smoothing makes its loss differ from HF's), on its own weights (a zeroed head changes its
+    loss alone), showing the original's signature (generate reads it), and unpatches to HF's."""
+    reference = tiny_model(family)
+    smoothed = patch(copy.deepcopy(reference), label_smoothing=0.1)
+    patched = patch(copy.deepcopy(reference))
+    input_ids, labels = batch(seed=16)
+    expected = reference(input_ids, labels=labels)
+    smoothed_loss = smoothed(input_ids, labels=labels).loss
+    for restored, restored_smoothed in zip(pickle_round_trips(patched), pickle_round_trips(smoothed)):
+        output = restored(input_ids, labels=labels)
+        assert output.logits is None  # the op's loss: HF's forward returns the logits
+        assert_close(output.loss, expected.loss, rtol=1e-5)
+        assert_close(restored_smoothed(input_ids, labels=labels).loss, smoothed_loss, rtol=1e-5)
+        assert (smoothed_loss - expected.loss).abs() > 1e-3, "label smoothing should change the loss"
+        assert inspect.signature(restored.forward) == inspect.signature(patched.forward)
+        with torch.no_grad():
+            restored.lm_head.weight.zero_()
+        assert_close(restored(input_ids, labels=labels).loss, torch.tensor(float(VOCAB)).log(), rtol=1e-5)
+        assert_close(patched(input_ids, labels=labels).loss, expected.loss, rtol=1e-5)
+        assert unpatch(restored) is restored and "forward" not in vars(restored)
+        assert restored(input_ids, labels=labels).logits is not None
+
+
+def test_an_unpickled_patched_instance_compiles_fullgraph() -> None:
+    """The unpickled copy's forward traces as the patched original's does: no graph break."""
+    reference = tiny_model("llama")
+    restored = pickle.loads(pickle.dumps(patch(copy.deepcopy(reference))))
+    input_ids, labels = batch(seed=17)
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(lambda ids, target: restored(ids, labels=target).loss, fullgraph=True, backend="eager")
+    assert_close(compiled_loss(input_ids, labels), reference(input_ids, labels=labels).loss, rtol=1e-5)
+
+
 def test_class_patch_covers_new_instances_and_instance_patch_only_its_own() -> None:
     family = sorted(FAMILIES)[0]
     model_class = FAMILIES[family]
@@ -869,8 +917,9 @@ def test_unpatch_refuses_to_drop_a_forward_installed_after_patch() -> None:
     input_ids, labels = batch(seed=14)
     model = patch(tiny_model("llama"))
     patched_forward = model.forward
-    # what Accelerator.prepare installs under mixed precision
-    model.forward = types.MethodType(accelerate_utils.convert_outputs_to_fp32(patched_forward.__func__), model)
+    # what Accelerator.prepare installs under mixed precision over a forward that is no bound method
+    assert not hasattr(patched_forward, "__func__")
+    model.forward = accelerate_utils.convert_outputs_to_fp32(torch.autocast("cpu", enabled=False)(patched_forward))
     with pytest.raises(ValueError, match=r"a LlamaForCausalLM instance: its forward was replaced after patch\(\)"):
         unpatch(model)
     assert model(input_ids, labels=labels).logits is None  # still patched, behind the wrapper

@@ -391,78 +391,105 @@ def batched(name: str, labels: Tensor, hidden_states: Tensor, shifted: bool, kep
     return labels
 
 
-def _patched_forward(
-    fallback: Callable[..., CausalLMOutputWithPast | tuple],
-    options: LossOptions,
-    softcapped: bool,
-    signature: inspect.Signature | None = None,
-) -> Callable[..., CausalLMOutputWithPast | tuple]:
-    """The one forward for every family and release, fallback(model, ...) being the one it replaced.
+@dataclasses.dataclass(frozen=True)
+class _Patch:
+    """What one patch() call gives the generic forward: fallback(model, ...), the forward it
+    replaced; the loss options; and softcapped, whether the patched class's config declares the
+    soft-cap (declares_softcap; decided at patch time: inspecting in the forward would break
+    torch.compile's graph). Module-level and frozen, so that an instance's forward holding it
+    pickles."""
 
-    softcapped: whether the patched class's config declares the soft-cap (declares_softcap;
-    decided at patch time: inspecting in the forward would break torch.compile's graph).
+    fallback: Callable[..., CausalLMOutputWithPast | tuple]
+    options: LossOptions
+    softcapped: bool
+
+
+@_accept_old_cache_name
+@_tuple_unless_return_dict
+def _generic_forward(
+    self: PreTrainedModel,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache: Cache | None = None,
+    inputs_embeds: Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    *,
+    logits_to_keep: int | Tensor = 0,
+    _cce_patch: _Patch,
+    **kwargs: Any,
+) -> CausalLMOutputWithPast:
+    """The one forward for every family and release, with what patch() decided in `_cce_patch`.
 
     `cache` is the installed release's cache argument, whatever its name there (`past_key_values`
     given by keyword arrives in kwargs on releases that call it so). logits_to_keep is
-    keyword-only because 4.5x forwards put cache_position in that position. `signature` (the
-    replaced forward's) is what inspection then sees: generate, Trainer and PEFT (whose prefix
-    tuning looks for `past_key_values`) read parameter names from it.
+    keyword-only because 4.5x forwards put cache_position in that position. A module-level
+    function (the instance's forward is a functools.partial of it), so a patched instance
+    pickles: torch.save(model), multiprocessing spawn.
     """
-
-    @_accept_old_cache_name
-    @_tuple_unless_return_dict
-    def forward(
-        self: PreTrainedModel,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        *,
-        logits_to_keep: int | Tensor = 0,
-        **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        cache = kwargs.pop(_CACHE, cache)
-        model_inputs = {
-            "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            _CACHE: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache,
-        }
-        if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
-            return fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        loss_function = _hf_loss_function(self)
-        if loss_function is not ForCausalLMLoss:
-            raise TypeError(
-                f"{type(self).__name__}: its loss_function is {getattr(loss_function, '__qualname__', loss_function)}, "
-                "not transformers' ForCausalLMLoss (model.loss_function = ..., a subclass's loss_function, or "
-                "model.loss_type), a loss the patched forward would replace by linear_cross_entropy's; unpatch() the "
-                "model, or give it HF's back (`del model._loss_function`, model.loss_type = 'ForCausalLM') to train "
-                "with the patched loss")
-        outputs = self.model(**model_inputs, **kwargs)
-        softcap = _config_softcap(self.config, options.temperature) if softcapped else None
-        # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
-        ignore_index = kwargs.get("ignore_index")
-        call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
-        # a parametrized head's weight computed once for the loss and the logits, as HF's one call computes it
-        with parametrize.cached():
-            loss = causal_lm_loss(
-                outputs.last_hidden_state, self.lm_head, labels,
-                logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
-                num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=call_options,
-            )
-            logits = None
-            if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
-                with torch.no_grad():
-                    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-                    logits = _soft_capped(self.lm_head(hidden), softcap)
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            **{_CACHE: getattr(outputs, _CACHE)},
+    options = _cce_patch.options
+    cache = kwargs.pop(_CACHE, cache)
+    model_inputs = {
+        "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+        _CACHE: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache,
+    }
+    if labels is None or kwargs.get("fused_lm_head"):  # generation, or TRL's fused head added before
+        return _cce_patch.fallback(self, **model_inputs, labels=labels, logits_to_keep=logits_to_keep, return_dict=True,
+                                   **kwargs)
+    loss_function = _hf_loss_function(self)
+    if loss_function is not ForCausalLMLoss:
+        raise TypeError(
+            f"{type(self).__name__}: its loss_function is {getattr(loss_function, '__qualname__', loss_function)}, "
+            "not transformers' ForCausalLMLoss (model.loss_function = ..., a subclass's loss_function, or "
+            "model.loss_type), a loss the patched forward would replace by linear_cross_entropy's; unpatch() the "
+            "model, or give it HF's back (`del model._loss_function`, model.loss_type = 'ForCausalLM') to train "
+            "with the patched loss")
+    outputs = self.model(**model_inputs, **kwargs)
+    softcap = _config_softcap(self.config, options.temperature) if _cce_patch.softcapped else None
+    # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
+    ignore_index = kwargs.get("ignore_index")
+    call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
+    # a parametrized head's weight computed once for the loss and the logits, as HF's one call computes it
+    with parametrize.cached():
+        loss = causal_lm_loss(
+            outputs.last_hidden_state, self.lm_head, labels,
+            logits_to_keep=logits_to_keep, shift_labels=kwargs.get("shift_labels"),
+            num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap, options=call_options,
         )
+        logits = None
+        if options.return_logits or not torch.is_grad_enabled():  # evaluation's metrics and predictions read them
+            with torch.no_grad():
+                hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+                logits = _soft_capped(self.lm_head(hidden), softcap)
+    return CausalLMOutputWithPast(
+        loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        **{_CACHE: getattr(outputs, _CACHE)},
+    )
 
-    if signature is not None:
-        forward.__signature__ = signature  # type: ignore[attr-defined]
+
+def _class_forward(patched: _Patch, signature: inspect.Signature) -> Callable[..., CausalLMOutputWithPast | tuple]:
+    """The generic forward as a function for a class to bind. `signature` (the replaced
+    forward's) is what inspection then sees: generate, Trainer and PEFT (whose prefix tuning
+    looks for `past_key_values`) read parameter names from it. A class pickles by name, so this
+    closure is never pickled: its instances unpickle with the loading process's class forward."""
+
+    def forward(self: PreTrainedModel, *args: Any, **kwargs: Any) -> CausalLMOutputWithPast | tuple:
+        return _generic_forward(self, *args, _cce_patch=patched, **kwargs)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
+
+
+def _instance_forward(model: PreTrainedModel, patched: _Patch) -> functools.partial:
+    """The generic forward bound to `model`: a functools.partial, which pickles (a module-level
+    function, the model and the _Patch) and deepcopies onto the copy, and which
+    torch.compile(fullgraph=True) traces. It shows the class forward's signature without self,
+    as the bound method it replaces did (generate, Trainer and PEFT read parameter names from it)."""
+    forward = functools.partial(_generic_forward, model, _cce_patch=patched)
+    signature = inspect.signature(type(model).forward)
+    forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=list(signature.parameters.values())[1:])
     return forward
 
 
@@ -482,9 +509,8 @@ def _forward_replaced_on_instance(model: PreTrainedModel, *args: Any, **kwargs: 
 
 # the parameters the generic forward is written for, under the installed cache name, checked
 # against the class being patched; a positional argument must bind to the same name in both
-_GENERIC_PARAMETERS = inspect.signature(
-    _patched_forward(_forward_replaced_on_instance, LossOptions(), softcapped=False)
-).parameters
+_GENERIC_PARAMETERS = {name: parameter for name, parameter in inspect.signature(_generic_forward).parameters.items()
+                       if name != "_cce_patch"}
 _FORWARD_PARAMETERS = [_CACHE if name == "cache" else name for name in _GENERIC_PARAMETERS]
 _POSITIONAL = [
     name for name, parameter in zip(_FORWARD_PARAMETERS, _GENERIC_PARAMETERS.values())
@@ -560,12 +586,11 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     setattr(model_or_class, _REPLACED_FORWARD, own)
     if isinstance(model_or_class, type):
         original = model_or_class.forward
-        forward = _patched_forward(original, options, softcapped, inspect.signature(original))
+        forward = _class_forward(_Patch(original, options, softcapped), inspect.signature(original))
         model_or_class.forward = forward
     else:
-        signature = inspect.signature(model_class.forward)
-        forward = _patched_forward(_forward_replaced_on_instance, options, softcapped, signature)
-        setattr(model_or_class, slot, types.MethodType(forward, model_or_class))
+        forward = _instance_forward(model_or_class, _Patch(_forward_replaced_on_instance, options, softcapped))
+        setattr(model_or_class, slot, forward)
     setattr(model_or_class, _PATCHED_FORWARD, forward)
     return model_or_class
 
