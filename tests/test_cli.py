@@ -28,14 +28,15 @@ from tests.http_servers import loopback_server
 README = REPO_ROOT / "README.md"
 
 
-def cce(*args: str, env: dict[str, str] | None = None, prelude: str = "",
-        stdout_closed: bool = False) -> subprocess.CompletedProcess[str]:
+def cce(*args: str, env: dict[str, str] | None = None, prelude: str = "", stdout_closed: bool = False,
+        timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`cce ARGS` in a child process (after `prelude`, Python run first), in a scratch cache; with
-    `stdout_closed`, started without a stdout, as by the shell's `>&-`."""
+    `stdout_closed`, started without a stdout, as by the shell's `>&-`. Past `timeout` seconds it
+    is killed and subprocess.TimeoutExpired raised."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     code = f"{prelude}\nimport sys\nfrom cce_compile.cli.main import app\nsys.argv = ['cce', *{list(args)!r}]\napp()"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment,
-                          cwd=REPO_ROOT, timeout=120, preexec_fn=(lambda: os.close(1)) if stdout_closed else None)
+                          cwd=REPO_ROOT, timeout=timeout, preexec_fn=(lambda: os.close(1)) if stdout_closed else None)
 
 
 def assert_one_line_failure(done: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -423,6 +424,110 @@ def test_a_byte_that_is_not_utf8_far_into_an_import_file_names_its_line_and_offs
     bad.write_bytes(data[:offset] + b"\xff" + data[offset + 1 :])
     assert_one_line_failure(cce("import", str(bad), "--db-url", database), str(bad), "line 250",
                             f"byte {offset} of the file", "not UTF-8", "nothing was imported")
+
+
+ADMIN_TOKEN = "admin-token-0003"
+
+MEMORY_CAP = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))"
+"""A prelude for a child that might read without end: a MemoryError at 2 GiB, not the machine's
+memory taken."""
+
+
+def _export_text(entries: int, line_break: str = "\n") -> str:
+    """An export file of `entries` lines (about 700 bytes each), each ended by `line_break`."""
+    from tuning_db.records import ExportHeader
+
+    lines = [json.dumps(measurement_data(V=v, measurement_uid=f"{v:032x}", created_at="2026-01-01T00:00:00Z"))
+             for v in range(1, entries + 1)]
+    header = ExportHeader(entries=entries, measurements=entries).model_dump_json()
+    return "".join(line + line_break for line in [header, *lines])
+
+
+def _exported_entries(database: str) -> int:
+    done = cce("export", "--db-url", database)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[0])["entries"]
+
+
+def _import_targets(base_url: str, database: str) -> dict[str, list[str]]:
+    return {"--db-url": ["--db-url", database], "--url": ["--url", base_url, "--token", ADMIN_TOKEN]}
+
+
+def test_an_import_of_a_file_without_line_breaks_stops_at_a_line_s_bound(tmp_path: Path) -> None:
+    """`cce import /dev/zero` read the whole file before checking a byte, without end (and a
+    multi-GB file into memory), directly and through --url alike. A line is now refused once
+    it has gone four times MAX_RECORD_CHARS bytes without a line break."""
+    from tuning_db.records import MAX_RECORD_CHARS
+
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    with serving(tmp_path / "serve.log", "--db-url", database, env={"CCE_SERVICE_TOKENS": f"{ADMIN_TOKEN}:admin"}) \
+            as base_url:
+        for target, args in _import_targets(base_url, database).items():
+            done = cce("import", "/dev/zero", *args, prelude=MEMORY_CAP, timeout=60)
+            assert_one_line_failure(done, "/dev/zero: line 1: no line break in its first",
+                                    f"at most {MAX_RECORD_CHARS} characters", "nothing was imported")
+            assert done.stdout == "", target
+    assert _exported_entries(database) == 0
+
+
+def test_an_over_long_line_is_refused_as_it_is_read_not_once_the_file_ends(tmp_path: Path) -> None:
+    """A line over MAX_RECORD_CHARS characters was refused only after the whole file was read:
+    from a pipe whose writer is still open, never. It is refused once read, naming the file, its
+    line and the bound, directly and through --url."""
+    import fcntl
+
+    from tuning_db.records import MAX_RECORD_CHARS
+
+    database = f"sqlite:///{tmp_path / 'tuning.db'}"
+    assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    data = (_export_text(1).splitlines()[0] + "\n" + "x" * 100_000 + "\n").encode()
+    regular = tmp_path / "long.jsonl"
+    regular.write_bytes(data)
+    with serving(tmp_path / "serve.log", "--db-url", database, env={"CCE_SERVICE_TOKENS": f"{ADMIN_TOKEN}:admin"}) \
+            as base_url:
+        for target, args in _import_targets(base_url, database).items():
+            done = cce("import", str(regular), *args, timeout=60)
+            assert_one_line_failure(done, f"{regular}: line 2: line of 100000 characters",
+                                    f"at most {MAX_RECORD_CHARS}", "nothing was imported")
+            fifo = tmp_path / f"{target.strip('-')}.fifo"
+            os.mkfifo(fifo)
+            # Read and write: opening never waits for the child, and the pipe stays open after
+            # the data, as a writer that has more to come keeps it.
+            writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            try:
+                fcntl.fcntl(writer, fcntl.F_SETPIPE_SZ, 2**18)
+                assert os.write(writer, data) == len(data)
+                done = cce("import", str(fifo), *args, prelude=MEMORY_CAP, timeout=60)
+            finally:
+                os.close(writer)
+            assert_one_line_failure(done, f"{fifo}: line 2: line of 100000 characters", "nothing was imported")
+    assert _exported_entries(database) == 0
+
+
+def test_an_import_read_and_sent_in_pieces_stores_every_line(tmp_path: Path) -> None:
+    """A file of 300 lines (160 KB: several pieces read, several sent) ended by CR LF is imported
+    whole directly and through --url; a service refuses a body over its
+    CCE_SERVICE_MAX_BODY_BYTES in one line (413), importing nothing."""
+    export_file = tmp_path / "export.jsonl"
+    export_file.write_bytes(_export_text(300, "\r\n").encode())
+    assert export_file.stat().st_size > 2 * 2**16
+    local, served = (f"sqlite:///{tmp_path / name}" for name in ("local.db", "served.db"))
+    for database in (local, served):
+        assert cce("db", "upgrade", "--db-url", database).returncode == 0
+    tokens = {"CCE_SERVICE_TOKENS": f"{ADMIN_TOKEN}:admin"}
+    with serving(tmp_path / "serve.log", "--db-url", served, env=tokens) as base_url:
+        for database, args in ((local, ["--db-url", local]), (served, ["--url", base_url, "--token", ADMIN_TOKEN])):
+            done = cce("import", str(export_file), *args)
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["entries_added"] == 300
+            assert _exported_entries(database) == 300
+    small = tmp_path / "small.db"
+    with serving(tmp_path / "small.log", "--db-url", f"sqlite:///{small}",
+                 env={**tokens, "CCE_SERVICE_MAX_BODY_BYTES": "16384"}) as base_url:
+        done = cce("import", str(export_file), "--url", base_url, "--token", ADMIN_TOKEN)
+        assert_one_line_failure(done, "413", "request body is larger than 16384 bytes")
+    assert _exported_entries(f"sqlite:///{small}") == 0
 
 
 def test_lookup_refuses_what_the_service_refuses() -> None:

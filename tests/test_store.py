@@ -3,6 +3,7 @@ levels, listing, export/import and retirement."""
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import re
@@ -473,6 +474,38 @@ def test_an_import_file_may_end_its_lines_in_any_newline(engine: Engine, line_br
     data = line_break.join(lines).encode() + line_break.encode()
     report = store.import_jsonl(engine, store.decoded_lines(data))
     assert (report.lines, report.entries_replaced) == (1, 1)
+
+
+class _Trickle(io.RawIOBase):
+    """A stream that gives one byte a read, as a pipe may give less than asked."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        byte = self.data.read(1)
+        buffer[:len(byte)] = byte
+        return len(byte)
+
+
+def test_read_lines_splits_as_universal_newlines_across_any_reads() -> None:
+    """A \\r\\n split between two reads is one line break, not two (an empty line between them
+    would shift every later line number)."""
+    data = "a\r\nb\rc\n\u2028d\r\n\r\ne\r".encode()
+    expected = ["a", "b", "c", "\u2028d", "", "e", ""]
+    assert list(store.read_lines(_Trickle(data))) == expected
+    assert list(store.read_lines(io.BytesIO(data))) == store.decoded_lines(data) == expected
+    chunked = b"x" * (2**16 - 1) + b"\r\ny"  # the \r ends the first read, its \n starts the next
+    assert [len(line) for line in store.read_lines(io.BufferedReader(io.BytesIO(chunked)))] == [2**16 - 1, 1]
+
+
+def test_read_lines_names_a_bad_byte_s_line_and_offset_in_the_file() -> None:
+    data = b"first\nsecond \xff line\n"
+    with pytest.raises(store.ImportFormatError, match=r"line 2: not UTF-8 text at byte 13 of the file"):
+        list(store.read_lines(_Trickle(data)))
 
 
 def _bad_import_files(valid: list[str]) -> dict[str, tuple[list[str], int]]:

@@ -10,6 +10,7 @@ own row lock, so concurrent writers can never lose the faster one.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 import time
@@ -17,7 +18,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from pydantic import ValidationError
 from pydantic_core import to_json
@@ -496,21 +497,67 @@ ImportLine = tuple[int, ExportLine]
 """A validated export line and its line number in the file."""
 
 
-_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 """What ends a line of an export file: Python's universal newlines (\n, \r\n, a classic Mac's
-\r), not str.splitlines', which also splits at characters JSON text may hold raw (U+2028)."""
+\r), not str.splitlines', which also splits at characters JSON text may hold raw (U+2028).
+Matched in the bytes: in UTF-8 these never occur inside another character's."""
+
+LINE_BYTES_READ = 4 * MAX_RECORD_CHARS
+"""The most bytes a line of MAX_RECORD_CHARS characters takes in UTF-8: a reader that meets no
+line break in this many holds a line too long to import, and reads no further."""
+
+_READ_CHUNK_BYTES = 2**16
+
+
+def read_lines(stream: BinaryIO) -> Iterator[str]:
+    """An export file's lines, read a chunk at a time: a file is never held whole as bytes, and
+    one without line breaks (/dev/zero) is refused after LINE_BYTES_READ bytes. A byte that is
+    not UTF-8, or a line over MAX_RECORD_CHARS characters, is an ImportFormatError naming its
+    line (and the byte's offset in the file)."""
+    # A buffered stream's read(n) waits for n bytes; read1 takes what one read of a pipe gives.
+    read = getattr(stream, "read1", stream.read)
+    pending = b""
+    pending_offset = 0  # where `pending` starts in the file
+    line_number = 1
+    while True:
+        chunk = read(_READ_CHUNK_BYTES)
+        pending += chunk
+        start = 0
+        for line_break in _LINE_BREAK.finditer(pending):
+            if chunk and line_break[0] == b"\r" and line_break.end() == len(pending):
+                break  # a \n starting the next chunk belongs to this line break
+            yield _decoded_line(pending[start:line_break.start()], line_number, pending_offset + start)
+            line_number += 1
+            start = line_break.end()
+        pending, pending_offset = pending[start:], pending_offset + start
+        if not chunk:
+            yield _decoded_line(pending, line_number, pending_offset)
+            return
+        if len(pending) > LINE_BYTES_READ:
+            raise ImportFormatError(line_number, f"no line break in its first {LINE_BYTES_READ} bytes: an export line "
+                                                 f"is under 3 KB (at most {MAX_RECORD_CHARS} characters are read)")
+
+
+def _decoded_line(data: bytes, line_number: int, offset: int) -> str:
+    """Line `line_number` (its bytes start at `offset` in the file) as text, checked for length."""
+    try:
+        line = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ImportFormatError(
+            line_number, f"not UTF-8 text at byte {offset + error.start} of the file (counted from 0): {error.reason}"
+        ) from None
+    if len(line) > MAX_RECORD_CHARS:
+        raise ImportFormatError(line_number, _too_long(len(line)))
+    return line
+
+
+def _too_long(characters: int) -> str:
+    return f"line of {characters} characters: an export line is under 3 KB (at most {MAX_RECORD_CHARS} are read)"
 
 
 def decoded_lines(data: bytes) -> list[str]:
-    """An export file's lines. A byte that is not UTF-8 is an ImportFormatError naming its line
-    and its offset in the file (a streaming decoder knows only its offset in a chunk)."""
-    try:
-        return _LINE_BREAK.split(data.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        line_number = len(_LINE_BREAK.split(data[:error.start].decode("utf-8")))
-        raise ImportFormatError(
-            line_number, f"not UTF-8 text at byte {error.start} of the file (counted from 0): {error.reason}"
-        ) from None
+    """An export file's lines, from its bytes (a request body the service holds whole anyway)."""
+    return list(read_lines(io.BytesIO(data)))
 
 
 BYTE_ORDER_MARK = "\ufeff"
@@ -528,8 +575,7 @@ def _parse_export(lines: Iterable[str]) -> list[ImportLine]:
         raise ImportFormatError(1, "empty file: expected a header line")
     for number, line in numbered:
         if len(line) > MAX_RECORD_CHARS:
-            raise ImportFormatError(number, f"line of {len(line)} characters: an export line is under 3 KB "
-                                            f"(at most {MAX_RECORD_CHARS} are read)")
+            raise ImportFormatError(number, _too_long(len(line)))
     header_number, header_line = numbered[0]
     try:
         header = validate_json(ExportHeader, header_line)

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, BinaryIO, Optional
 
 import typer
 
@@ -320,26 +320,69 @@ def import_command(
     token: TokenOption = None,
 ) -> None:
     """Import an export file (checked whole first; on PostgreSQL one transaction, on SQLite in
-    batches of lines) and print the counts."""
+    batches of lines) and print the counts. The file is read a line at a time, each line's
+    length bounded (tuning_db.store.read_lines); through --url it is sent as it is read, and
+    the service refuses a body over its own limit (413) before importing anything."""
     _refuse_two_targets(ctx, url)
-    if url:
-        params = {"mode": mode, "dry_run": str(dry_run).lower()}
-        answer = _service_request("POST", url, "/v1/import", token, wait_for_answer=True, params=params,
-                                  content=file.read_bytes())
-        typer.echo(_checked_import_report(url, answer))
-        return
+    from tuning_db.store import ImportFormatError
+
+    try:
+        stream = file.open("rb")
+    except OSError as error:
+        fail(f"{file}: {error.strerror or error}")
+    with stream:
+        try:
+            if url:
+                answer = _import_through_service(url, token, stream, mode, dry_run)
+            else:
+                answer = _import_into_database(db_url, stream, mode, dry_run)
+        except ImportFormatError as error:
+            fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
+    typer.echo(answer)
+
+
+def _import_through_service(url: str, token: str | None, stream: BinaryIO, mode: ImportMode, dry_run: bool) -> str:
+    """The service's counts for the file, its lines POSTed as they are read (a chunked body). A
+    line the reader refuses stops the upload mid-body: the service, which reads a body whole
+    before importing, then imports nothing."""
+    from tuning_db.store import read_lines
+
+    params = {"mode": mode, "dry_run": str(dry_run).lower()}
+    answer = _service_request("POST", url, "/v1/import", token, wait_for_answer=True, params=params,
+                              content=_body_chunks(read_lines(stream)))
+    return _checked_import_report(url, answer)
+
+
+UPLOAD_CHUNK_BYTES = 2**16
+"""How much of an import file is sent at once through --url."""
+
+
+def _body_chunks(lines: Iterable[str]) -> Iterator[bytes]:
+    """`lines` joined by \n, as UTF-8 in pieces of about UPLOAD_CHUNK_BYTES."""
+    pieces: list[bytes] = []
+    size = 0
+    for index, line in enumerate(lines):
+        piece = (line if index == 0 else "\n" + line).encode()
+        pieces.append(piece)
+        size += len(piece)
+        if size >= UPLOAD_CHUNK_BYTES:
+            yield b"".join(pieces)
+            pieces, size = [], 0
+    if pieces:
+        yield b"".join(pieces)
+
+
+def _import_into_database(db_url: str | None, stream: BinaryIO, mode: ImportMode, dry_run: bool) -> str:
+    """The counts of an import into the database, as JSON."""
     from sqlalchemy.exc import DBAPIError
 
     from tuning_db.engine import resolve_db_url, shown_url
-    from tuning_db.store import ImportFormatError, ImportInterrupted, ImportStopped, decoded_lines, import_jsonl
+    from tuning_db.store import ImportInterrupted, ImportStopped, import_jsonl, read_lines
 
     engine = store_engine(db_url)
     try:
         with _progress_on_terminal("importing rows") as progress:
-            report = import_jsonl(engine, decoded_lines(file.read_bytes()), mode=mode, dry_run=dry_run,
-                                  progress=progress)
-    except ImportFormatError as error:
-        fail(f"{file}: {error}" + ("" if error.lines_imported else "; nothing was imported"))
+            report = import_jsonl(engine, read_lines(stream), mode=mode, dry_run=dry_run, progress=progress)
     except ImportInterrupted as error:
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error}")
     except ImportStopped as error:  # Ctrl-C's status, saying which lines stay
@@ -348,7 +391,7 @@ def import_command(
         fail(f"--db-url {shown_url(resolve_db_url(db_url))}: {error.orig}")
     finally:
         engine.dispose()
-    typer.echo(json.dumps(report.model_dump()))
+    return json.dumps(report.model_dump())
 
 
 @contextlib.contextmanager
