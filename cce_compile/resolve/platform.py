@@ -96,13 +96,31 @@ def local_platform(device: str, gpu: int | None = None) -> Platform:
     return _cuda_platform(torch.cuda.current_device() if gpu is None else gpu)
 
 
+def gpu_model(device: str, gpu: int | None = None) -> str:
+    """The GPU model local_platform(device, gpu) names (its `gpu`), at the cost of a cached
+    lookup: what the op's configs are remembered by, per call (resolve/ladder.py). Off CUDA,
+    the device itself."""
+    if device != "cuda":
+        return device
+    import torch
+
+    return _cuda_gpu_name(torch.cuda.current_device() if gpu is None else gpu)
+
+
+@lru_cache(maxsize=None)
+def _cuda_gpu_name(index: int) -> str:
+    import torch
+
+    return normalize_gpu_name(torch.cuda.get_device_name(index))
+
+
 @lru_cache(maxsize=None)
 def _cuda_platform(index: int) -> Platform:
     import torch
 
     props = torch.cuda.get_device_properties(index)
     return Platform(
-        gpu=normalize_gpu_name(torch.cuda.get_device_name(index)),
+        gpu=_cuda_gpu_name(index),
         compute_capability=f"{props.major}.{props.minor}",
         sm_count=props.multi_processor_count,
         shared_memory_bytes=props.shared_memory_per_block_optin,
