@@ -70,9 +70,9 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         print(f"step {step}: loss {losses[-1]:.4f} ({time.perf_counter() - start:.2f} s, {device}, {args.backend})")
-    shapes = resolved()  # every problem shape the op resolved a kernel config for
+    shapes = resolved()  # every (GPU model, problem shape) the op resolved a kernel config for
     print(f"cce_compile's op computed the loss for {len(shapes)} shape(s): "
-          + ", ".join(f"V={key.v} D={key.d} {key.dtype} on {key.device}" for key in shapes))
+          + ", ".join(f"V={key.v} D={key.d} {key.dtype} on {model}" for model, key in shapes))
     if not shapes:
         raise SystemExit("the loss did not go through cce_compile's op")
     if not losses[-1] < losses[0]:

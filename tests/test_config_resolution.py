@@ -39,7 +39,10 @@ from cce_compile.config.kernel_config import KernelConfig
 from cce_compile.config.keys import ProblemKey
 from cce_compile.ops import library
 from cce_compile.ops import log_probs as log_probs_ops
-from cce_compile.ops.problem import encode_settings, launch_backward_with_config, launch_with_config, problem_key
+from cce_compile.ops.problem import (
+    _settings_for_key, config_for, decode_settings, encode_settings, launch_backward_with_config, launch_with_config,
+    problem_key,
+)
 from cce_compile.plan.policy import Policy, override_policy
 from cce_compile.resolve import client, platform, sources
 from cce_compile.resolve import ladder as resolve
@@ -61,6 +64,9 @@ H100 = platform.Platform(
     triton_version=platform.triton_version(),
 )
 """The platform every test resolves for (patched in), so CPU machines and GPUs agree."""
+A100 = replace(H100, gpu="nvidia-a100-sxm4-80gb", compute_capability="8.0", sm_count=108,
+               shared_memory_bytes=166_912)
+"""A second GPU model, for a host (or a job) that mixes models."""
 
 KEY = ProblemKey("cuda", 128_256, 4096, "bfloat16", 8192, "exact")
 TUNED = {"slab_v": 8192, "vocab_splits": 8, "forward": {"block_m": 64, "block_n": 256, "num_stages": 3}}
@@ -89,6 +95,11 @@ def _settings() -> sources.Settings:
     return sources.Settings.from_env()
 
 
+def _memoized(key: ProblemKey) -> Resolution:
+    """The memo's resolution of `key` for the GPU model it resolves for here (`isolated`)."""
+    return resolved()[resolve.gpu_model(key.device), key]
+
+
 def _heuristic(key: ProblemKey) -> Resolution:
     return Resolution(heuristic_config(key), "heuristic", "none")
 
@@ -102,13 +113,14 @@ def _bundle(directory: Path, key: ProblemKey, config: dict[str, Any], kernel_ver
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No service, an empty disk cache and bundle of this test's own, the H100 platform,
-    and fresh module state (memo, breaker) before and after."""
+    """No service, an empty disk cache and bundle of this test's own, the H100 platform (and
+    its name for the memo's GPU model), and fresh module state (memo, breaker) before and after."""
     for name in (sources.URL_ENV, sources.TOKEN_ENV, sources.OFFLINE_ENV, sources.CACHE_TTL_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(sources.CACHE_DIR_ENV, str(tmp_path / "configs"))
     monkeypatch.setattr(sources, "BUNDLED_DIR", tmp_path / "bundled")
     monkeypatch.setattr(resolve, "local_platform", lambda device, gpu=None: H100)
+    monkeypatch.setattr(resolve, "gpu_model", lambda device, gpu=None: H100.gpu if device == "cuda" else device)
     resolve.reset()
     yield
     resolve.reset()
@@ -182,7 +194,7 @@ def test_the_op_launches_the_service_config_and_caches_it(service: str, monkeypa
     e, c, targets = _small_inputs()
     torch.testing.assert_close(linear_cross_entropy(e, c, targets), F.cross_entropy(e @ c.T, targets))
     expected = Resolution(KernelConfig.from_dict(SMALL_TUNED), "service", "exact")
-    assert resolved() == {SMALL_KEY: expected}
+    assert resolved() == {("cpu", SMALL_KEY): expected}
     assert resolution_for(KEY) == Resolution(KernelConfig.from_dict(TUNED), "service", "exact")
 
     # A new process without the service: the disk cache answers, with the service's match level.
@@ -583,7 +595,7 @@ def test_a_config_that_fails_to_launch_falls_back_to_the_next_source(tmp_path: P
 
     with override_policy(policy):
         assert launch_with_config(e, c, False, "", launch) == "ran with slab_v=512"
-        assert resolved()[key].source == "bundled"
+        assert _memoized(key).source == "bundled"
         assert not sources.cache_path(_settings(), H100, key).exists(), "the failing cached config is forgotten"
         assert launch_with_config(e, c, False, "", launch) == "ran with slab_v=512"
     assert [config.slab_v for config in launched] == [256, 512, 512], "one failed launch per process, not per call"
@@ -608,7 +620,7 @@ def test_each_way_triton_refuses_a_config_falls_back(tmp_path: Path, refusal: Ex
     with override_policy(policy):
         assert launch_with_config(e, c, False, "", launch) == "ran"
     assert launched == [256, 512]
-    assert resolved()[key].source == "bundled"
+    assert _memoized(key).source == "bundled"
 
 
 def test_running_out_of_memory_is_raised_and_the_config_kept(tmp_path: Path) -> None:
@@ -626,7 +638,7 @@ def test_running_out_of_memory_is_raised_and_the_config_kept(tmp_path: Path) -> 
         launch_with_config(e, c, False, "", launch)
     assert raised.value is error
     assert launched == [256]
-    assert resolved()[key].source == "disk"
+    assert _memoized(key).source == "disk"
     assert sources.cache_path(_settings(), H100, key).exists()
 
 
@@ -650,7 +662,7 @@ def test_linear_log_probs_falls_back_from_a_config_that_fails_to_launch(
     with override_policy(policy):
         log_probs = linear_log_probs(e, c, tokens)
     assert launched == [256, 512]
-    assert resolved()[key].source == "bundled"
+    assert _memoized(key).source == "bundled"
     torch.testing.assert_close(log_probs, torch.log_softmax(e @ c.T, dim=-1).gather(1, tokens[:, None])[:, 0])
 
 
@@ -683,7 +695,7 @@ def test_a_cached_config_that_fails_to_launch_is_not_launched_again_as_served(
         monkeypatch.setenv(sources.URL_ENV, url)
         assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, launched)) == "ran with slab_v=512"
     assert [config.slab_v for config in launched] == [256, 512]
-    assert resolved()[key].source == "bundled"
+    assert _memoized(key).source == "bundled"
     assert not sources.cache_path(_settings(), H100, key).exists()
 
 
@@ -721,7 +733,7 @@ def test_a_config_two_threads_failed_drops_its_own_source_only(tmp_path: Path) -
     for thread in threads:
         thread.join(30)
     assert results == {"first": "ran with slab_v=512", "second": "ran with slab_v=512"}
-    assert resolved()[key].source == "bundled"
+    assert _memoized(key).source == "bundled"
     assert sorted(config.slab_v for config in launched) == [256, 256, 512, 512]
 
 
@@ -790,7 +802,7 @@ def test_a_config_the_backward_alone_fails_to_launch_falls_back_in_exact_mode(
     with override_policy(policy):
         linear_cross_entropy(e, c, targets, memory="low").backward()
     assert launched == [256, 512]
-    assert resolved()[key].source == "bundled"
+    assert _memoized(key).source == "bundled"
     assert not sources.cache_path(_settings(), H100, key).exists()
     expected = e.detach().clone().requires_grad_(True)
     F.cross_entropy(expected @ c.T, targets).backward()
@@ -841,7 +853,7 @@ def test_an_override_the_backward_fails_to_launch_off_its_thread_is_raised(tmp_p
         with pytest.raises(OutOfResources):
             launch_backward_with_config(e, c, False, overridden, _refusing_launch({"2048"}, launched))
     assert [config.slab_v for config in launched] == [2048]
-    assert resolved()[key].source == "disk"
+    assert _memoized(key).source == "disk"
 
 
 def test_a_call_resolves_for_its_operands_gpu_not_the_current_one(
@@ -863,6 +875,52 @@ def test_a_call_resolves_for_its_operands_gpu_not_the_current_one(
         with override_policy(policy):
             assert launch_with_config(e, c, False, "", _refusing_launch({"256"}, [])) == "ran with slab_v=512"
     assert asked == [("cuda", 1)] * 3, "resolved, the refused config's cache removed, resolved again"
+
+
+def _two_gpu_models(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, ProblemKey]:
+    """A host whose cuda:0 is an H100 and cuda:1 an A100, each with its own cached config for
+    the key of the (fake) operands both calls take, placed on either GPU."""
+    platforms = {0: H100, 1: A100}
+    monkeypatch.setattr(resolve, "local_platform", lambda device, gpu=None: platforms[gpu])
+    monkeypatch.setattr(resolve, "gpu_model", lambda device, gpu=None: platforms[gpu].gpu)
+    with FakeTensorMode():
+        operands = [(torch.empty(SMALL["n"], SMALL["d"], device=f"cuda:{gpu}"),
+                     torch.empty(SMALL["v"], SMALL["d"], device=f"cuda:{gpu}")) for gpu in platforms]
+    key = problem_key(*operands[0], False, Policy())
+    assert problem_key(*operands[1], False, Policy()) == key
+    for gpu, slab_v in ((0, 2048), (1, 512)):
+        sources.write_cache(_settings(), platforms[gpu], key, sources.Found({"slab_v": slab_v}, "exact"))
+    return operands[0], operands[1], key
+
+
+def test_each_gpu_model_resolves_a_key_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo was keyed by the problem alone: on a host of two GPU models the first to
+    resolve a key fixed its config for calls on the other too (an H100's config on the A100,
+    past its shared memory, or tuned for another chip), though each resolution is made for the
+    operands' GPU. Eager calls (config_for) and traced ones (_settings_for_key) alike."""
+    on_h100, on_a100, key = _two_gpu_models(monkeypatch)
+    policy = Policy()
+    with override_policy(policy):
+        assert config_for(*on_h100, False, policy).slab_v == 2048
+        assert config_for(*on_a100, False, policy).slab_v == 512, "the A100 took the H100's config"
+        assert config_for(*on_h100, False, policy).slab_v == 2048
+        traced = _settings_for_key(True, key.v, key.d, key.dtype, key.n_bucket, False, 1)
+        assert decode_settings(traced)[0].slab_v == 512
+    assert resolved() == {(H100.gpu, key): Resolution(KernelConfig(slab_v=2048), "disk", "exact"),
+                          (A100.gpu, key): Resolution(KernelConfig(slab_v=512), "disk", "exact")}
+
+
+def test_a_config_that_fails_on_one_gpu_model_stays_on_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config that fails to launch on the A100 (its shared memory is smaller) says nothing
+    of the H100: only the A100 drops its source, and its cache file."""
+    _on_h100, _on_a100, key = _two_gpu_models(monkeypatch)
+    a100_config = resolve_config(key, 1)
+    assert resolve_config(key, 0).slab_v == 2048
+    assert resolve.launch_failed(key, OutOfResources(1, 0, "shared memory"), a100_config, 1)
+    assert resolution_for(key, 1) == _heuristic(key)
+    assert resolution_for(key, 0) == Resolution(KernelConfig(slab_v=2048), "disk", "exact")
+    assert sources.cache_path(_settings(), H100, key).exists()
+    assert not sources.cache_path(_settings(), A100, key).exists()
 
 
 # (4) the disk cache -------------------------------------------------------------------
@@ -1182,6 +1240,39 @@ def test_ranks_may_meet_keys_in_any_order(tmp_path: Path) -> None:
     assert rank0 == rank1
     for use, key in enumerate((SMALL_KEY, replace(SMALL_KEY, n_bucket=512))):
         assert rank0[str(key.n_bucket)] in [KernelConfig.from_dict(_rank_config(rank, use)).to_dict() for rank in range(2)]
+
+
+def _mixed_models_rank_main(rank: int, root: str) -> None:
+    """Rank 0 on an H100 resolves KEY first, then rank 1 on an A100, each with its own cached
+    config; rank 1 then resolves KEY for an H100 it also drives (its cuda:1)."""
+    os.environ.update({sources.CACHE_DIR_ENV: f"{root}/rank{rank}", sources.OFFLINE_ENV: "1"})
+    platforms = {0: H100, 1: A100} if rank == 0 else {0: A100, 1: H100}
+    resolve.local_platform = lambda device, gpu=None: platforms[gpu or 0]
+    resolve.gpu_model = lambda device, gpu=None: platforms[gpu or 0].gpu
+    sources.write_cache(_settings(), platforms[0], KEY, sources.Found(_rank_config(rank, 0), "exact"))
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            dist.barrier()
+        report = {platforms[0].gpu: resolve_config(KEY, 0).to_dict()}
+        if rank == 1:
+            report[platforms[1].gpu] = resolve_config(KEY, 1).to_dict()
+        else:
+            dist.barrier()
+        Path(root, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_another_gpu_model_resolve_a_key_for_theirs(tmp_path: Path) -> None:
+    """Every rank took the config of the first rank to meet a key, whatever GPU that rank was
+    resolving for: an A100 rank launched the H100 rank's config. Ranks of one model still agree."""
+    mp.spawn(_mixed_models_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    h100_config, a100_config = (KernelConfig.from_dict(_rank_config(rank, 0)).to_dict() for rank in range(2))
+    assert rank0 == {H100.gpu: h100_config}
+    assert rank1 == {A100.gpu: a100_config, H100.gpu: h100_config}
 
 
 def _slow_rank_main(rank: int, root: str, wait: str) -> None:

@@ -1,13 +1,14 @@
 """Which KernelConfig the op launches with, decided before launch (at trace time under
 torch.compile, on the first eager call for a key otherwise).
 
-The ladder, first answer wins: an active `override_config`, this process's memo, the local
-disk cache, the tuning service (CCE_TUNING_URL), the configs bundled with the package, the
-heuristic. Every config that comes from outside the process is re-validated (and checked
+The ladder, first answer wins: an active `override_config`, this process's memo (per GPU
+model and key), the local disk cache, the tuning service (CCE_TUNING_URL), the configs bundled
+with the package, the heuristic. Every config that comes from outside the process is re-validated (and checked
 against the GPU's shared memory) before it is used; a bad one is logged and skipped, and one
 that fails to launch anyway is dropped for the next rung (launch_failed). Under
-torch.distributed, the first rank to meet a key resolves it and every rank launches its
-config, exchanged through the process group's store (CCE_CONFIG_BROADCAST=0 turns that off).
+torch.distributed, the first rank to meet a key on a GPU model resolves it and every rank on
+that model launches its config, exchanged through the process group's store
+(CCE_CONFIG_BROADCAST=0 turns that off).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..config.kernel_config import ConfigError, KernelConfig
 from ..config.keys import ProblemKey
 from . import client, sources
 from .heuristic import heuristic_config
-from .platform import Platform, local_platform
+from .platform import Platform, gpu_model, local_platform
 
 log = logging.getLogger("cce_compile.config")
 
@@ -75,12 +76,18 @@ class Resolution:
     match_level: str
 
 
-_memo: dict[ProblemKey, Resolution] = {}
-_failed_sources: dict[ProblemKey, frozenset[str]] = {}
-"""Per key, the sources whose config failed to launch in this process: the ladder skips them."""
-_failed_configs: dict[ProblemKey, frozenset[KernelConfig]] = {}
-"""Per key, the configs that failed to launch in this process: no source's copy of one is taken
-again (the disk cache holds the service's answer: a cached config that failed was served again)."""
+MemoKey = tuple[str, ProblemKey]
+"""(GPU model, key): what a resolution is remembered by. A key's config depends on the GPU it
+is resolved for (its tuned configs, its shared memory), and a host may hold several models."""
+
+_memo: dict[MemoKey, Resolution] = {}
+_failed_sources: dict[MemoKey, frozenset[str]] = {}
+"""Per GPU model and key, the sources whose config failed to launch in this process: the ladder
+skips them."""
+_failed_configs: dict[MemoKey, frozenset[KernelConfig]] = {}
+"""Per GPU model and key, the configs that failed to launch in this process: no source's copy of
+one is taken again (the disk cache holds the service's answer: a cached config that failed was
+served again)."""
 _override_uses: dict[ProblemKey, int] = {}
 """Per key, how many times an override was exchanged between ranks (names its store entry)."""
 _memo_lock = threading.Lock()
@@ -115,51 +122,55 @@ def resolve_config(key: ProblemKey, gpu: int | None = None) -> KernelConfig:
 def resolution_for(key: ProblemKey, gpu: int | None = None) -> Resolution:
     """The ladder's answer for `key` (overrides aside), resolved on first use for the platform
     of CUDA device `gpu` (its GPU's tuned configs and shared memory) and then remembered for
-    the process, whichever GPU asks next; logged once per key. Under torch.distributed, the
-    answer of the first rank to meet the key (see _from_first_rank)."""
+    the process and that GPU model (platform.gpu_model): a GPU of another model resolves the
+    key for itself. Logged once per model and key. Under torch.distributed, the answer of the
+    first rank to meet the key on that model (see _from_first_rank)."""
+    model = gpu_model(key.device, gpu)
+    memo_key = (model, key)
     with _memo_lock:
-        resolution = _memo.get(key)
+        resolution = _memo.get(memo_key)
         if resolution is not None:
             return resolution
-        skip = _failed_sources.get(key, frozenset())
-        refused = _failed_configs.get(key, frozenset())
+        skip = _failed_sources.get(memo_key, frozenset())
+        refused = _failed_configs.get(memo_key, frozenset())
         if _distributed():
-            # Every rank fails the same config alike, so the ladder after a failure is exchanged
-            # under a name of its own.
-            purpose = "ladder" + "".join(f"-without-{source}" for source in sorted(skip))
+            # Every rank of a model fails the same config alike, so the ladder after a failure
+            # is exchanged under a name of its own; ranks on another model resolve for theirs.
+            purpose = f"{model}/ladder" + "".join(f"-without-{source}" for source in sorted(skip))
             resolution = _from_first_rank(
                 key, lambda: look_up(key, local_platform(key.device, gpu), skip=skip, refused=refused), purpose)
         else:
             resolution = look_up(key, local_platform(key.device, gpu), skip=skip, refused=refused)
-        _memo[key] = resolution
-    log.info("config for %s: %s (match level %s)", key, resolution.source, resolution.match_level)
+        _memo[memo_key] = resolution
+    log.info("config for %s on %s: %s (match level %s)", key, model, resolution.source, resolution.match_level)
     return resolution
 
 
 def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig, gpu: int | None = None) -> bool:
     """`config`, resolved for `key`, failed to launch with `error` on CUDA device `gpu`: skip its
-    source for `key` from now on in this process (that GPU's disk cache file is removed too), so
-    the next resolution takes the next rung. False when there is no rung left to take (an override, the heuristic).
+    source for `key` on that GPU model from now on in this process (that GPU's disk cache file
+    is removed too), so the next resolution there takes the next rung. False when there is no
+    rung left to take (an override, the heuristic).
     Where another thread already dropped `config` (the memo holds another config, or none yet),
     nothing more is dropped and the caller resolves again: the source now memoized never failed.
     A config no rung gave for `key` (an override the forward ran under, whose backward autograd
     runs on a device thread that does not see it) is no rung's either: False."""
     if active_override() is not None:
         return False
+    memo_key = (gpu_model(key.device, gpu), key)
     with _memo_lock:
-        current = _memo.get(key)
+        current = _memo.get(memo_key)
         if current is None or current.config != config:
-            return config in _failed_configs.get(key, frozenset())
-        failed = _memo.pop(key, None)
-        if failed is None or failed.source == "heuristic":
-            if failed is not None:
-                _memo[key] = failed
+            return config in _failed_configs.get(memo_key, frozenset())
+        failed = _memo.pop(memo_key)
+        if failed.source == "heuristic":
+            _memo[memo_key] = failed
             return False
         # The disk cache holds what the service answered: a served config that failed is skipped
         # there too (it once launched again from the copy look_up had just written).
         skipped = {failed.source, "disk"} if failed.source == "service" else {failed.source}
-        _failed_sources[key] = _failed_sources.get(key, frozenset()) | skipped
-        _failed_configs[key] = _failed_configs.get(key, frozenset()) | {config}
+        _failed_sources[memo_key] = _failed_sources.get(memo_key, frozenset()) | skipped
+        _failed_configs[memo_key] = _failed_configs.get(memo_key, frozenset()) | {config}
     log.warning("the %s config for %s failed to launch (%s: %s); trying the next source",
                 failed.source, key, type(error).__name__, error)
     if "disk" in skipped:
@@ -167,8 +178,8 @@ def launch_failed(key: ProblemKey, error: Exception, config: KernelConfig, gpu: 
     return True
 
 
-def resolved() -> dict[ProblemKey, Resolution]:
-    """Every key this process has resolved so far, with its resolution."""
+def resolved() -> dict[MemoKey, Resolution]:
+    """Every (GPU model, key) this process has resolved so far, with its resolution."""
     with _memo_lock:
         return dict(_memo)
 
