@@ -4,7 +4,10 @@ transformers models, against the model's own logits in float64."""
 from __future__ import annotations
 
 import copy
+import inspect
+import io
 import math
+import pickle
 from typing import Any
 
 import pytest
@@ -272,6 +275,77 @@ def test_a_deepcopy_runs_its_own_weights_on_both_paths() -> None:
     torch.testing.assert_close(log_probs, torch.full_like(log_probs, -math.log(211)))
     assert model(input_ids=input_ids).logits.shape == (2, 12, 211)
 
+
+
+def pickle_round_trips(model: nn.Module) -> list[nn.Module]:
+    """The model through pickle and through torch.save / torch.load (a whole module saved, as
+    multiprocessing spawn and launchers pickle it)."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return [pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
+
+
+def fused_outputs(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    return [out.log_probs, out.entropy, out.loss, out.label_mask]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma2], ids=["llama", "gemma2-softcap"])
+def test_a_model_with_the_head_pickles_into_one_with_a_head_of_its_own(build) -> None:
+    """pickle.dumps(model) failed ("Can't pickle <function LlamaForCausalLM.forward>: it's not
+    the same object"): the head's forward was a function local to add_fused_lm_head. The copy
+    unpickles with the head and its settings (temperature, entropy, the soft-cap), on its own
+    weights (a zeroed head changes its log-probs alone), showing the original's signature
+    (generate reads it). On the copy the head added again replaces the first (which it takes
+    back), and patch() then unpatch() over it leave it in place, as on the original."""
+    torch.manual_seed(0)
+    model = build()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    input_ids = torch.randint(0, 211, (2, 12))
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    expected = fused_outputs(model, input_ids, labels)
+    expected_logits = model(input_ids=input_ids).logits
+    for restored in pickle_round_trips(model):
+        for got, want in zip(fused_outputs(restored, input_ids, labels), expected):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(restored(input_ids=input_ids).logits, expected_logits)
+        assert inspect.signature(restored.forward) == inspect.signature(model.forward)
+        with torch.no_grad():
+            restored.lm_head.weight.zero_()
+        log_probs = restored(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs
+        torch.testing.assert_close(log_probs[:, 3:], torch.full_like(log_probs[:, 3:], -math.log(211)))
+        torch.testing.assert_close(fused_outputs(model, input_ids, labels)[0], expected[0])
+
+        add_fused_lm_head(restored, outputs=("log_probs",))
+        out = restored(input_ids=input_ids, labels=labels, fused_lm_head=True)
+        assert out.entropy is None and out.log_probs.shape == (2, 11)
+        patch(restored)
+        assert restored(input_ids=input_ids, labels=labels).logits is None  # the patched loss
+        assert restored(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs.shape == (2, 11)
+        unpatch(restored)
+        assert restored(input_ids=input_ids, labels=labels).logits is not None
+        assert restored(input_ids=input_ids, labels=labels, fused_lm_head=True).log_probs.shape == (2, 11)
+
+
+def test_an_unpickled_head_compiles_fullgraph() -> None:
+    """The unpickled copy's head, and its forward without the flag, trace as the original's do:
+    no graph break."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    restored = pickle.loads(pickle.dumps(model))
+    input_ids = torch.randint(0, 211, (2, 12))
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    torch._dynamo.reset()
+    compiled_head = torch.compile(lambda ids, target: restored(input_ids=ids, labels=target, fused_lm_head=True).entropy,
+                                  fullgraph=True, backend="eager")
+    compiled_logits = torch.compile(lambda ids: restored(input_ids=ids).logits, fullgraph=True, backend="eager")
+    expected = model(input_ids=input_ids, labels=labels, fused_lm_head=True).entropy
+    torch.testing.assert_close(compiled_head(input_ids, labels), expected)
+    torch.testing.assert_close(compiled_logits(input_ids), model(input_ids=input_ids).logits)
 
 def test_adding_the_head_again_takes_the_new_settings() -> None:
     """A second trainer on the same model (a notebook's re-run) adds the head again: it raised,

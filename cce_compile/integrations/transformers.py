@@ -481,16 +481,21 @@ def _class_forward(patched: _Patch, signature: inspect.Signature) -> Callable[..
     return forward
 
 
-def _instance_forward(model: PreTrainedModel, patched: _Patch) -> functools.partial:
-    """The generic forward bound to `model`: a functools.partial, which pickles (a module-level
-    function, the model and the _Patch) and deepcopies onto the copy, and which
-    torch.compile(fullgraph=True) traces. It shows the class forward's signature without self,
-    as the bound method it replaces did (generate, Trainer and PEFT read parameter names from it)."""
-    forward = functools.partial(_generic_forward, model, _cce_patch=patched)
+def instance_forward(function: Callable[..., Any], model: PreTrainedModel, **bound: Any) -> functools.partial:
+    """`function(model, *args, **bound, **kwargs)` as `model`'s own forward: a functools.partial,
+    which pickles (where `function` is module-level and `bound` pickles), deepcopies onto the copy,
+    and torch.compile(fullgraph=True) traces. It shows the class forward's signature without
+    self, as a bound method would (generate, Trainer and PEFT read parameter names from it)."""
+    forward = functools.partial(function, model, **bound)
     signature = inspect.signature(type(model).forward)
     forward.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=list(signature.parameters.values())[1:])
     return forward
+
+
+def _instance_forward(model: PreTrainedModel, patched: _Patch) -> functools.partial:
+    """The generic forward bound to `model`, with what patch() decided (instance_forward)."""
+    return instance_forward(_generic_forward, model, _cce_patch=patched)
 
 
 def replaced_forward(model: PreTrainedModel, attribute: str) -> Callable[..., Any]:
@@ -576,8 +581,9 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     softcapped = declares_softcap(model_class.config_class)
     slot = forward_slot(model_or_class)
     own = vars(model_or_class).get(slot)
-    if (not isinstance(model_or_class, type) and own is not None
-            and getattr(own, "__func__", None) not in (model_class.forward, vars(model_or_class).get(FUSED_HEAD_FORWARD))):
+    fused_head = None if isinstance(model_or_class, type) else vars(model_or_class).get(FUSED_HEAD_FORWARD)
+    if (not isinstance(model_or_class, type) and own is not None and own is not fused_head
+            and getattr(own, "__func__", None) not in (model_class.forward, fused_head)):
         raise ValueError(
             f"{_name(model_or_class)}: its forward is wrapped on the instance ({getattr(own, '__qualname__', own)}: "
             "accelerate.prepare's mixed-precision wrapper?), which the patched forward would call only without "

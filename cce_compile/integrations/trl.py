@@ -27,9 +27,8 @@ TRL itself is never imported here; import this module only where transformers is
 from __future__ import annotations
 
 import contextlib
-import functools
-import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +38,8 @@ from transformers.utils import ModelOutput
 
 from ..api import check_loss_options, linear_log_probs
 from .transformers import (
-    FUSED_HEAD_FORWARD, declares_softcap, forward_slot, replaced_forward, take_back_forward, through_head,
+    FUSED_HEAD_FORWARD, declares_softcap, forward_slot, instance_forward, replaced_forward, take_back_forward,
+    through_head,
 )
 
 SUPPORTED_OUTPUTS = ("log_probs", "entropy")
@@ -68,6 +68,19 @@ class FusedLogProbsOutput(ModelOutput):
     is_top1: Tensor | None = None
     label_mask: Tensor | None = None
     aux_loss: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _FusedHead:
+    """What one add_fused_lm_head call gives the head's forward: the temperature, whether it casts
+    the head to float32, whether it computes the entropy, and the final soft-cap (the config's
+    where its class declares it, else None; decided when the head is added). Module-level and
+    frozen, so that an instance's forward holding it pickles."""
+
+    temperature: float
+    cast_lm_head_to_fp32: bool
+    entropy: bool
+    softcap: float | None
 
 
 def _check_supported(model: PreTrainedModel, outputs: tuple[str, ...]) -> None:
@@ -123,6 +136,61 @@ def _causal_lm(model: nn.Module) -> PreTrainedModel:
     return model
 
 
+def _fused_forward(
+    self: PreTrainedModel, *args: Any, _cce_head: _FusedHead, fused_lm_head: bool = False, labels: Tensor | None = None,
+    shift_labels: Tensor | None = None, num_items_in_batch: Tensor | int | None = None, **kwargs: Any,
+) -> Any:
+    """The forward add_fused_lm_head installs, with what it decided in `_cce_head`: with
+    fused_lm_head=True, FusedLogProbsOutput; without it, the forward it replaced. Module-level
+    (the instance's forward is a functools.partial of it), so a model with the head pickles:
+    torch.save(model), multiprocessing spawn."""
+    if not fused_lm_head:
+        passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+        return replaced_forward(self, _REPLACED_FORWARD)(
+            *args, **{name: value for name, value in passed.items() if value is not None}, **kwargs)
+    if kwargs.get("output_router_logits"):
+        raise ValueError("output_router_logits: cce_compile's fused LM head adds no MoE router loss")
+    kwargs["use_cache"] = False
+    hidden = self.base_model(*args, **kwargs).last_hidden_state
+    if shift_labels is None:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+
+    def score(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Per-token log-probs, entropies (None unless asked for) and the label mask."""
+        if isinstance(weight, DTensor):  # FSDP2's sharded head (its own group, never unsharded): gathered
+            # Each rank scores its own tokens, so the gathered head's gradient is a partial one: averaged over
+            # the mesh (a reduce-scatter back to the shards), as FSDP averages the other gradients. The default
+            # (Replicate) kept each rank's slice of its own tokens' gradient, unreduced (TRL's head does so too).
+            grads = [Partial("avg")] * weight.device_mesh.ndim
+            weight = weight.full_tensor(grad_placements=grads)
+            bias = None if bias is None else bias.full_tensor(grad_placements=grads)
+        # With the model split across devices the decoder may end on another device than the head.
+        hidden, targets = hidden.to(weight.device), labels.to(weight.device)
+        mask = targets != -100
+        rows = mask.nonzero(as_tuple=True)  # one host sync for both selections
+        hidden = hidden[rows]
+        cast = contextlib.nullcontext()
+        if _cce_head.cast_lm_head_to_fp32:
+            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+            cast = torch.autocast(hidden.device.type, enabled=False)
+        with cast:
+            scored = linear_log_probs(hidden, weight, targets[rows], bias=bias,
+                                      temperature=_cce_head.temperature, softcap=_cce_head.softcap,
+                                      entropy=_cce_head.entropy)
+        log_probs, entropies = scored if _cce_head.entropy else (scored, None)
+        # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero
+        log_probs, entropies = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
+                                for x in (log_probs, entropies))
+        return log_probs, entropies, mask
+
+    log_probs, entropies, mask = through_head(self.get_output_embeddings(), hidden, score)
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedLogProbsOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
+                               label_mask=mask)
+
+
 def add_fused_lm_head(
     model: PreTrainedModel | nn.Module, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
     outputs: tuple[str, ...] = ("log_probs",),
@@ -132,7 +200,8 @@ def add_fused_lm_head(
     linear_log_probs over the labeled positions only (logits / temperature, the final soft-cap
     of the families whose forward applies it included); without it, the original forward
     (generation unchanged). A PEFT model gets it on the causal LM it wraps, before or after
-    wrapping alike."""
+    wrapping alike. The model pickles with its head (torch.save(model), multiprocessing spawn)
+    and unpickles with it, its settings and its own weights."""
     check_loss_options(temperature=temperature)
     model = _causal_lm(model)
     _check_supported(model, outputs)
@@ -146,55 +215,8 @@ def add_fused_lm_head(
     setattr(model, _REPLACED_FORWARD, vars(model).get(slot))  # for the flag-less calls: replaced_forward
     text_config = model.config.get_text_config()
     softcap = text_config.final_logit_softcapping if declares_softcap(type(text_config)) else None
-    entropy = "entropy" in outputs
-
-    @functools.wraps(type(model).forward)  # generate validates its kwargs against this signature
-    def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                      **kwargs):
-        if not fused_lm_head:
-            passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            return replaced_forward(self, _REPLACED_FORWARD)(
-                *args, **{name: value for name, value in passed.items() if value is not None}, **kwargs)
-        if kwargs.get("output_router_logits"):
-            raise ValueError("output_router_logits: cce_compile's fused LM head adds no MoE router loss")
-        kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
-        if shift_labels is None:
-            hidden, labels = hidden[:, :-1], labels[:, 1:]
-        else:
-            labels = shift_labels
-
-        def score(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
-            """Per-token log-probs, entropies (None unless asked for) and the label mask."""
-            if isinstance(weight, DTensor):  # FSDP2's sharded head (its own group, never unsharded): gathered
-                # Each rank scores its own tokens, so the gathered head's gradient is a partial one: averaged over
-                # the mesh (a reduce-scatter back to the shards), as FSDP averages the other gradients. The default
-                # (Replicate) kept each rank's slice of its own tokens' gradient, unreduced (TRL's head does so too).
-                grads = [Partial("avg")] * weight.device_mesh.ndim
-                weight = weight.full_tensor(grad_placements=grads)
-                bias = None if bias is None else bias.full_tensor(grad_placements=grads)
-            # With the model split across devices the decoder may end on another device than the head.
-            hidden, targets = hidden.to(weight.device), labels.to(weight.device)
-            mask = targets != -100
-            rows = mask.nonzero(as_tuple=True)  # one host sync for both selections
-            hidden = hidden[rows]
-            cast = contextlib.nullcontext()
-            if cast_lm_head_to_fp32:
-                hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
-                cast = torch.autocast(hidden.device.type, enabled=False)
-            with cast:
-                scored = linear_log_probs(hidden, weight, targets[rows], bias=bias,
-                                          temperature=temperature, softcap=softcap, entropy=entropy)
-            log_probs, entropies = scored if entropy else (scored, None)
-            # masked_scatter keeps an all-masked batch connected to the model: a differentiable zero
-            log_probs, entropies = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
-                                    for x in (log_probs, entropies))
-            return log_probs, entropies, mask
-
-        log_probs, entropies, mask = through_head(self.get_output_embeddings(), hidden, score)
-        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedLogProbsOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
-                                   label_mask=mask)
-
-    setattr(model, slot, types.MethodType(fused_forward, model))
-    setattr(model, FUSED_HEAD_FORWARD, fused_forward)
+    head = _FusedHead(temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+                      entropy="entropy" in outputs, softcap=softcap)
+    forward = instance_forward(_fused_forward, model, _cce_head=head)
+    setattr(model, slot, forward)
+    setattr(model, FUSED_HEAD_FORWARD, forward)
