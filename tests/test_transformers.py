@@ -25,6 +25,8 @@ from torch import Tensor, nn
 pytest.importorskip("transformers")
 
 from transformers import PreTrainedModel  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from cce_compile.integrations.transformers import (  # noqa: E402
     LossOptions,
@@ -42,11 +44,13 @@ VOCAB = 500
 SOFTCAP = 0.5  # small, so that tanh bends the random-init logits and a wrong softcap shows
 
 
-def tiny_model(family: str, model_class: type[PreTrainedModel] | None = None) -> PreTrainedModel:
+def tiny_model(family: str, model_class: type[PreTrainedModel] | None = None,
+               config_class: type | None = None) -> PreTrainedModel:
     """Two layers, random init (initializer_range raised so the logits spread), training mode;
-    model_class: a subclass of the family's class to build instead."""
+    model_class: a subclass of the family's class to build instead; config_class: a config class
+    other than the model class's own to build it from."""
     model_class = model_class or FAMILIES[family]
-    config = model_class.config_class(
+    config = (config_class or model_class.config_class)(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=VOCAB, intermediate_size=128, max_position_embeddings=128, initializer_range=0.1,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False, attn_implementation="eager",
@@ -81,6 +85,15 @@ def assert_close(actual: Tensor, expected: Tensor, rtol: float = 1e-4) -> None:
 
 
 parametrize_families = pytest.mark.parametrize("family", sorted(FAMILIES))
+
+# model types that AutoModelForCausalLM builds as a supported class from a config class of their
+# own (in 5.25.0 EXAONE 3, InternLM3 and IQuest-Coder, as LlamaForCausalLM): model type -> class
+BORROWING = {
+    model_type: model_class
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+    for model_class in FAMILIES.values()
+    if model_class.__name__ == class_name and CONFIG_MAPPING[model_type] is not model_class.config_class
+}
 
 
 def test_patching_a_peft_wrapper_names_the_model_to_patch() -> None:
@@ -124,6 +137,25 @@ def test_loss_and_gradients_match_hf(family: str) -> None:
     actual.loss.backward()
     for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
         assert_close(patched.get_parameter(name).grad, reference.get_parameter(name).grad)
+
+
+@pytest.mark.parametrize("model_type", sorted(BORROWING))
+def test_a_model_type_built_as_a_supported_class_from_its_own_config_matches_hf(model_type: str) -> None:
+    """Such a model runs the supported class's forward whatever config it holds, and patch()
+    decides from the class (its forward, the soft-cap its config class declares): loss and every
+    parameter's gradient as unpatched."""
+    model_class = BORROWING[model_type]
+    reference = tiny_model(model_type, model_class, config_class=CONFIG_MAPPING[model_type])
+    assert type(reference.config) is not model_class.config_class
+    patched = patch(copy.deepcopy(reference))
+    input_ids, labels = batch(seed=3)
+    expected, actual = reference(input_ids, labels=labels), patched(input_ids, labels=labels)
+    assert actual.logits is None  # the loss went through the op
+    assert_close(actual.loss, expected.loss, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    for name, parameter in reference.named_parameters():
+        assert_close(patched.get_parameter(name).grad, parameter.grad)
 
 
 def test_one_samples_labels_may_come_one_dimensional_as_hfs_loss_flattens_them() -> None:
