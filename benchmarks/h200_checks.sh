@@ -2,11 +2,13 @@
 # What a session owes the H200 after a kernel change, as named steps run in the order given,
 # each under its own time limit, logs under $OUT; a failed step does not stop the next, and the
 # script exits non-zero if any failed. A device call may run 600 s, so give it the steps that
-# fit: `filtered-tests bench` (with a bench budget of ~300 s), `gpu-suite`, `first-call`.
+# fit: `filtered-tests bench` (with a bench budget of ~300 s), `gpu-tests`, `gpu-log-probs-tests`,
+# `first-call`.
 #   filtered-tests  test_gpu.py's filtered, sparse and reuse tests (~1.5 min)
 #   bench           cce bench on $SHAPES x $IMPLS x $COMPILE, LM-like inputs, within $BENCH_BUDGET_S
 #                   (~1 min a shape and compile mode); rows labeled $CCE_BENCH_COMMIT
-#   gpu-suite       test_gpu.py and test_gpu_log_probs.py (~7 min on a fresh machine)
+#   gpu-tests       test_gpu.py (~9 min on a fresh H100: the two files together overran a call)
+#   gpu-log-probs-tests  test_gpu_log_probs.py
 #   first-call      benchmarks/first_call.py on three heads, with a profile (~3 min)
 #   profile-ro      filtered mode's kernels eager and under reduce-overhead, Gemma-2 and Qwen2.5
 #                   heads (profile_kernels.py; ~3 min): where the compiled time above eager goes
@@ -46,7 +48,8 @@ for step in "$@"; do
     bench)
       run_step "$step" $((BENCH_BUDGET_S + 60)) python3 -m cce_compile.cli.bench --shapes "$SHAPES" --impls "$IMPLS" \
         --compile "$COMPILE" --kinds lm_like --budget-s "$BENCH_BUDGET_S" --out "$OUT" ;;
-    gpu-suite) run_step "$step" 540 "${pytest_gpu[@]}" tests/test_gpu.py tests/test_gpu_log_probs.py ;;
+    gpu-tests) run_step "$step" 560 "${pytest_gpu[@]}" tests/test_gpu.py ;;
+    gpu-log-probs-tests) run_step "$step" 560 "${pytest_gpu[@]}" tests/test_gpu_log_probs.py ;;
     first-call)
       run_step "$step" 300 python3 benchmarks/first_call.py --shapes llama3-8b,qwen2.5-0.5b,gemma2-2b --rounds 2 \
         --out "$OUT/first-call.json" --profile "$OUT/first-call-profile.txt" ;;
@@ -59,7 +62,7 @@ for step in "$@"; do
     ab-strided)
       run_step "$step" 540 python3 benchmarks/ab_switch.py --policy filtered_strided_programs_per_sm=2,4,8 \
         --impls cce_filtered --compile reduce-overhead --shapes "${AB_SHAPES:-gemma2-2b}" --rounds 1 ;;
-    *) echo "unknown step: $step (filtered-tests, bench, gpu-suite, first-call, profile-ro, ab-strided)" >&2
+    *) echo "unknown step: $step (filtered-tests, bench, gpu-tests, gpu-log-probs-tests, first-call, profile-ro, ab-strided)" >&2
        status=2 ;;
   esac
 done
