@@ -297,26 +297,18 @@ def check_different_options_give_nan(parallel: VocabParallel) -> None:
         loss.backward()
         assert torch.isnan(loss), f"{name} differing over the ranks gave a loss of {float(loss)}"
         assert torch.isnan(leaves[0].grad).all() and torch.isnan(leaves[1].grad).all(), name
-    # V and reduce_grad_e count too, past the constructor's gather (which refuses them differing)
     for name, changed in (("vocab_size", dict(vocab_size=V + 1)), ("reduce_grad_e", dict(reduce_grad_e=False))):
-        other = VocabParallel(parallel.group, parallel.start, parallel.stop, _from_dtensor=True,
+        other = VocabParallel(parallel.group, parallel.start, parallel.stop,
                               **dict(dict(vocab_size=V), **(changed if odd else {})))
         loss = cce_compile.linear_cross_entropy(e, c[rows], targets, vocab_parallel=other, label_smoothing=0.1)
         assert torch.isnan(loss), f"{name} differing over the ranks gave a loss of {float(loss)}"
 
 
-def check_different_layout_arguments_raise(parallel: VocabParallel) -> None:
+def check_different_reduce_grad_e_raises(parallel: VocabParallel) -> None:
     """Ranks that disagree on reduce_grad_e waited in the backward's dE all-reduce, which only
-    some of them join, and with vocab_size given the constructor compared nothing: its gather
-    refuses it on every rank, with or without vocab_size; likewise a vocab_size on the last rank
-    other than the V the ranges tile (which made the loss NaN)."""
-    reduces = parallel.rank != parallel.world_size - 1
-    for vocab_size in (None, V):
-        with pytest.raises(ValueError, match=r"reduce_grad_e must be the same on every rank, got \[True, .*False\]"):
-            VocabParallel(parallel.group, parallel.start, parallel.stop, vocab_size=vocab_size, reduce_grad_e=reduces)
-    with pytest.raises(ValueError, match=rf"vocab_size must be the V that the ranks' \[start, stop\) tile \({V}\) "
-                                         rf"or None, got \[{V}, .*{V + 1}\]"):
-        VocabParallel(parallel.group, parallel.start, parallel.stop, vocab_size=V if reduces else V + 1)
+    some of them join: the constructor's gather (without vocab_size) refuses it on every rank."""
+    with pytest.raises(ValueError, match=r"reduce_grad_e must be the same on every rank, got \[True, .*False\]"):
+        VocabParallel(parallel.group, parallel.start, parallel.stop, reduce_grad_e=parallel.rank != parallel.world_size - 1)
 
 
 def check_out_of_range_target_gives_nan_gradients(parallel: VocabParallel) -> None:
@@ -386,7 +378,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             check_different_targets_give_nan(parallel)
             check_different_options_give_nan(parallel)
             check_out_of_range_target_gives_nan_gradients(parallel)
-            check_different_layout_arguments_raise(parallel)
+            check_different_reduce_grad_e_raises(parallel)
             if world == 2:
                 check_hf_model(world)
                 check_kernels(parallel)

@@ -21,7 +21,7 @@ off, for callers that reduce it themselves).
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,12 +37,9 @@ from ..ops.vocab_parallel import shard_row_stats
 @dataclass(frozen=True)
 class VocabParallel:
     """This rank's shard of the vocabulary: rows [start, stop) of the classifier, over `group`
-    (None: the default group). Build it once on every rank of the group, outside
-    torch.compile'd code: it gathers every rank's arguments once, to check that the shards tile
-    [0, V) and that the ranks agree on V and reduce_grad_e (ranks that differ in reduce_grad_e
-    would wait in the backward's dE all-reduce, which only some of them join).
+    (None: the default group). Build it outside torch.compile'd code: without `vocab_size` it
+    gathers every rank's range once, to check that the shards tile [0, V) and learn V.
 
-    vocab_size: None takes V from the ranges; given, it must be that V.
     reduce_grad_e: sum dE over the group in the backward (off: each rank gets the part of dE
     from its own shard, for callers that reduce it, e.g. with sequence parallelism)."""
 
@@ -51,10 +48,6 @@ class VocabParallel:
     stop: int
     vocab_size: int | None = None
     reduce_grad_e: bool = True
-    _: KW_ONLY
-    _from_dtensor: InitVar[bool] = False
-    """from_dtensor's: torch.chunk's layout of a DTensor, which every rank derives alike on every
-    call, with the default reduce_grad_e; no gather."""
     group_name: str = field(init=False)
     rank: int = field(init=False)
     world_size: int = field(init=False)
@@ -62,7 +55,7 @@ class VocabParallel:
     """A gloo-only group: gloo's all-gather into one tensor has no CUDA path (it reads the
     device pointer from the host and crashes), so CUDA statistics travel through host memory."""
 
-    def __post_init__(self, _from_dtensor: bool) -> None:
+    def __post_init__(self) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("vocab_parallel needs an initialized torch.distributed process group")
         group = self.group if self.group is not None else dist.group.WORLD
@@ -72,13 +65,21 @@ class VocabParallel:
             hint = " (a DeviceMesh: pass mesh.get_group())" if type(group).__name__ == "DeviceMesh" else ""
             raise TypeError(f"VocabParallel.group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(group).__name__}{hint}")
+        if not isinstance(self.reduce_grad_e, bool):
+            raise TypeError(f"VocabParallel.reduce_grad_e must be a bool, got {self.reduce_grad_e!r:.40}")
         object.__setattr__(self, "group_name", group.group_name)
         object.__setattr__(self, "rank", dist.get_rank(group))
         object.__setattr__(self, "world_size", dist.get_world_size(group))
         object.__setattr__(self, "gather_on_host", dist.get_backend(group) == "gloo")
-        if not _from_dtensor:  # every rank checks every rank's arguments, so that all raise together
-            vocab_size = _checked_layout(self.start, self.stop, self.vocab_size, self.reduce_grad_e, group)
+        if self.vocab_size is None:  # every rank checks every range, so that all raise together
+            vocab_size = _checked_vocab_size(self.start, self.stop, self.reduce_grad_e, group)
             object.__setattr__(self, "vocab_size", vocab_size)
+            return
+        _check_range(self.start, self.stop)
+        if not _is_int(self.vocab_size):
+            raise TypeError(f"VocabParallel.vocab_size must be an int or None, got {type(self.vocab_size).__name__}")
+        if self.stop > self.vocab_size:
+            raise ValueError(f"VocabParallel: stop ({self.stop}) is past vocab_size ({self.vocab_size})")
 
     def __deepcopy__(self, memo: dict) -> VocabParallel:
         """Itself: it names a process group, which cannot be copied (a deep copy of a model that
@@ -104,25 +105,16 @@ def _check_range(start: object, stop: object, rank: int | None = None) -> None:
         raise ValueError(f"VocabParallel needs 0 <= start < stop (a non-empty shard){whose}, got [{start}, {stop})")
 
 
-def _checked_layout(
-    start: object, stop: object, vocab_size: object, reduce_grad_e: object, group: dist.ProcessGroup,
-) -> int:
-    """V, from every rank's arguments (one all_gather_object), after checking that each rank's
-    [start, stop) is a range, that they tile [0, V), that every vocab_size given is V and that
-    every rank's reduce_grad_e is the same bool (ranks that differ waited in the backward's dE
-    all-reduce, which only some of them join)."""
-    gathered: list[tuple[object, object, object, object] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (start, stop, vocab_size, reduce_grad_e), group=group)
-    ranges = [(first, last) for first, last, _, _ in gathered]  # type: ignore[misc]
-    sizes = [size for _, _, size, _ in gathered]  # type: ignore[misc]
-    reductions = [reduces for _, _, _, reduces in gathered]  # type: ignore[misc]
-    for rank, ((first, last), size, reduces) in enumerate(zip(ranges, sizes, reductions)):
+def _checked_vocab_size(start: int, stop: int, reduce_grad_e: bool, group: dist.ProcessGroup) -> int:
+    """V, from every rank's [start, stop), after checking that each is a range and that they
+    tile [0, V); and that every rank's reduce_grad_e is the same (ranks that differ waited in
+    the backward's dE all-reduce, which only some of them join)."""
+    gathered: list[tuple[int, int, bool] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (start, stop, reduce_grad_e), group=group)
+    ranges = [(first, last) for first, last, _ in gathered]  # type: ignore[misc]
+    for rank, (first, last) in enumerate(ranges):
         _check_range(first, last, rank)
-        if size is not None and not _is_int(size):
-            raise TypeError(f"VocabParallel.vocab_size must be an int or None (rank {rank}), "
-                            f"got {type(size).__name__}")
-        if not isinstance(reduces, bool):
-            raise TypeError(f"VocabParallel.reduce_grad_e must be a bool (rank {rank}), got {reduces!r:.40}")
+    reductions = [reduces for _, _, reduces in gathered]  # type: ignore[misc]
     if len(set(reductions)) > 1:
         raise ValueError(f"VocabParallel.reduce_grad_e must be the same on every rank, got {reductions} "
                          "(in group rank order)")
@@ -132,9 +124,6 @@ def _checked_layout(
             raise ValueError(f"VocabParallel: the ranks' [start, stop) must tile [0, V) without gaps or overlaps, "
                              f"got {ranges}")
         position = last
-    if any(size is not None and size != position for size in sizes):
-        raise ValueError(f"VocabParallel.vocab_size must be the V that the ranks' [start, stop) tile ({position}) "
-                         f"or None, got {sizes} (in group rank order)")
     return position
 
 
@@ -156,7 +145,7 @@ def from_dtensor(c) -> tuple[Tensor, VocabParallel]:
                          f"to hold some")
     start = min(mesh.get_local_rank() * rows, v)
     stop = min(start + rows, v)
-    return c.to_local(), VocabParallel(mesh.get_group(), start, stop, vocab_size=v, _from_dtensor=True)
+    return c.to_local(), VocabParallel(mesh.get_group(), start, stop, vocab_size=v)
 
 
 def local_shard(name: str, tensor: Tensor | None, parallel: VocabParallel) -> Tensor | None:
