@@ -93,15 +93,54 @@ except ImportError:  # releases without the helper (4.5x, early 5.x): a copy of 
         positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return tensor[:, positions, ...]
 
-# family (the transformers.models subpackage) -> its causal-LM class
+# The supported causal-LM classes, by family (the transformers.models subpackage), each taken
+# where the installed transformers has it. Their forwards compute what the generic forward does:
+# outputs = self.model(...), logits = self.lm_head(last hidden state at logits_to_keep), soft-capped
+# by config.final_logit_softcapping where the config class declares it (declares_softcap), then
+# self.loss_function(logits, labels, vocab_size, **kwargs) and nothing more: no logit scale, no
+# auxiliary loss, no head but lm_head, outputs CausalLMOutputWithPast. Read from each forward's
+# source in transformers 5.25.0; tests/test_transformers.py checks every one against HF's loss and
+# gradients. A family left out is refused by patch().
 FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    "apertus": "ApertusForCausalLM",
+    "apertus1p5": "Apertus1p5TextForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "bitnet": "BitNetForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "diffllama": "DiffLlamaForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "helium": "HeliumForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "jais2": "Jais2ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm3": "Lfm3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
+    "nemotron": "NemotronForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
+    "persimmon": "PersimmonForCausalLM",
+    "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "vaultgemma": "VaultGemmaForCausalLM",
 }
 
 # where patch() keeps what unpatch() restores, in the patched class's or instance's __dict__
