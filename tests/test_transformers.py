@@ -14,6 +14,7 @@ import inspect
 import io
 import pathlib
 import pickle
+import re
 import types
 
 import pytest
@@ -28,7 +29,9 @@ from transformers import PreTrainedModel  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+from cce_compile.integrations.transformers import FAMILIES as LISTED_FAMILIES  # noqa: E402
 from cce_compile.integrations.transformers import (  # noqa: E402
+    LOGIT_SCALES,
     LossOptions,
     available_families,
     causal_lm_loss,
@@ -42,9 +45,13 @@ FAMILIES = available_families()
 CACHE = list(inspect.signature(next(iter(FAMILIES.values())).forward).parameters)[4]
 VOCAB = 500
 SOFTCAP = 0.5  # small, so that tanh bends the random-init logits and a wrong softcap shows
-# config fields of some families whose defaults are a real model's sizes (linear attention's)
+# config fields of some families whose defaults are a real model's sizes (linear attention's, Mamba's)
 TINY_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
-              "linear_value_head_dim": 16}
+              "linear_value_head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+              "mamba_d_state": 16, "mamba_chunk_size": 16}
+# the logit scales some families' forwards apply (LOGIT_SCALES), away from their defaults (1 for
+# Granite and Falcon-H1) so that one lost or inverted shows
+LOGIT_SCALING = {"logit_scale": 0.25, "logits_scaling": 4.0, "lm_head_multiplier": 0.5}
 
 
 def tiny_model(family: str, model_class: type[PreTrainedModel] | None = None,
@@ -60,9 +67,9 @@ def tiny_model(family: str, model_class: type[PreTrainedModel] | None = None,
     )
     if hasattr(config, "final_logit_softcapping"):
         config.final_logit_softcapping = SOFTCAP
-    for name, size in TINY_SIZES.items():
+    for name, value in {**TINY_SIZES, **LOGIT_SCALING}.items():
         if hasattr(config, name):
-            setattr(config, name, size)
+            setattr(config, name, value)
     for name, value in config.to_dict().items():  # a twin's dropout would draw other random numbers
         if "dropout" in name and isinstance(value, float):
             setattr(config, name, 0.0)
@@ -340,7 +347,8 @@ def test_adamw_training_tracks_hf(family: str) -> None:
     assert_close(actual, expected, rtol=1e-3)
 
 
-@pytest.mark.parametrize("family", sorted(set(BEHAVIOUR_FAMILIES) | (set(FAMILIES) & {"olmo2", "phi", "vaultgemma"})))
+@pytest.mark.parametrize("family", sorted(set(BEHAVIOUR_FAMILIES)
+                                          | (set(FAMILIES) & {"cohere", "granite", "olmo2", "phi", "vaultgemma"})))
 def test_patched_model_compiles_fullgraph(family: str) -> None:
     """fullgraph=True fails on any graph break; the cheap eager backend suffices for that, the
     helper test below runs AOT autograd through the op's backward."""
@@ -608,6 +616,53 @@ def test_a_causal_lm_outside_the_supported_families_is_refused(class_name: str) 
     with pytest.raises(TypeError, match=rf"^{class_name} is not a supported causal LM"):
         patch(model_class)
     assert "_cce_replaced_forward" not in vars(model_class)  # nothing was patched
+
+
+SCALED_FAMILIES = sorted(set(LOGIT_SCALES) & set(FAMILIES))
+
+
+def test_the_logit_scales_are_of_supported_families_that_do_not_soft_cap() -> None:
+    """The op takes a family's logit scale as its temperature, soft-cap applied first; a family
+    that soft-capped too would need the order its forward applies them in. None does."""
+    assert set(LOGIT_SCALES) <= set(LISTED_FAMILIES)
+    assert not [family for family in SCALED_FAMILIES if declares_softcap(FAMILIES[family].config_class)]
+
+
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
+def test_a_scaled_familys_temperature_divides_hfs_scaled_logits(family: str) -> None:
+    """Cohere's logit_scale, Granite's logits_scaling and Falcon-H1's lm_head_multiplier scale the
+    logits in HF's forward; the patched loss takes the scale into the op's temperature. With the
+    patch's temperature T the loss is cross-entropy(HF's logits / T), its gradients those of that
+    loss, and the logits returned (return_logits, no_grad) are HF's, scaled."""
+    reference = tiny_model(family)
+    patched = patch(copy.deepcopy(reference), temperature=0.5, return_logits=True)
+    input_ids, labels = batch(seed=17)
+    hf_logits = reference(input_ids).logits
+    expected = hf_shifted_loss(hf_logits / 0.5, labels)
+    actual = patched(input_ids, labels=labels)
+    assert_close(actual.loss, expected, rtol=1e-5)
+    assert_close(actual.logits, hf_logits.detach(), rtol=1e-5)
+    expected.backward()
+    actual.loss.backward()
+    assert_every_gradient_close(patched, reference)
+    with torch.no_grad():
+        assert_close(patched(input_ids, labels=labels).logits, hf_logits.detach(), rtol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "value"), [("cohere", 0.0), ("cohere", -0.25), ("granite", 0.0),
+                                               ("granite", float("nan")), ("falcon_h1", float("inf"))])
+def test_a_logit_scale_the_loss_cannot_take_is_refused_by_its_name(family: str, value: float) -> None:
+    """A scale of 0, below 0, NaN or inf (HF's loss is NaN or its logits inf) is refused naming the
+    attribute the family's forward reads, not as the op's temperature, which the user never set."""
+    if family not in FAMILIES:
+        pytest.skip(f"the installed transformers has no {family}")
+    model = patch(tiny_model(family))
+    attribute = LOGIT_SCALES[family].attribute
+    *owners, name = attribute.split(".")
+    setattr(functools.reduce(getattr, owners, model), name, value)
+    input_ids, labels = batch(seed=18)
+    with pytest.raises(ValueError, match=rf"^{type(model).__name__}\.{re.escape(attribute)}: expected a finite"):
+        model(input_ids, labels=labels)
 
 
 class WithAuxLoss(FAMILIES["llama"]):  # type: ignore[misc, valid-type]

@@ -96,25 +96,31 @@ except ImportError:  # releases without the helper (4.5x, early 5.x): a copy of 
 # The supported causal-LM classes, by family (the transformers.models subpackage), each taken
 # where the installed transformers has it. Their forwards compute what the generic forward does:
 # outputs = self.model(...), logits = self.lm_head(last hidden state at logits_to_keep), soft-capped
-# by config.final_logit_softcapping where the config class declares it (declares_softcap), then
-# self.loss_function(logits, labels, vocab_size, **kwargs) and nothing more: no logit scale, no
-# auxiliary loss, no head but lm_head, outputs CausalLMOutputWithPast. Read from each forward's
-# source in transformers 5.25.0; tests/test_transformers.py checks every one against HF's loss and
-# gradients. A family left out is refused by patch().
+# by config.final_logit_softcapping where the config class declares it (declares_softcap), scaled
+# as LOGIT_SCALES says where it lists the family, then self.loss_function(logits, labels,
+# vocab_size, **kwargs) and nothing more: no auxiliary loss, no head but lm_head, outputs
+# CausalLMOutputWithPast. Read from each forward's source in transformers 5.25.0;
+# tests/test_transformers.py checks every one against HF's loss and gradients. A family left out
+# is refused by patch().
 FAMILIES = {
     "apertus": "ApertusForCausalLM",
     "apertus1p5": "Apertus1p5TextForCausalLM",
     "arcee": "ArceeForCausalLM",
     "bitnet": "BitNetForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "cwm": "CwmForCausalLM",
     "diffllama": "DiffLlamaForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
     "helium": "HeliumForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "jais2": "Jais2ForCausalLM",
@@ -141,6 +147,48 @@ FAMILIES = {
     "stablelm": "StableLmForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitScale:
+    """How a family's forward scales lm_head's logits before its loss: by the number at
+    `attribute` (a dotted path from the model, read where and when the forward reads it),
+    multiplying or, with `divides`, dividing. The loss takes the scale as the op's temperature:
+    loss(logits * a / T) = loss(logits / (T / a))."""
+
+    attribute: str
+    divides: bool = False
+
+    def loss_temperature(self, model: nn.Module, temperature: float) -> float:
+        """The op's temperature for the scaled logits divided by `temperature` (the patch's),
+        refused by the attribute's name where the loss cannot take it: a scale that is no
+        finite number > 0, or a result outside the temperatures the op takes."""
+        value = functools.reduce(getattr, self.attribute.split("."), model)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+            raise ValueError(f"{type(model).__name__}.{self.attribute}: expected a finite number > 0 (the scale "
+                             f"its forward applies to the logits), got {value!r}")
+        scaled = temperature * value if self.divides else temperature / value
+        try:
+            check_loss_options(temperature=scaled)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{type(model).__name__}.{self.attribute} = {value!r} with the patch's temperature "
+                              f"{temperature!r}: {error}") from None
+        return scaled
+
+    def apply(self, model: nn.Module, logits: Tensor) -> Tensor:
+        """The logits as the family's forward scales them (for the logits returned)."""
+        value = functools.reduce(getattr, self.attribute.split("."), model)
+        return logits / value if self.divides else logits * value
+
+
+# families (of FAMILIES) whose forward scales the logits, and how; none of them soft-caps
+LOGIT_SCALES = {
+    "cohere": LogitScale("logit_scale"),  # logits * self.logit_scale
+    "cohere2": LogitScale("logit_scale"),
+    "falcon_h1": LogitScale("model.lm_head_multiplier"),  # logits * self.model.lm_head_multiplier
+    "granite": LogitScale("config.logits_scaling", divides=True),  # logits / self.config.logits_scaling
+    "granite_swa": LogitScale("config.logits_scaling", divides=True),
 }
 
 # where patch() keeps what unpatch() restores, in the patched class's or instance's __dict__
@@ -433,14 +481,15 @@ def batched(name: str, labels: Tensor, hidden_states: Tensor, shifted: bool, kep
 @dataclasses.dataclass(frozen=True)
 class _Patch:
     """What one patch() call gives the generic forward: fallback(model, ...), the forward it
-    replaced; the loss options; and softcapped, whether the patched class's config declares the
+    replaced; the loss options; softcapped, whether the patched class's config declares the
     soft-cap (declares_softcap; decided at patch time: inspecting in the forward would break
-    torch.compile's graph). Module-level and frozen, so that an instance's forward holding it
-    pickles."""
+    torch.compile's graph); and the family's logit scale (LOGIT_SCALES), if any. Module-level and
+    frozen, so that an instance's forward holding it pickles."""
 
     fallback: Callable[..., CausalLMOutputWithPast | tuple]
     options: LossOptions
     softcapped: bool
+    logit_scale: LogitScale | None = None
 
 
 @_accept_old_cache_name
@@ -489,6 +538,9 @@ def _generic_forward(
     # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
     ignore_index = kwargs.get("ignore_index")
     call_options = options if ignore_index is None else dataclasses.replace(options, ignore_index=ignore_index)
+    scale = _cce_patch.logit_scale
+    if scale is not None:  # the scaled logits' loss, at the temperature that scales them
+        call_options = dataclasses.replace(call_options, temperature=scale.loss_temperature(self, options.temperature))
     # a parametrized head's weight computed once for the loss and the logits, as HF's one call computes it
     with parametrize.cached():
         loss = causal_lm_loss(
@@ -501,6 +553,8 @@ def _generic_forward(
             with torch.no_grad():
                 hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
                 logits = _soft_capped(self.lm_head(hidden), softcap)
+                if scale is not None:
+                    logits = scale.apply(self, logits)
     return CausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         **{_CACHE: getattr(outputs, _CACHE)},
@@ -566,8 +620,11 @@ def _name(model_or_class: object) -> str:
     return getattr(model_or_class, "__name__", f"a {type(model_or_class).__name__} instance")
 
 
-def _check_patchable(model_class: type, target: object) -> None:
-    families = tuple(available_families().values())
+def _check_patchable(model_class: type, target: object) -> str:
+    """The family (of FAMILIES) whose class `model_class` is or subclasses; TypeError where none
+    is or the class is one patch() cannot take, ValueError where `target` is patched already."""
+    found_families = available_families()
+    families = tuple(found_families.values())
     if not issubclass(model_class, families):
         names = ", ".join(cls.__name__ for cls in families)
         hint = ""
@@ -594,6 +651,7 @@ def _check_patchable(model_class: type, target: object) -> None:
         )
     if _REPLACED_FORWARD in vars(target):
         raise ValueError(f"{_name(target)} is already patched; unpatch it first")
+    return next(name for name, cls in found_families.items() if cls is family)
 
 
 def forward_slot(target: object) -> str:
@@ -616,8 +674,9 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
                         "(the soft-cap comes from the model's config, the reduction from num_items_in_batch)")
     options = LossOptions(**loss_options)
     model_class = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
-    _check_patchable(model_class, model_or_class)
+    family = _check_patchable(model_class, model_or_class)
     softcapped = declares_softcap(model_class.config_class)
+    logit_scale = LOGIT_SCALES.get(family)
     slot = forward_slot(model_or_class)
     own = vars(model_or_class).get(slot)
     fused_head = None if isinstance(model_or_class, type) else vars(model_or_class).get(FUSED_HEAD_FORWARD)
@@ -631,10 +690,10 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     setattr(model_or_class, _REPLACED_FORWARD, own)
     if isinstance(model_or_class, type):
         original = model_or_class.forward
-        forward = _class_forward(_Patch(original, options, softcapped), inspect.signature(original))
+        forward = _class_forward(_Patch(original, options, softcapped, logit_scale), inspect.signature(original))
         model_or_class.forward = forward
     else:
-        forward = _instance_forward(model_or_class, _Patch(_forward_replaced_on_instance, options, softcapped))
+        forward = _instance_forward(model_or_class, _Patch(_forward_replaced_on_instance, options, softcapped, logit_scale))
         setattr(model_or_class, slot, forward)
     setattr(model_or_class, _PATCHED_FORWARD, forward)
     return model_or_class
