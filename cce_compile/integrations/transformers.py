@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from transformers.cache_utils import Cache
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
 from ..api import check_flags, check_loss_options, check_target_dtype, linear_cross_entropy, shift_targets
@@ -47,8 +47,9 @@ def _unchanged(func: Function) -> Function:
 
 def _tuple_unless_return_dict(forward: Function) -> Function:
     """can_return_tuple's tuple (for return_dict=False, passed or in the config), in HF's
-    positions: callers unpack (loss, logits, cache, ...), and ModelOutput.to_tuple would drop the
-    None logits of a loss computed without them, so None holds their slot."""
+    positions: callers unpack (loss, logits, cache, ...; an MoE's loss, aux_loss, logits, ...),
+    and ModelOutput.to_tuple would drop the None logits of a loss computed without them, so None
+    holds their slot."""
 
     @functools.wraps(forward)
     def wrapper(self: PreTrainedModel, *args: Any, return_dict: bool | None = None, **kwargs: Any) -> Any:
@@ -56,8 +57,10 @@ def _tuple_unless_return_dict(forward: Function) -> Function:
         if self.config.return_dict if return_dict is None else return_dict:
             return output
         values = output.to_tuple()
-        if isinstance(output, CausalLMOutputWithPast) and output.logits is None:
-            return (values[0], None, *values[1:])
+        if isinstance(output, (CausalLMOutputWithPast, MoeCausalLMOutputWithPast)) and output.logits is None:
+            names = [field.name for field in dataclasses.fields(output)]
+            before = sum(getattr(output, name) is not None for name in names[: names.index("logits")])
+            return (*values[:before], None, *values[before:])
         return values
 
     return wrapper  # type: ignore[return-value]
@@ -98,8 +101,10 @@ except ImportError:  # releases without the helper (4.5x, early 5.x): a copy of 
 # outputs = self.model(...), logits = self.lm_head(last hidden state at logits_to_keep), soft-capped
 # by config.final_logit_softcapping where the config class declares it (declares_softcap), scaled
 # as LOGIT_SCALES says where it lists the family, then self.loss_function(logits, labels,
-# vocab_size, **kwargs) and nothing more: no auxiliary loss, no head but lm_head, outputs
-# CausalLMOutputWithPast. Read from each forward's source in transformers 5.25.0;
+# vocab_size, **kwargs) and nothing more (no head but lm_head), outputs CausalLMOutputWithPast;
+# or, for ROUTER_AUX_LOSS's families, that and the router's load-balancing loss as Mixtral's
+# forward adds it, outputs MoeCausalLMOutputWithPast. Read from each forward's source in
+# transformers 5.25.0;
 # tests/test_transformers.py checks every one against HF's loss and gradients. A family left out
 # is refused by patch().
 FAMILIES = {
@@ -112,36 +117,54 @@ FAMILIES = {
     "cwm": "CwmForCausalLM",
     "diffllama": "DiffLlamaForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "flex_olmo": "FlexOlmoForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "granite": "GraniteForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "helium": "HeliumForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "jais2": "Jais2ForCausalLM",
+    "jamba": "JambaForCausalLM",
+    "laguna": "LagunaForCausalLM",
+    "lara_mini": "LaraMiniForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm3": "Lfm3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "mellum": "MellumForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "minimax_m3_vl": "MiniMaxM3VLForCausalLM",
     "ministral": "MinistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "nanochat": "NanoChatForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "olmo": "OlmoForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "olmo_hybrid": "OlmoHybridForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "persimmon": "PersimmonForCausalLM",
     "phi": "PhiForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen4_exp": "Qwen4ExpForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "stablelm": "StableLmForCausalLM",
@@ -181,6 +204,15 @@ class LogitScale:
         value = functools.reduce(getattr, self.attribute.split("."), model)
         return logits / value if self.divides else logits * value
 
+
+# families (of FAMILIES) whose forward, as Mixtral's, also takes output_router_logits (the
+# config's by default) and, where true, adds router_aux_loss_coef * load_balancing_loss_func(
+# outputs.router_logits, num_experts, num_experts_per_tok, attention_mask) to the loss, each with
+# its own module's load_balancing_loss_func; none scales or soft-caps the logits
+ROUTER_AUX_LOSS = frozenset({
+    "ernie4_5_moe", "flex_olmo", "gpt_oss", "jamba", "laguna", "lara_mini", "mellum", "minimax", "minimax_m2",
+    "minimax_m3_vl", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen4_exp",
+})
 
 # families (of FAMILIES) whose forward scales the logits, and how; none of them soft-caps
 LOGIT_SCALES = {
@@ -483,13 +515,15 @@ class _Patch:
     """What one patch() call gives the generic forward: fallback(model, ...), the forward it
     replaced; the loss options; softcapped, whether the patched class's config declares the
     soft-cap (declares_softcap; decided at patch time: inspecting in the forward would break
-    torch.compile's graph); and the family's logit scale (LOGIT_SCALES), if any. Module-level and
+    torch.compile's graph); the family's logit scale (LOGIT_SCALES), if any; and, for the
+    families of ROUTER_AUX_LOSS, their module's load_balancing_loss_func. Module-level and
     frozen, so that an instance's forward holding it pickles."""
 
     fallback: Callable[..., CausalLMOutputWithPast | tuple]
     options: LossOptions
     softcapped: bool
     logit_scale: LogitScale | None = None
+    load_balancing_loss: Callable[..., Tensor] | None = None
 
 
 @_accept_old_cache_name
@@ -507,7 +541,7 @@ def _generic_forward(
     logits_to_keep: int | Tensor = 0,
     _cce_patch: _Patch,
     **kwargs: Any,
-) -> CausalLMOutputWithPast:
+) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
     """The one forward for every family and release, with what patch() decided in `_cce_patch`.
 
     `cache` is the installed release's cache argument, whatever its name there (`past_key_values`
@@ -533,6 +567,12 @@ def _generic_forward(
             "model.loss_type), a loss the patched forward would replace by linear_cross_entropy's; unpatch() the "
             "model, or give it HF's back (`del model._loss_function`, model.loss_type = 'ForCausalLM') to train "
             "with the patched loss")
+    load_balancing_loss = _cce_patch.load_balancing_loss
+    if load_balancing_loss is not None:  # as an MoE forward passes it on: the config's unless given
+        output_router_logits = kwargs.pop("output_router_logits", None)
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        model_inputs["output_router_logits"] = output_router_logits
     outputs = self.model(**model_inputs, **kwargs)
     softcap = _config_softcap(self.config, options.temperature) if _cce_patch.softcapped else None
     # HF's loss takes the call's ignore_index (ForCausalLMLoss's keyword) over its default
@@ -555,9 +595,18 @@ def _generic_forward(
                 logits = _soft_capped(self.lm_head(hidden), softcap)
                 if scale is not None:
                     logits = scale.apply(self, logits)
-    return CausalLMOutputWithPast(
-        loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        **{_CACHE: getattr(outputs, _CACHE)},
+    if load_balancing_loss is None:
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            **{_CACHE: getattr(outputs, _CACHE)},
+        )
+    aux_loss = None
+    if output_router_logits:
+        aux_loss = load_balancing_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(
+        loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions, router_logits=outputs.router_logits, **{_CACHE: getattr(outputs, _CACHE)},
     )
 
 
@@ -643,15 +692,17 @@ def _check_patchable(model_class: type, target: object) -> str:
                 "whose forward its super().forward() calls, or compute the loss in it with "
                 "cce_compile.integrations.transformers.causal_lm_loss(hidden_states, self.lm_head, labels)")
     found = list(inspect.signature(model_class.forward).parameters)
-    others = [name for name in found if name not in _PASSED_THROUGH]
+    family_name = next(name for name, cls in found_families.items() if cls is family)
+    passed_through = (*_PASSED_THROUGH, "output_router_logits") if family_name in ROUTER_AUX_LOSS else _PASSED_THROUGH
+    others = [name for name in found if name not in passed_through]
     if found[: len(_POSITIONAL)] != _POSITIONAL or others != _FORWARD_PARAMETERS:
         raise TypeError(
             f"{model_class.__name__}.forward takes {found}, the patch is written for {_FORWARD_PARAMETERS} "
-            f"(and any of {list(_PASSED_THROUGH)} after use_cache)"
+            f"(and any of {list(passed_through)} after use_cache)"
         )
     if _REPLACED_FORWARD in vars(target):
         raise ValueError(f"{_name(target)} is already patched; unpatch it first")
-    return next(name for name, cls in found_families.items() if cls is family)
+    return family_name
 
 
 def forward_slot(target: object) -> str:
@@ -677,6 +728,9 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     family = _check_patchable(model_class, model_or_class)
     softcapped = declares_softcap(model_class.config_class)
     logit_scale = LOGIT_SCALES.get(family)
+    # the function the family's forward calls, from its module (not a subclass's)
+    load_balancing_loss = (importlib.import_module(available_families()[family].__module__).load_balancing_loss_func
+                           if family in ROUTER_AUX_LOSS else None)
     slot = forward_slot(model_or_class)
     own = vars(model_or_class).get(slot)
     fused_head = None if isinstance(model_or_class, type) else vars(model_or_class).get(FUSED_HEAD_FORWARD)
@@ -690,10 +744,10 @@ def patch(model_or_class: Patchable, **loss_options: Any) -> Patchable:
     setattr(model_or_class, _REPLACED_FORWARD, own)
     if isinstance(model_or_class, type):
         original = model_or_class.forward
-        forward = _class_forward(_Patch(original, options, softcapped, logit_scale), inspect.signature(original))
+        forward = _class_forward(_Patch(original, options, softcapped, logit_scale, load_balancing_loss), inspect.signature(original))
         model_or_class.forward = forward
     else:
-        forward = _instance_forward(model_or_class, _Patch(_forward_replaced_on_instance, options, softcapped, logit_scale))
+        forward = _instance_forward(model_or_class, _Patch(_forward_replaced_on_instance, options, softcapped, logit_scale, load_balancing_loss))
         setattr(model_or_class, slot, forward)
     setattr(model_or_class, _PATCHED_FORWARD, forward)
     return model_or_class
