@@ -183,11 +183,15 @@ class LogitScale:
     attribute: str
     divides: bool = False
 
+    def value(self, model: nn.Module) -> object:
+        """The scale at `attribute`, read from the model as its forward reads it."""
+        return functools.reduce(getattr, self.attribute.split("."), model)
+
     def loss_temperature(self, model: nn.Module, temperature: float) -> float:
         """The op's temperature for the scaled logits divided by `temperature` (the patch's),
         refused by the attribute's name where the loss cannot take it: a scale that is no
         finite number > 0, or a result outside the temperatures the op takes."""
-        value = functools.reduce(getattr, self.attribute.split("."), model)
+        value = self.value(model)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
             raise ValueError(f"{type(model).__name__}.{self.attribute}: expected a finite number > 0 (the scale "
                              f"its forward applies to the logits), got {value!r}")
@@ -201,7 +205,7 @@ class LogitScale:
 
     def apply(self, model: nn.Module, logits: Tensor) -> Tensor:
         """The logits as the family's forward scales them (for the logits returned)."""
-        value = functools.reduce(getattr, self.attribute.split("."), model)
+        value = self.value(model)
         return logits / value if self.divides else logits * value
 
 
